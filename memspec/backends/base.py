@@ -1,0 +1,145 @@
+"""The backend interface the engine speaks: batched eval with per-position logits, KV truncation.
+
+A backend owns one model and one single-sequence KV cache. `tokens` mirrors what the KV cache
+holds, so callers can reuse a shared prefix (multi-turn, draft catch-up) and roll back rejected
+candidates by truncation: nothing is ever copied.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from memspec.errors import ModelLoadError
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    n_ctx: int = 2048
+    n_threads: int | None = None  # None: all cores
+    n_gpu_layers: int = 0  # CUDA/Metal offload (Jetson: -1 puts every layer on the GPU)
+    use_mmap: bool = False  # False: a real load into process memory, so residency is real
+    device: str = "cpu"  # torch backend only: "cpu" or "cuda"
+    seed: int = 0
+
+
+class Backend(ABC):
+    """One model + one KV cache. All token lists are plain Python ints."""
+
+    path: Path
+    n_ctx: int
+    n_vocab: int
+    bos_token_id: int | None
+    eos_token_ids: frozenset[int]
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []  # exactly what the KV cache holds, in order
+        self.forward_s = 0.0  # cumulative seconds inside forward passes (engine overhead)
+
+    # --- text -------------------------------------------------------------------------
+    @abstractmethod
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        """special=True parses control tokens (chat templates); False treats them as text."""
+
+    @abstractmethod
+    def detokenize(self, tokens: list[int]) -> bytes: ...
+
+    @abstractmethod
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """Render messages with the chat template stored in the model file."""
+
+    # --- compute ------------------------------------------------------------------------
+    @abstractmethod
+    def _forward(self, tokens: list[int], all_logits: bool) -> np.ndarray: ...
+
+    @abstractmethod
+    def _truncate_kv(self, n: int) -> None: ...
+
+    def eval(self, tokens: list[int], all_logits: bool = True) -> np.ndarray:
+        """Append `tokens` to the KV cache in one batch.
+
+        Returns float32 logits of shape (len(tokens), n_vocab), or (1, n_vocab) for the last
+        position only when `all_logits` is False (prefill: no logits paid for the prompt).
+        """
+        if not tokens:
+            raise ValueError("eval() needs at least one token")
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            from memspec.errors import ContextOverflow
+
+            raise ContextOverflow(
+                f"context of {self.n_ctx} tokens exceeded ({len(self.tokens)} + {len(tokens)})"
+            )
+        t = time.perf_counter()
+        logits = self._forward(tokens, all_logits)
+        self.forward_s += time.perf_counter() - t
+        self.tokens.extend(tokens)
+        return logits
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens of the KV cache, drop the rest (rejected candidates)."""
+        if n < len(self.tokens):
+            self._truncate_kv(n)
+            del self.tokens[n:]
+
+    def reuse_prefix(self, tokens: list[int]) -> int:
+        """Truncate the cache to its longest common prefix with `tokens`; return that length."""
+        n = 0
+        limit = min(len(self.tokens), len(tokens))
+        while n < limit and self.tokens[n] == tokens[n]:
+            n += 1
+        self.truncate(n)
+        return n
+
+    def reset(self) -> None:
+        self.truncate(0)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free the model and its KV cache."""
+
+    def describe(self) -> dict[str, object]:
+        """What determines this backend's speed (calibration cache key)."""
+        return {"backend": type(self).__name__, "file": self.path.name}
+
+    # --- memory -------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        return self.path.stat().st_size
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache per token (both K and V, all layers)."""
+        return 0
+
+
+def check_gguf(path: str | os.PathLike[str]) -> Path:
+    """Fail early and clearly on a missing, empty, or non-GGUF file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ModelLoadError(f"model file not found: {p}", param="model")
+    with p.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {p}", param="model")
+    return p
+
+
+def load_backend(
+    path: str | os.PathLike[str], options: BackendOptions | None = None, kind: str = "llama_cpp"
+) -> Backend:
+    """Load a model file with the named backend ("llama_cpp" or "torch")."""
+    options = options or BackendOptions()
+    p = check_gguf(path)
+    if kind == "llama_cpp":
+        from memspec.backends.llama_cpp import LlamaCppBackend
+
+        return LlamaCppBackend(p, options)
+    if kind == "torch":
+        from memspec.backends.torch_hf import TorchBackend
+
+        return TorchBackend(p, options)
+    raise ValueError(f"unknown backend {kind!r} (llama_cpp or torch)")

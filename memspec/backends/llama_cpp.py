@@ -1,0 +1,124 @@
+"""llama-cpp-python backend: batched decode with per-position logits, KV truncation by seq_rm.
+
+We drive llama.cpp's context directly (one sequence, our own batches) and use `Llama` only to
+load the model, its tokenizer and its metadata. Logits are requested per token in the batch,
+so a prefill pays for one row and a verification for k+1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+
+from memspec.backends.base import Backend, BackendOptions
+from memspec.backends.chat import render_chat
+from memspec.errors import ModelLoadError
+
+
+class LlamaCppBackend(Backend):
+    def __init__(self, path: Path, options: BackendOptions):
+        super().__init__()
+        import llama_cpp
+
+        self.path = path
+        self.options = options
+        # llama.cpp runs single-token batches on n_threads and larger ones on n_threads_batch;
+        # llama-cpp-python defaults the former to half the cores, which makes plain decoding
+        # look slower than verification. Use the same count for both.
+        n_threads = options.n_threads or os.cpu_count() or 1
+        self.n_threads = n_threads
+        try:
+            # llama.cpp prints loader chatter on stderr; keep it unless loading fails.
+            buf = io.StringIO()
+            with contextlib.redirect_stderr(buf):
+                self._llm = llama_cpp.Llama(
+                    model_path=str(path),
+                    n_ctx=options.n_ctx,
+                    n_batch=min(options.n_ctx, 512),
+                    n_threads=n_threads,
+                    n_threads_batch=n_threads,
+                    n_gpu_layers=options.n_gpu_layers,
+                    use_mmap=options.use_mmap,
+                    logits_all=False,
+                    seed=options.seed,
+                    verbose=False,
+                )
+        except Exception as e:  # llama.cpp reports a corrupt file as a bare ValueError
+            raise ModelLoadError(f"failed to load {path.name}: {e}", param="model") from e
+        self.n_ctx = self._llm.n_ctx()
+        self.n_vocab = self._llm.n_vocab()
+        self._n_batch = self._llm.n_batch
+        meta = self._llm.metadata
+        self.metadata = meta
+        bos, eos = self._llm.token_bos(), self._llm.token_eos()
+        self.bos_token_id = bos if bos >= 0 else None
+        eos_ids = {eos} if eos >= 0 else set()
+        eot = llama_cpp.llama_vocab_eot(self._llm._model.vocab)
+        if eot >= 0:
+            eos_ids.add(eot)
+        self.eos_token_ids = frozenset(eos_ids)
+        self._add_bos = meta.get("tokenizer.ggml.add_bos_token", "true") == "true"
+        self._bos_text = self._llm._model.token_get_text(bos) if bos >= 0 else ""
+        self._eos_text = self._llm._model.token_get_text(eos) if eos >= 0 else ""
+        self._template = meta.get("tokenizer.chat_template")
+        arch = meta.get("general.architecture", "llama")
+        self.n_layers = int(meta.get(f"{arch}.block_count", 0))
+        n_head = int(meta.get(f"{arch}.attention.head_count", 1))
+        self.n_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
+        self.head_dim = int(meta.get(f"{arch}.embedding_length", 0)) // max(n_head, 1)
+
+    # --- text -------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        return self._llm.tokenize(text.encode("utf-8"), add_bos and self._add_bos, special)
+
+    def detokenize(self, tokens: list[int]) -> bytes:
+        return self._llm.detokenize(tokens)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        return render_chat(self._template, messages, self._bos_text, self._eos_text)
+
+    # --- compute ------------------------------------------------------------------------
+    def _forward(self, tokens: list[int], all_logits: bool) -> np.ndarray:
+        ctx, batch = self._llm._ctx, self._llm._batch
+        n_past = len(self.tokens)
+        rows = []
+        try:
+            for i in range(0, len(tokens), self._n_batch):
+                chunk = tokens[i : i + self._n_batch]
+                last_chunk = i + self._n_batch >= len(tokens)
+                batch.set_batch(chunk, n_past + i, logits_all=all_logits)
+                ctx.decode(batch)
+                if all_logits or last_chunk:
+                    n_out = len(chunk) if all_logits else 1
+                    out = np.ctypeslib.as_array(ctx.get_logits(), shape=(n_out, self.n_vocab))
+                    rows.append(out.copy())
+        except Exception:
+            ctx.kv_cache_seq_rm(0, n_past, -1)  # leave the cache as `self.tokens` says
+            raise
+        return rows[0] if len(rows) == 1 else np.concatenate(rows)
+
+    def _truncate_kv(self, n: int) -> None:
+        if not self._llm._ctx.kv_cache_seq_rm(0, n, -1):
+            raise RuntimeError(f"llama.cpp refused to truncate the KV cache to {n}")
+
+    def close(self) -> None:
+        llm = getattr(self, "_llm", None)
+        if llm is not None:
+            llm.close()
+            self._llm = None
+        self.tokens = []
+
+    def describe(self) -> dict[str, object]:
+        return {
+            **super().describe(),
+            "n_threads": self.n_threads,
+            "n_gpu_layers": self.options.n_gpu_layers,
+        }
+
+    # --- memory -------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * 2  # K and V in f16

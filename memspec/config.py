@@ -1,0 +1,82 @@
+"""All settings in one pydantic-settings model.
+
+Precedence: CLI flags > environment (MEMSPEC_*) > TOML file (--config, else
+/etc/memspec/config.toml when it exists) > defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+DEFAULT_CONFIG_FILE = Path("/etc/memspec/config.toml")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MEMSPEC_", extra="forbid")
+
+    # Models
+    data_dir: Path | None = None  # default: ./data beside the checkout (MEMSPEC_DATA_DIR)
+    target: str = "smollm2-135m-f32.gguf"  # file name in models dir, or a path
+    model_name: str = "smollm2-135m"  # id served at /v1/models
+    drafts: list[str] = Field(default_factory=lambda: ["prompt-lookup", "q4_0"])
+    manifest_dir: Path | None = None  # default: drafts/ in the checkout
+    backend: str = "llama_cpp"  # or "torch"
+    device: str = "cpu"  # torch backend: cpu | cuda
+    n_ctx: int = 2048
+    n_threads: int | None = None
+    n_gpu_layers: int = 0
+    # Speculation
+    k_max: int = 8
+    policy: str = "auto"
+    # Server
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    # Set by from_sources(), not a setting.
+    config_file: Path | None = Field(default=None, exclude=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        toml_file = _CONFIG_FILE_OVERRIDE.get("path")
+        if toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+    @classmethod
+    def load(cls, config_file: str | Path | None = None, **overrides: Any) -> Settings:
+        """Build settings from CLI overrides (None values ignored), env, TOML and defaults."""
+        path = Path(config_file) if config_file else None
+        if path is None and DEFAULT_CONFIG_FILE.is_file():
+            path = DEFAULT_CONFIG_FILE
+        if path is not None and not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        _CONFIG_FILE_OVERRIDE["path"] = path
+        try:
+            s = cls(**{k: v for k, v in overrides.items() if v is not None})
+        finally:
+            _CONFIG_FILE_OVERRIDE.pop("path", None)
+        s.config_file = path
+        if s.data_dir is not None:
+            os.environ["MEMSPEC_DATA_DIR"] = str(s.data_dir)
+        return s
+
+
+_CONFIG_FILE_OVERRIDE: dict[str, Path | None] = {}

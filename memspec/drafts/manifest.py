@@ -1,0 +1,104 @@
+"""Draft manifests (drafts/*.toml): what each draft is, where its file comes from, how to build it.
+
+A bad manifest fails with the file and field named. Ids are plain names, never paths, and a
+manifest's file must stay inside the models directory.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+import tomllib
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from memspec.errors import UnknownDraft
+
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+DEFAULT_MANIFEST_DIR = Path(__file__).resolve().parent.parent.parent / "drafts"
+
+
+class ManifestError(ValueError):
+    pass
+
+
+def check_id(draft_id: str) -> str:
+    if not ID_PATTERN.match(draft_id) or ".." in draft_id:
+        raise UnknownDraft(
+            f"invalid draft id {draft_id!r}: use letters, digits, '.', '_', '-'", param="draft"
+        )
+    return draft_id
+
+
+def check_file_name(name: str) -> str:
+    """A model file named in a manifest: a plain file name inside the models directory."""
+    if not name or Path(name).name != name or name in {".", ".."}:
+        raise ValueError(f"file must be a plain file name inside the models directory: {name!r}")
+    return name
+
+
+class BuildRecipe(BaseModel, extra="forbid"):
+    recipe: Literal["quantize", "layers"]
+    source: str  # file name in the models directory (the testbed GGUF or another built file)
+    ftype: str = "F32"  # llama.cpp file type: F32, F16, Q8_0, Q4_0, Q4_1, Q2_K, ...
+    keep_layers: list[int] | None = None  # recipe "layers": indices of blocks to keep
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        return check_file_name(v)
+
+
+class DraftManifest(BaseModel, extra="forbid"):
+    id: str
+    kind: Literal["model", "prompt_lookup"]
+    description: str = ""
+    file: str | None = None  # kind "model": GGUF file name in the models directory
+    tags: list[str] = Field(default_factory=list)
+    params: dict[str, int | float | str] = Field(default_factory=dict)
+    build: BuildRecipe | None = None
+    source_path: Path | None = Field(default=None, exclude=True)
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        if not ID_PATTERN.match(v) or ".." in v:
+            raise ValueError("id must be a plain name (letters, digits, '.', '_', '-')")
+        return v
+
+    @field_validator("file")
+    @classmethod
+    def _file(cls, v: str | None) -> str | None:
+        return None if v is None else check_file_name(v)
+
+    def model_path(self, models_dir: Path) -> Path:
+        if self.file is None:
+            raise ManifestError(f"draft {self.id} has no model file")
+        return models_dir / self.file
+
+
+def load_manifest(path: Path) -> DraftManifest:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ManifestError(f"{path}: {e}") from e
+    try:
+        m = DraftManifest.model_validate(data)
+    except ValidationError as e:
+        errs = "; ".join(f"field '{'.'.join(map(str, x['loc']))}': {x['msg']}" for x in e.errors())
+        raise ManifestError(f"{path}: {errs}") from e
+    if m.kind == "model" and not m.file:
+        raise ManifestError(f"{path}: field 'file': required for kind 'model'")
+    m.source_path = path
+    return m
+
+
+def load_manifests(directory: Path = DEFAULT_MANIFEST_DIR) -> dict[str, DraftManifest]:
+    manifests: dict[str, DraftManifest] = {}
+    for path in sorted(directory.glob("*.toml")):
+        m = load_manifest(path)
+        if m.id in manifests:
+            raise ManifestError(f"{path}: field 'id': duplicate id {m.id!r}")
+        manifests[m.id] = m
+    return manifests

@@ -1,0 +1,51 @@
+"""A draft that is a (smaller or quantized) language model behind the Backend interface."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memspec.backends.base import Backend
+from memspec.drafts.base import Draft, Proposal
+from memspec.engine.sampling import SamplingParams, probs_from_logits, sample
+
+
+class ModelDraft(Draft):
+    kind = "model"
+
+    def __init__(self, id: str, backend: Backend):
+        self.id = id
+        self.backend = backend
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Proposal:
+        if k <= 0:
+            return Proposal(key=self.id)
+        be = self.backend
+        # Catch up: keep the shared prefix (rejected candidates are truncated away), then feed
+        # what is new since last round — usually just the target's correction token.
+        kept = be.reuse_prefix(context[:-1])
+        room = be.n_ctx - len(context)
+        k = min(k, room)
+        if k <= 0:
+            return Proposal(key=self.id)
+        logits = be.eval(context[kept:], all_logits=False)[-1]
+        tokens: list[int] = []
+        probs: list[np.ndarray] | None = None if params.greedy else []
+        for i in range(k):
+            if params.greedy:
+                tok = int(np.argmax(logits))
+            else:
+                q = probs_from_logits(logits, params)
+                tok = sample(q, rng)
+                probs.append(q)  # type: ignore[union-attr]
+            tokens.append(tok)
+            if i + 1 < k:  # the last proposal need not be fed: its logits are never used
+                logits = be.eval([tok], all_logits=False)[-1]
+        return Proposal(tokens=tokens, probs=probs, key=self.id)
+
+    def memory_bytes(self) -> int:
+        return self.backend.weight_bytes() + self.backend.kv_bytes_per_token() * self.backend.n_ctx
+
+    def close(self) -> None:
+        self.backend.close()

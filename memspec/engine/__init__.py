@@ -1,0 +1,1 @@
+"""The speculative decoding engine: sampling rules, the round loop, costs and calibration."""

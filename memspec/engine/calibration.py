@@ -1,0 +1,123 @@
+"""Measure this device's costs: target verify time per batch size, draft time per token.
+
+Results are cached per (model files, backend, threads, k range) under the data directory, so a
+restart does not pay for calibration again; `memspec calibrate --force` re-measures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from memspec.backends.base import Backend
+from memspec.drafts.base import Draft
+from memspec.drafts.model import ModelDraft
+from memspec.engine.costs import CostModel
+from memspec.engine.sampling import SamplingParams
+from memspec.paths import cache_dir
+
+CONTEXT_TOKENS = 128  # a typical context length at which the costs are measured
+REPS = 7
+
+
+def _median_time(fn, reps: int = REPS) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _file_key(path: Path) -> list:
+    st = path.stat()
+    return [path.name, st.st_size, st.st_mtime_ns]
+
+
+def cache_key(target: Backend, drafts: list[Draft], k_max: int, extra: str = "") -> str:
+    parts = [
+        _file_key(target.path),
+        target.describe(),
+        os.cpu_count(),
+        platform.machine(),
+        platform.processor(),
+        k_max,
+        extra,
+        sorted((d.id, _file_key(d.backend.path)) for d in drafts if isinstance(d, ModelDraft)),
+    ]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def measure(target: Backend, drafts: list[Draft], k_max: int) -> CostModel:
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams()
+    warm = [int(t) for t in rng.integers(100, 10000, size=CONTEXT_TOKENS)]
+    target.reset()
+    target.eval(warm, all_logits=False)
+    verify_s = []
+    for batch in range(1, k_max + 2):
+        probe = warm[:batch]
+
+        def step(probe=probe) -> None:
+            target.eval(probe)
+            target.truncate(CONTEXT_TOKENS)
+
+        step()  # warm-up
+        verify_s.append(_median_time(step))
+    target.reset()
+    costs = CostModel(verify_s=verify_s)
+    for d in drafts:
+        if isinstance(d, ModelDraft):
+            be = d.backend
+            be.reset()
+            be.eval(warm, all_logits=False)
+
+            def one(be=be) -> None:
+                be.eval([warm[0]], all_logits=False)
+                be.truncate(CONTEXT_TOKENS)
+
+            one()
+            costs.draft_s[d.id] = _median_time(one)
+            be.reset()
+        else:  # lookup-style drafts: a per-round overhead, measured on a long context
+            ctx = warm * 4
+            costs.draft_overhead_s[d.id] = _median_time(
+                lambda d=d, ctx=ctx: d.propose(ctx, k_max, greedy, rng)
+            )
+        d.cost_per_token_s = costs.draft_s.get(d.id, 0.0)
+    return costs
+
+
+def calibrate(
+    target: Backend, drafts: list[Draft], k_max: int, force: bool = False, extra: str = ""
+) -> CostModel:
+    path = cache_dir() / f"calibration-{cache_key(target, drafts, k_max, extra)}.json"
+    if not force and path.is_file():
+        data = json.loads(path.read_text())
+        costs = CostModel(data["verify_s"], data["draft_s"], data["draft_overhead_s"])
+    else:
+        costs = measure(target, drafts, k_max)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "verify_s": costs.verify_s,
+                    "draft_s": costs.draft_s,
+                    "draft_overhead_s": costs.draft_overhead_s,
+                    "measured_at": time.time(),
+                },
+                indent=2,
+            )
+        )
+        tmp.replace(path)
+    for d in drafts:
+        d.cost_per_token_s = costs.draft_s.get(d.id, 0.0)
+    return costs

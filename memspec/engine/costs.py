@@ -1,0 +1,99 @@
+"""The decision rule: which (draft, k) — none included — gives the most tokens per second now.
+
+tokens_per_round(α, k) = (1 − α^(k+1)) / (1 − α)
+seconds_per_round      = draft_cost(k) + verify_cost(k+1)
+choose argmax tokens_per_round / seconds_per_round; plain decoding is k = 0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens per round (accepted prefix + the target's own token)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class CostModel:
+    """Measured costs on this device: verify_s[b-1] is the target's time for a batch of b."""
+
+    verify_s: list[float]
+    draft_s: dict[str, float] = field(default_factory=dict)  # per proposed token
+    draft_overhead_s: dict[str, float] = field(default_factory=dict)  # per round (lookup etc.)
+
+    @property
+    def k_cap(self) -> int:
+        return len(self.verify_s) - 1
+
+    def verify(self, batch: int) -> float:
+        if batch <= len(self.verify_s):
+            return self.verify_s[batch - 1]
+        # Beyond the measured range: extend linearly from the last two points.
+        slope = self.verify_s[-1] - self.verify_s[-2] if len(self.verify_s) > 1 else 0.0
+        return self.verify_s[-1] + slope * (batch - len(self.verify_s))
+
+    def round_seconds(self, draft_id: str | None, k: int, load_s: float = 0.0) -> float:
+        if draft_id is None or k == 0:
+            return self.verify(1)
+        return (
+            self.draft_s.get(draft_id, 0.0) * k
+            + self.draft_overhead_s.get(draft_id, 0.0)
+            + self.verify(k + 1)
+            + load_s
+        )
+
+    def rate(self, draft_id: str | None, alpha: float, k: int, load_s: float = 0.0) -> float:
+        """Expected tokens per second of one round."""
+        if draft_id is None or k == 0:
+            return 1.0 / self.verify(1)
+        return expected_tokens(alpha, k) / self.round_seconds(draft_id, k, load_s)
+
+    def best_k(self, draft_id: str, alpha: float, k_max: int) -> tuple[int, float]:
+        """The k (0 = don't draft) maximising tokens/s for this draft at acceptance alpha."""
+        best_k, best_rate = 0, self.rate(None, alpha, 0)
+        for k in range(1, k_max + 1):
+            r = self.rate(draft_id, alpha, k)
+            if r > best_rate:
+                best_k, best_rate = k, r
+        return best_k, best_rate
+
+
+class AcceptanceEstimator:
+    """Running per-token acceptance α per statistic key (a draft, or a draft in a state).
+
+    Each verified round adds its comparisons: n accepted tokens and, if the round stopped on a
+    rejection, one rejected. A Beta prior keeps unseen keys at a sane value; the counts decay
+    so α follows the current context rather than the whole history.
+    """
+
+    def __init__(self, prior_alpha: float = 0.5, prior_weight: float = 2.0, decay: float = 0.95):
+        self.prior_alpha = prior_alpha
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self._acc: dict[str, float] = {}
+        self._seen: dict[str, float] = {}
+        self._priors: dict[str, float] = {}
+
+    def set_prior(self, key: str, alpha: float) -> None:
+        self._priors[key] = alpha
+
+    def alpha(self, key: str) -> float:
+        # "draft/state" keys fall back to the draft's prior.
+        prior = self._priors.get(key, self._priors.get(key.split("/")[0], self.prior_alpha))
+        acc = self._acc.get(key, 0.0) + prior * self.prior_weight
+        seen = self._seen.get(key, 0.0) + self.prior_weight
+        return min(acc / seen, 0.995)
+
+    def update(self, key: str, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        compared = accepted + (1 if accepted < proposed else 0)
+        self._acc[key] = self._acc.get(key, 0.0) * self.decay + accepted
+        self._seen[key] = self._seen.get(key, 0.0) * self.decay + compared
+
+    def snapshot(self) -> dict[str, float]:
+        return {key: round(self.alpha(key), 4) for key in sorted(self._seen)}

@@ -1,0 +1,87 @@
+"""Round policies: each round, pick (draft, k) — or no draft — by the decision rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from memspec.drafts.base import Draft, Proposal
+from memspec.drafts.prompt_lookup import PromptLookupDraft
+from memspec.engine.costs import AcceptanceEstimator, CostModel
+from memspec.engine.sampling import SamplingParams
+
+
+@dataclass
+class Choice:
+    draft: Draft | None
+    k: int
+    proposal: Proposal | None = None  # already made while choosing (free drafts)
+
+
+class RoundPolicy(Protocol):
+    def choose(
+        self, context: list[int], k_room: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Choice: ...
+
+    def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None: ...
+
+
+class FixedPolicy:
+    """One draft, fixed k (k = 0 or no draft: plain decoding)."""
+
+    def __init__(self, draft: Draft | None, k: int):
+        self.draft, self.k = draft, k
+
+    def choose(self, context, k_room, params, rng) -> Choice:
+        return Choice(self.draft, min(self.k, k_room) if self.draft else 0)
+
+    def observe(self, key, proposed, accepted, seconds) -> None:
+        pass
+
+
+class DecisionRulePolicy:
+    """Among the given drafts (and none), the (draft, k) with the highest expected tokens/s.
+
+    Zero-cost drafts (prompt lookup) are peeked first: their acceptance depends on whether and
+    how long a match exists, so α is estimated per match length and k is capped by the match.
+    """
+
+    def __init__(
+        self,
+        drafts: list[Draft],
+        costs: CostModel,
+        estimator: AcceptanceEstimator,
+        k_max: int = 8,
+    ):
+        self.drafts = drafts
+        self.costs = costs
+        self.estimator = estimator
+        self.k_max = k_max
+
+    def choose(self, context, k_room, params, rng) -> Choice:
+        k_cap = min(self.k_max, k_room)
+        best = Choice(None, 0)
+        best_rate = self.costs.rate(None, 0.0, 0)
+        if k_cap <= 0:
+            return best
+        for draft in self.drafts:
+            proposal = None
+            limit = k_cap
+            if isinstance(draft, PromptLookupDraft):
+                proposal = draft.propose(context, k_cap, params, rng)
+                if not proposal.tokens:
+                    continue
+                key, limit = proposal.key, len(proposal.tokens)
+            else:
+                key = draft.id
+            k, rate = self.costs.best_k(draft.id, self.estimator.alpha(key), limit)
+            if k > 0 and rate > best_rate:
+                if proposal is not None:
+                    proposal.tokens = proposal.tokens[:k]
+                best, best_rate = Choice(draft, k, proposal), rate
+        return best
+
+    def observe(self, key, proposed, accepted, seconds) -> None:
+        self.estimator.update(key, proposed, accepted)

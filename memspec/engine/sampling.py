@@ -1,0 +1,65 @@
+"""Target/draft distributions and the accept/reject rules of speculative sampling.
+
+Greedy (temperature 0) accepts a draft token iff it is the target's argmax. Sampling follows
+Leviathan et al. / Chen et al.: accept x ~ q with probability min(1, p(x)/q(x)); on rejection
+draw from the residual norm(max(p - q, 0)), which makes the output exactly distributed as p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution the user asked for: softmax(logits / T), then the top-p nucleus."""
+    z = logits.astype(np.float64) / params.temperature
+    z -= z.max()
+    p = np.exp(z)
+    p /= p.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        keep = int(np.searchsorted(cum, params.top_p) + 1)  # smallest set reaching top_p
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[:keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+    # Inverse-CDF draw; clamp guards the last bucket against rounding of the cumsum.
+    return int(min(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"), len(p) - 1))
+
+
+def accept_draft_token(
+    token: int, p: np.ndarray, q: np.ndarray | None, rng: np.random.Generator
+) -> bool:
+    """Accept `token` proposed with draft probabilities q (None: a deterministic proposal)."""
+    q_x = 1.0 if q is None else float(q[token])
+    return q_x > 0 and rng.random() < min(1.0, float(p[token]) / q_x)
+
+
+def residual(p: np.ndarray, q: np.ndarray | None, token: int) -> np.ndarray:
+    """Distribution to sample from after rejecting `token`: norm(max(p - q, 0))."""
+    if q is None:  # deterministic proposal: q is a point mass on `token`
+        q = np.zeros_like(p)
+        q[token] = 1.0
+    r = np.maximum(p - q, 0.0)
+    total = r.sum()
+    return r / total if total > 0 else p

@@ -1,0 +1,24 @@
+"""Where models, data and caches live: $MEMSPEC_DATA_DIR, default ./data beside the checkout."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def data_dir() -> Path:
+    env = os.environ.get("MEMSPEC_DATA_DIR")
+    base = Path(env) if env else Path(__file__).resolve().parent.parent / "data"
+    return base
+
+
+def models_dir() -> Path:
+    return data_dir() / "models"
+
+
+def cache_dir() -> Path:
+    return data_dir() / "cache"
+
+
+def mtbench_path() -> Path:
+    return data_dir() / "mt_bench" / "question.jsonl"

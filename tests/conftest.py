@@ -1,0 +1,54 @@
+"""Shared fixtures: the real testbed models (built by scripts/setup.sh), loaded once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from memspec.backends.base import BackendOptions, load_backend
+from memspec.config import Settings
+from memspec.paths import models_dir
+
+TARGET_FILE = "smollm2-135m-f32.gguf"
+MODEL_DRAFTS = ["q8_0", "q4_0", "q2_k"]
+
+PROMPTS = [
+    # extraction: prompt lookup should accept a lot
+    "Extract the names from this sentence: Alice met Bob and Carol at the station, "
+    "then Alice and Carol took the train.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What are three benefits of regular exercise?",
+]
+
+
+def require_testbed() -> None:
+    if not (models_dir() / TARGET_FILE).is_file():
+        pytest.fail(f"testbed missing in {models_dir()}: run scripts/setup.sh", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def settings() -> Settings:
+    require_testbed()
+    return Settings.load(drafts=["prompt-lookup", *MODEL_DRAFTS], n_ctx=1024)
+
+
+@pytest.fixture(scope="session")
+def runtime(settings):
+    from memspec.runtime import Runtime
+
+    rt = Runtime(settings)
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(runtime) -> list[list[int]]:
+    return [runtime.prompt_tokens(messages=[{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+@pytest.fixture()
+def small_backend():
+    """A fresh llama.cpp target with a small context, for KV-level tests."""
+    require_testbed()
+    be = load_backend(models_dir() / TARGET_FILE, BackendOptions(n_ctx=256))
+    yield be
+    be.close()

@@ -1,0 +1,30 @@
+from memspec.engine.costs import AcceptanceEstimator, CostModel, expected_tokens
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
+
+
+def test_decision_rule_prefers_none_when_drafting_loses():
+    # CPU-like: verifying 5 tokens costs 2x one step; a draft token costs half a step.
+    costs = CostModel(verify_s=[0.02, 0.026, 0.03, 0.032, 0.04], draft_s={"d": 0.01})
+    assert costs.best_k("d", 0.1, 4)[0] == 0
+    k, rate = costs.best_k("d", 0.95, 4)
+    assert k >= 2 and rate > 1 / 0.02
+
+
+def test_decision_rule_long_drafts_on_gpu_like_costs():
+    costs = CostModel(verify_s=[0.02] * 9, draft_s={"d": 0.001})
+    assert costs.best_k("d", 0.8, 8)[0] == 8
+
+
+def test_estimator_moves_toward_observations():
+    est = AcceptanceEstimator(prior_alpha=0.5)
+    for _ in range(20):
+        est.update("a", proposed=4, accepted=4)
+        est.update("b", proposed=4, accepted=0)
+    assert est.alpha("a") > 0.9 and est.alpha("b") < 0.1
+    est.set_prior("c", 0.8)
+    assert abs(est.alpha("c/n2") - 0.8) < 1e-9
