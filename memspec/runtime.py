@@ -14,8 +14,7 @@ from memspec.drafts.manifest import (
     check_id,
     load_manifests,
 )
-from memspec.drafts.model import ModelDraft
-from memspec.drafts.prompt_lookup import PromptLookupDraft
+from memspec.drafts.registry import PRIOR_ALPHA, instantiate
 from memspec.engine.calibration import calibrate
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.policy import DecisionRulePolicy, FixedPolicy, RoundPolicy
@@ -23,9 +22,6 @@ from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import Generation, TokenCallback, speculative_generate
 from memspec.errors import UnknownDraft
 from memspec.paths import models_dir
-
-# Priors for α before any round has been seen (the estimator moves off them within a request).
-PRIOR_ALPHA = {"model": 0.7, "prompt_lookup": 0.4}
 
 
 def resolve_model_path(name: str) -> Path:
@@ -78,15 +74,7 @@ class Runtime:
     def load_draft(self, draft_id: str) -> Draft:
         if draft_id in self.drafts:
             return self.drafts[draft_id]
-        m = self.manifest(draft_id)
-        draft: Draft
-        if m.kind == "prompt_lookup":
-            draft = PromptLookupDraft(
-                m.id, int(m.params.get("max_ngram", 3)), int(m.params.get("min_ngram", 1))
-            )
-        else:
-            backend = load_backend(m.model_path(models_dir()), self.options, self.settings.backend)
-            draft = ModelDraft(m.id, backend)
+        draft = instantiate(self.manifest(draft_id), self.options, self.settings.backend)
         self.drafts[draft_id] = draft
         return draft
 

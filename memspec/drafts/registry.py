@@ -1,0 +1,24 @@
+"""Turn a validated manifest into a live Draft (one place that knows every draft kind)."""
+
+from __future__ import annotations
+
+from memspec.backends.base import BackendOptions, load_backend
+from memspec.drafts.base import Draft
+from memspec.drafts.manifest import DraftManifest
+from memspec.drafts.model import ModelDraft
+from memspec.drafts.prompt_lookup import PromptLookupDraft
+from memspec.paths import models_dir
+
+# α before any round has been seen, per kind (the estimator moves off it within a request).
+PRIOR_ALPHA = {"model": 0.7, "prompt_lookup": 0.4}
+
+
+def instantiate(m: DraftManifest, options: BackendOptions, backend_kind: str) -> Draft:
+    """Load the draft a manifest describes. Raises ModelLoadError for a bad/missing file."""
+    if m.kind == "prompt_lookup":
+        return PromptLookupDraft(
+            m.id, int(m.params.get("max_ngram", 3)), int(m.params.get("min_ngram", 1))
+        )
+    if m.kind == "model":
+        return ModelDraft(m.id, load_backend(m.model_path(models_dir()), options, backend_kind))
+    raise ValueError(f"draft {m.id}: unsupported kind {m.kind!r}")
