@@ -10,13 +10,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+from memspec.units import parse_size  # noqa: E402
 
 DEFAULT_CONFIG_FILE = Path("/etc/memspec/config.toml")
 
@@ -35,14 +37,25 @@ class Settings(BaseSettings):
     n_ctx: int = 2048
     n_threads: int | None = None
     n_gpu_layers: int = 0
-    # Speculation
+    # Speculation and memory
     k_max: int = 8
     policy: str = "auto"
+    budget: str | int = "2GiB"  # bytes for target + resident drafts + KV (e.g. "1.5GiB")
     # Server
     host: str = "127.0.0.1"
     port: int = 8000
 
-    # Set by from_sources(), not a setting.
+    @field_validator("budget")
+    @classmethod
+    def _budget(cls, v: str | int) -> str | int:
+        parse_size(v)  # fail at load with a clear message
+        return v
+
+    @property
+    def budget_bytes(self) -> int:
+        return parse_size(self.budget)
+
+    # Set by load(), not a setting.
     config_file: Path | None = Field(default=None, exclude=True)
 
     @classmethod

@@ -15,7 +15,7 @@ from memspec.drafts.manifest import (
     load_manifests,
 )
 from memspec.drafts.registry import PRIOR_ALPHA, instantiate
-from memspec.engine.calibration import calibrate
+from memspec.engine.calibration import calibrate, measure_draft
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.policy import DecisionRulePolicy, FixedPolicy, RoundPolicy
 from memspec.engine.sampling import SamplingParams
@@ -46,7 +46,9 @@ class Runtime:
         self.target: Backend = load_backend(
             resolve_model_path(settings.target), self.options, settings.backend
         )
-        self.drafts: dict[str, Draft] = {}
+        self.drafts: dict[str, Draft] = {}  # resident drafts
+        self.pinned: set[str] = set()
+        self.requests_per_draft: dict[str, int] = {}
         self.estimator = self.new_estimator()
         self.lock = threading.Lock()  # one decode loop at a time owns the models
         try:
@@ -75,8 +77,58 @@ class Runtime:
         if draft_id in self.drafts:
             return self.drafts[draft_id]
         draft = instantiate(self.manifest(draft_id), self.options, self.settings.backend)
+        costs = getattr(self, "costs", None)
+        if costs is not None and draft_id not in costs.draft_s | costs.draft_overhead_s:
+            measure_draft(draft, costs, self.settings.k_max)  # loaded after calibration
         self.drafts[draft_id] = draft
         return draft
+
+    def evict_draft(self, draft_id: str) -> None:
+        self.manifest(draft_id)
+        if draft_id in self.pinned:
+            from memspec.errors import InvalidRequest
+
+            raise InvalidRequest(f"draft {draft_id!r} is pinned; unpin it first", param="draft")
+        self.unload_draft(draft_id)
+
+    def pin(self, draft_id: str, pinned: bool = True) -> None:
+        self.manifest(draft_id)
+        if pinned:
+            self.load_draft(draft_id)
+            self.pinned.add(draft_id)
+        else:
+            self.pinned.discard(draft_id)
+
+    def draft_bytes(self, draft_id: str) -> int:
+        """Bytes the draft takes when resident (its file; lookup drafts take ~0)."""
+        m = self.manifest(draft_id)
+        if m.kind != "model":
+            return 0
+        path = m.model_path(models_dir())
+        return path.stat().st_size if path.is_file() else 0
+
+    def draft_status(self) -> list[dict]:
+        """One row per known draft: what status/admin/ctl report."""
+        rows = []
+        for m in self.manifests.values():
+            rows.append(
+                {
+                    "id": m.id,
+                    "kind": m.kind,
+                    "bytes": self.draft_bytes(m.id),
+                    "resident": m.id in self.drafts,
+                    "pinned": m.id in self.pinned,
+                    "acceptance": round(self.estimator.alpha(m.id), 4),
+                    "requests": self.requests_per_draft.get(m.id, 0),
+                    "tags": m.tags,
+                }
+            )
+        return rows
+
+    def modelled_bytes(self) -> int:
+        """Target weights + its KV cache + resident drafts (refined by the memory model)."""
+        kv = self.target.kv_bytes_per_token() * self.target.n_ctx
+        return self.target.weight_bytes() + kv + sum(self.draft_bytes(d) for d in self.drafts)
 
     def new_estimator(self) -> AcceptanceEstimator:
         """Acceptance estimates with a per-kind prior for every known draft."""
@@ -132,7 +184,10 @@ class Runtime:
     ) -> Generation:
         policy = self.policy(draft, k, estimator)
         with self.lock:
-            return speculative_generate(self.target, prompt, params, policy, on_token, cancel)
+            gen = speculative_generate(self.target, prompt, params, policy, on_token, cancel)
+        for draft_id in gen.drafts_used:
+            self.requests_per_draft[draft_id] = self.requests_per_draft.get(draft_id, 0) + 1
+        return gen
 
     def close(self) -> None:
         for draft_id in list(self.drafts):

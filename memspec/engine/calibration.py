@@ -57,7 +57,6 @@ def cache_key(target: Backend, drafts: list[Draft], k_max: int, extra: str = "")
 
 def measure(target: Backend, drafts: list[Draft], k_max: int) -> CostModel:
     rng = np.random.default_rng(0)
-    greedy = SamplingParams()
     warm = [int(t) for t in rng.integers(100, 10000, size=CONTEXT_TOKENS)]
     target.reset()
     target.eval(warm, all_logits=False)
@@ -74,25 +73,32 @@ def measure(target: Backend, drafts: list[Draft], k_max: int) -> CostModel:
     target.reset()
     costs = CostModel(verify_s=verify_s)
     for d in drafts:
-        if isinstance(d, ModelDraft):
-            be = d.backend
-            be.reset()
-            be.eval(warm, all_logits=False)
-
-            def one(be=be) -> None:
-                be.eval([warm[0]], all_logits=False)
-                be.truncate(CONTEXT_TOKENS)
-
-            one()
-            costs.draft_s[d.id] = _median_time(one)
-            be.reset()
-        else:  # lookup-style drafts: a per-round overhead, measured on a long context
-            ctx = warm * 4
-            costs.draft_overhead_s[d.id] = _median_time(
-                lambda d=d, ctx=ctx: d.propose(ctx, k_max, greedy, rng)
-            )
-        d.cost_per_token_s = costs.draft_s.get(d.id, 0.0)
+        measure_draft(d, costs, k_max)
     return costs
+
+
+def measure_draft(d: Draft, costs: CostModel, k_max: int) -> None:
+    """Add one draft's cost to `costs`: seconds per token (models) or per round (lookups)."""
+    rng = np.random.default_rng(0)
+    warm = [int(t) for t in rng.integers(100, 10000, size=CONTEXT_TOKENS)]
+    if isinstance(d, ModelDraft):
+        be = d.backend
+        be.reset()
+        be.eval(warm, all_logits=False)
+
+        def one() -> None:
+            be.eval([warm[0]], all_logits=False)
+            be.truncate(CONTEXT_TOKENS)
+
+        one()
+        costs.draft_s[d.id] = _median_time(one)
+        be.reset()
+    else:  # lookup-style drafts: a per-round overhead, measured on a long context
+        ctx = warm * 4
+        costs.draft_overhead_s[d.id] = _median_time(
+            lambda: d.propose(ctx, k_max, SamplingParams(), rng)
+        )
+    d.cost_per_token_s = costs.draft_s.get(d.id, 0.0)
 
 
 def calibrate(
