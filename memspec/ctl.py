@@ -91,7 +91,13 @@ def _transport_error(url: str, e: httpx.HTTPError, timeout: float) -> CtlError:
     if isinstance(e, httpx.TimeoutException):
         return CtlError(f"no answer from {url} within {timeout:g}s", EXIT_UNREACHABLE)
     reason = str(e) or type(e).__name__
-    if "refused" in reason.lower():
+    # The async transport says "All connection attempts failed"; the cause says why.
+    causes, c = [], e.__cause__ or e.__context__
+    while c is not None and len(causes) < 5:
+        causes.append(c)
+        c = c.__cause__ or c.__context__
+    refused = any(isinstance(c, ConnectionRefusedError) for c in causes)
+    if refused or "refused" in reason.lower():
         reason = "connection refused (is `memspec serve` running?)"
     return CtlError(f"cannot connect to {url}: {reason}", EXIT_UNREACHABLE)
 
@@ -242,7 +248,7 @@ def _memory_lines(mem: Any) -> list[tuple[str, str]]:
     jetson = mem.get("jetson")
     if isinstance(jetson, dict):
         jp = f", JetPack {jetson['jetpack']}" if jetson.get("jetpack") else ""
-        model = f" {jetson['model']}" if jetson.get("model") else ""
+        model = f", {jetson['model']}" if jetson.get("model") else ""
         out.append(("jetson", f"L4T {jetson.get('l4t', '?')}{jp}{model}"))
     if mem.get("nvmap_used_bytes") is not None:
         out.append(("nvmap", f"{_size(mem['nvmap_used_bytes'])} used (GPU, shared DRAM)"))
