@@ -9,7 +9,8 @@
       bench [--requests N] [--concurrency C] [--max-tokens M] [--prompt P ...] [--json]
 
 --url defaults to $MEMSPEC_URL or http://127.0.0.1:8000, --key to $MEMSPEC_ADMIN_KEY (sent as
-`Authorization: Bearer KEY`).
+`Authorization: Bearer KEY` to /admin). bench talks to /v1 with --api-key ($MEMSPEC_API_KEY),
+else the admin key.
 
 Exit status: 0 ok; 1 the daemon answered with an error (unknown draft, bad setting, 5xx) or
 bench requests failed; 2 usage error, nothing sent (bad argument, bad size, bad URL);
@@ -42,7 +43,9 @@ EXIT_UNREACHABLE = 3
 EXIT_AUTH = 4
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
+# A plain continuation: an instruct model given a question as a raw completion prompt often
+# stops at once, which would measure nothing.
+DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 # bench is a load generator on a small device: keep it bounded so a typo cannot turn it into
 # a denial of service of the daemon (or of someone else's, hence loopback only).
@@ -276,7 +279,11 @@ def render_status(st: dict[str, Any], url: str, prev: dict[str, Any] | None = No
         delta = f" (+{served - prev['requests_served']})"
     backend = f" ({st['backend']})" if st.get("backend") else ""
     pairs = [
-        ("daemon", f"{url}  version {st.get('version', '?')}, up {_duration(st.get('uptime_s'))}"),
+        (
+            "daemon",
+            f"{url}  {st['state'] + ', ' if st.get('state') else ''}"
+            f"version {st.get('version', '?')}, up {_duration(st.get('uptime_s'))}",
+        ),
         ("target", f"{st.get('model', '-')}{backend}"),
         ("policy", f"{st.get('policy', '-')}   k_max {st.get('k_max', '-')}"),
         ("n_ctx", str(st.get("n_ctx", "-"))),
@@ -473,7 +480,11 @@ async def _served_model(http: httpx.AsyncClient, url: str, timeout: float) -> st
     except httpx.HTTPError as e:
         raise _transport_error(url, e, timeout) from None
     if resp.status_code in (401, 403):
-        raise CtlError(f"unauthorized (HTTP {resp.status_code}) on /v1/models", EXIT_AUTH)
+        raise CtlError(
+            f"unauthorized (HTTP {resp.status_code}) on /v1/models: {_error_message(resp)}; "
+            "pass --api-key or set MEMSPEC_API_KEY",
+            EXIT_AUTH,
+        )
     if resp.status_code == 503:
         raise CtlError(f"{url} is not ready yet (HTTP 503)", EXIT_UNREACHABLE)
     if resp.status_code != 200:
@@ -577,6 +588,8 @@ def render_bench(rep: dict[str, Any]) -> str:
     out = head + "\n\n" + table(["", "P50", "P90", "P99", "MEAN"], rows, right={1, 2, 3, 4})
     for e in rep["error_samples"]:
         out += f"\nerror: {e}"
+    if rep["ok"] and not rep["tokens"]:
+        out += "\nnote: no tokens generated (the model stopped at once); try another --prompt"
     return out
 
 
@@ -590,7 +603,7 @@ def cmd_bench(client: Client, args: argparse.Namespace) -> int:
     rep = asyncio.run(
         run_bench(
             client.url,
-            client.key,
+            args.api_key or client.key,
             requests=args.requests,
             concurrency=min(args.concurrency, args.requests),
             max_tokens=args.max_tokens,
@@ -680,6 +693,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--key",
         default=os.environ.get("MEMSPEC_ADMIN_KEY"),
         help="admin key, sent as a bearer token (env MEMSPEC_ADMIN_KEY)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MEMSPEC_API_KEY"),
+        help="key for /v1 (bench; env MEMSPEC_API_KEY; default: the admin key)",
     )
     p.add_argument(
         "--timeout",
