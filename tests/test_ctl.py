@@ -3,8 +3,9 @@
 The server here is a FAKE: a tiny FastAPI app on uvicorn (real sockets, real HTTP, real SSE
 streaming) that serves the admin contract with canned data. That is acceptable only because
 the thing under test is the client: exit codes, one-line errors, tables, --json, watch and
-bench. The real daemon's admin API is tested against the real `memspec serve` in the server's
-own tests; when that exists, `ctl` should also be run against it there.
+bench, including answers a live daemon cannot be made to give on demand (429 bursts, 500s,
+409 on a pinned draft). The same commands run against the real `memspec serve` in
+test_ctl_live.py.
 """
 
 from __future__ import annotations
@@ -292,15 +293,6 @@ def test_status_table(fake):
     assert "0.93" in rows[1] and "87.74 MiB" in rows[1]
 
 
-def test_status_json(fake):
-    p = ctl("status", "--json", url=fake.url)
-    assert p.returncode == 0, p.stderr
-    st = json.loads(p.stdout)
-    assert st["budget_bytes"] == 2 * 1024**3
-    assert {d["id"] for d in st["drafts"]} == {"prompt-lookup", "q4_0", "q2_k"}
-    assert set(st["drafts"][0]) >= {"id", "kind", "bytes", "resident", "pinned", "acceptance"}
-
-
 def test_key_from_env(fake):
     env = {**os.environ, "MEMSPEC_URL": fake.url, "MEMSPEC_ADMIN_KEY": KEY}
     p = subprocess.run(
@@ -378,12 +370,6 @@ def test_drafts_load_evict_pin_unpin(fake):
         "/admin/drafts/q2_k/unpin",
         "/admin/drafts/q2_k/evict",
     ]
-
-
-def test_unknown_draft(fake):
-    assert_one_line_error(
-        ctl("drafts", "load", "nope", url=fake.url), 1, "draft 'nope' not found", "404"
-    )
 
 
 # --- tune --------------------------------------------------------------------------------
