@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -44,8 +44,19 @@ class Settings(BaseSettings):
     # Server
     host: str = "127.0.0.1"
     port: int = 8000
+    api_key: SecretStr | None = None  # Bearer key for /v1 (env MEMSPEC_API_KEY); never logged
+    admin_key: SecretStr | None = None  # Bearer key for /admin; falls back to api_key
+    allow_insecure_bind: bool = False  # allow a non-loopback bind with no key configured
+    max_queue: int = Field(default=16, ge=0)  # requests waiting behind the running one; then 429
+    max_body: str | int = "1MiB"  # request body limit (413 above it)
+    max_prompt_chars: int = Field(default=200_000, ge=1)  # before tokenizing (400 above it)
+    default_max_tokens: int = Field(default=512, ge=1)  # chat completions without max_tokens
+    prefix_cache: str | int = "256MiB"  # multi-session KV snapshots (0: off); within budget
+    state_dir: Path | None = None  # tuned settings persist here; default <data_dir>/state
+    shutdown_grace_s: float = Field(default=10.0, ge=0)  # in-flight streams are cut after it
+    log_level: str = "info"
 
-    @field_validator("budget")
+    @field_validator("budget", "max_body", "prefix_cache")
     @classmethod
     def _budget(cls, v: str | int) -> str | int:
         parse_size(v)  # fail at load with a clear message

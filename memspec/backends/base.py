@@ -12,6 +12,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -30,8 +31,25 @@ class BackendOptions:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class KVSnapshot:
+    """A copy of a backend's KV cache and the tokens it holds (multi-session prefix cache)."""
+
+    tokens: tuple[int, ...]
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) + 8 * len(self.tokens)
+
+
 class Backend(ABC):
     """One model + one KV cache. All token lists are plain Python ints."""
+
+    # Capability flag: True when kv_snapshot()/kv_restore() copy the KV cache out and back in.
+    # Backends without it keep the defaults below (no snapshot; restore refuses), and callers
+    # fall back to plain prefix reuse.
+    supports_kv_snapshot: ClassVar[bool] = False
 
     path: Path
     n_ctx: int
@@ -99,6 +117,14 @@ class Backend(ABC):
 
     def reset(self) -> None:
         self.truncate(0)
+
+    def kv_snapshot(self) -> KVSnapshot | None:
+        """Copy the KV cache (all of `tokens`) out; None when unsupported or empty."""
+        return None
+
+    def kv_restore(self, snapshot: KVSnapshot) -> bool:
+        """Replace the KV cache by `snapshot`; False (cache left empty or as it was) if it fails."""
+        return False
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the model and its KV cache."""

@@ -8,18 +8,21 @@ so a prefill pays for one row and a verification for k+1.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import os
 from pathlib import Path
 
 import numpy as np
 
-from memspec.backends.base import Backend, BackendOptions
+from memspec.backends.base import Backend, BackendOptions, KVSnapshot
 from memspec.backends.chat import render_chat
 from memspec.errors import ModelLoadError
 
 
 class LlamaCppBackend(Backend):
+    supports_kv_snapshot = True
+
     def __init__(self, path: Path, options: BackendOptions):
         super().__init__()
         import llama_cpp
@@ -104,6 +107,32 @@ class LlamaCppBackend(Backend):
     def _truncate_kv(self, n: int) -> None:
         if not self._llm._ctx.kv_cache_seq_rm(0, n, -1):
             raise RuntimeError(f"llama.cpp refused to truncate the KV cache to {n}")
+
+    def kv_snapshot(self) -> KVSnapshot | None:
+        import llama_cpp
+
+        if not self.tokens or self._llm is None:
+            return None
+        ctx = self._llm._ctx.ctx
+        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0)
+        if n == 0 or n > size:
+            return None
+        return KVSnapshot(tokens=tuple(self.tokens), data=ctypes.string_at(buf, n))
+
+    def kv_restore(self, snapshot: KVSnapshot) -> bool:
+        import llama_cpp
+
+        if self._llm is None or len(snapshot.tokens) > self.n_ctx:
+            return False
+        src = (ctypes.c_uint8 * len(snapshot.data)).from_buffer_copy(snapshot.data)
+        if llama_cpp.llama_state_seq_set_data(self._llm._ctx.ctx, src, len(src), 0) == 0:
+            self._llm._ctx.kv_cache_seq_rm(0, 0, -1)  # a failed load leaves the cache unknown
+            self.tokens = []
+            return False
+        self.tokens = list(snapshot.tokens)
+        return True
 
     def close(self) -> None:
         llm = getattr(self, "_llm", None)

@@ -1,0 +1,195 @@
+"""Admin API (what `memspec-ctl` speaks): status, the draft pool, live tuning.
+
+GET  /admin/status                      daemon, budget, memory, queue, throughput, drafts
+GET  /admin/drafts                      {"drafts": [...]}
+POST /admin/drafts/{id}/load|evict|pin|unpin   {"ok": true, "draft": {...}}
+POST /admin/tune {budget?, policy?, k_max?, n_ctx?}   {"ok": true, "settings": {...}}
+
+Changes run on the engine thread between generations (never under a running one). A tune is
+persisted atomically before it is applied and rolled back if applying it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Body, Depends
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+import memspec
+from memspec import telemetry
+from memspec.errors import InvalidRequest
+from memspec.server.auth import require_admin_key
+from memspec.server.context import Ctx, ServerContext
+from memspec.server.openai_schema import ERROR_RESPONSES
+from memspec.server.state import TUNABLE, load_state, save_state, state_path
+from memspec.server.worker import EngineWorker
+from memspec.units import parse_size
+
+log = logging.getLogger("memspec.server")
+
+router = APIRouter(
+    prefix="/admin",
+    tags=["admin"],
+    dependencies=[Depends(require_admin_key)],
+    responses=ERROR_RESPONSES,
+)
+
+DRAFT_KEYS = ("id", "kind", "bytes", "resident", "pinned", "acceptance", "requests")
+
+
+class TuneRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    budget: Annotated[int | str | None, Field(description='bytes or a size: "1.5GiB"')] = None
+    policy: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = None
+    k_max: Annotated[int | None, Field(ge=0, le=64)] = None
+    n_ctx: Annotated[int | None, Field(ge=16, le=1 << 20)] = None
+
+    @field_validator("budget")
+    @classmethod
+    def _size(cls, v: int | str | None) -> int | str | None:
+        if v is not None and parse_size(v) <= 0:
+            raise ValueError("budget must be positive")
+        return v
+
+
+def _draft_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: row.get(k) for k in DRAFT_KEYS} | {"tags": row.get("tags", [])}
+
+
+def _retry(fn: Any, default: Any) -> Any:
+    """Read runtime state from the HTTP thread (the engine may mutate it concurrently)."""
+    for _ in range(3):
+        try:
+            return fn()
+        except RuntimeError:  # "dictionary changed size during iteration": read again
+            continue
+    return default
+
+
+def draft_rows(ctx: ServerContext) -> list[dict[str, Any]]:
+    rt = ctx.worker.runtime
+    if rt is None:
+        return []
+    return [_draft_row(r) for r in _retry(rt.draft_status, [])]
+
+
+def tuned_settings(ctx: ServerContext) -> dict[str, Any]:
+    s = ctx.settings
+    return {
+        "budget": s.budget,
+        "budget_bytes": s.budget_bytes,
+        "policy": s.policy,
+        "k_max": s.k_max,
+        "n_ctx": s.n_ctx,
+    }
+
+
+def status(ctx: ServerContext) -> dict[str, Any]:
+    s, w = ctx.settings, ctx.worker
+    rt = w.runtime
+    snap = telemetry.snapshot()
+    measured = telemetry.process_bytes(snap) or 0
+    if snap.get("jetson") and snap.get("nvmap_used_bytes"):
+        measured += snap["nvmap_used_bytes"]  # GPU allocations in the shared DRAM
+    cache = w.prefix_cache
+    modelled = (_retry(rt.modelled_bytes, 0) if rt is not None else 0) + cache.nbytes
+    n_ctx = rt.target.n_ctx if rt is not None and rt.target is not None else s.n_ctx
+    return {
+        "version": memspec.__version__,
+        "state": "shutting_down" if ctx.shutting_down else w.state,
+        "uptime_s": round(ctx.uptime_s, 1),
+        "model": s.model_name,
+        "target": s.target,
+        "backend": s.backend,
+        "policy": s.policy,
+        "k_max": s.k_max,
+        "n_ctx": n_ctx,
+        "budget_bytes": s.budget_bytes,
+        "used_bytes": {"measured": measured, "modelled": modelled},
+        "memory": snap,
+        "queue": {"depth": w.queue_depth, "max": s.max_queue, "busy": w.busy},
+        "tokens_per_s_recent": w.tokens_per_s_recent(),
+        "requests_served": w.requests_served,
+        "prefix_cache": {
+            "bytes": cache.nbytes,
+            "entries": len(cache),
+            "saves": cache.stats.saves,
+            "restores": cache.stats.restores,
+            "restored_tokens": cache.stats.restored_tokens,
+            "evictions": cache.stats.evictions,
+        },
+        "drafts": draft_rows(ctx),
+    }
+
+
+@router.get("/status")
+async def get_status(ctx: Ctx) -> dict[str, Any]:
+    return await asyncio.to_thread(status, ctx)
+
+
+@router.get("/drafts")
+async def list_drafts(ctx: Ctx) -> dict[str, Any]:
+    return {"drafts": await asyncio.to_thread(draft_rows, ctx)}
+
+
+@router.post("/drafts/{draft_id}/{action}")
+async def draft_action(
+    draft_id: str,
+    action: Literal["load", "evict", "pin", "unpin"],
+    ctx: Ctx,
+) -> dict[str, Any]:
+    def run(worker: EngineWorker) -> dict[str, Any]:
+        rt = worker.runtime
+        rt.manifest(draft_id)  # unknown or invalid id: 404
+        if action == "load":
+            rt.load_draft(draft_id)
+        elif action == "evict":
+            rt.evict_draft(draft_id)
+        else:
+            rt.pin(draft_id, action == "pin")
+        row = next(r for r in rt.draft_status() if r["id"] == draft_id)
+        return _draft_row(row)
+
+    row = await ctx.control(run, f"draft {action}")
+    log.info("admin: draft %s %s", draft_id, action)
+    return {"ok": True, "draft": row}
+
+
+@router.post("/tune")
+async def tune(body: Annotated[TuneRequest, Body()], ctx: Ctx) -> dict[str, Any]:
+    changes = body.model_dump(exclude_none=True)
+    if not changes:
+        raise InvalidRequest(f"nothing to tune: send any of {', '.join(TUNABLE)}")
+    path = state_path(ctx.settings)
+
+    def run(worker: EngineWorker) -> None:
+        s = worker.settings
+        before = {k: getattr(s, k) for k in TUNABLE}
+        persisted = load_state(path)
+        save_state(path, {**persisted, **changes})  # raises (507) before anything changes
+        try:
+            for key in ("budget", "policy", "k_max"):
+                if key in changes:
+                    setattr(s, key, changes[key])
+                    rt = worker.runtime
+                    if rt is not None and rt.settings is not s:
+                        setattr(rt.settings, key, changes[key])
+            if "n_ctx" in changes and changes["n_ctx"] != s.n_ctx:
+                worker.reload_runtime(changes["n_ctx"])
+            worker.prefix_cache.shrink()
+        except BaseException:
+            for key, value in before.items():
+                setattr(s, key, value)
+            try:
+                save_state(path, persisted)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                log.exception("could not roll back %s", path)
+            raise
+
+    await ctx.control(run, "tune")
+    log.info("admin: tuned %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
+    return {"ok": True, "settings": tuned_settings(ctx)}

@@ -1,0 +1,53 @@
+"""What every route needs: settings, the engine worker, metrics, the notifier, lifecycle flags."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from memspec.config import Settings
+from memspec.server.errors import as_memspec_error
+from memspec.server.metrics import Metrics
+from memspec.server.notify import Notifier
+from memspec.server.worker import ControlJob, Done, EngineWorker, Failed
+
+
+@dataclass
+class ServerContext:
+    settings: Settings
+    worker: EngineWorker
+    metrics: Metrics
+    notifier: Notifier
+    started_at: float = field(default_factory=time.time)
+    started_mono: float = field(default_factory=time.monotonic)
+    listening: bool = False
+    shutting_down: bool = False
+    exit_code: int = 0
+    request_exit: Callable[[int], None] | None = None  # set by the process runner
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self.started_mono
+
+    async def control(self, fn: Callable[[EngineWorker], Any], name: str) -> Any:
+        """Run fn(worker) on the engine thread, between generations; its result or its error."""
+        job = ControlJob(asyncio.get_running_loop(), fn, name)
+        self.worker.submit(job)
+        while True:
+            ev = await job.next_event()
+            if isinstance(ev, Done):
+                return ev.result
+            if isinstance(ev, Failed):
+                raise as_memspec_error(ev.error)
+
+
+def get_context(request: Request) -> ServerContext:
+    return request.app.state.memspec
+
+
+Ctx = Annotated[ServerContext, Depends(get_context)]

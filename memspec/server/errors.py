@@ -1,0 +1,177 @@
+"""OpenAI-shaped errors: every failure answers {"error": {"message", "type", "param", "code"}}.
+
+The core raises `MemSpecError` subclasses (status, type, code, param); the server adds the ones
+only HTTP has (auth, queue full, loading, body too large). FastAPI's own 422 validation shape
+and Starlette's {"detail": ...} are replaced here, in one place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+from memspec.errors import MemSpecError
+
+log = logging.getLogger("memspec.server")
+
+
+class Unauthorized(MemSpecError):
+    status = 401
+    code = "invalid_api_key"
+
+    def __init__(self, message: str = "missing or invalid API key (Authorization: Bearer ...)"):
+        super().__init__(message)
+
+
+class UnknownModel(MemSpecError):
+    status = 404
+    code = "model_not_found"
+
+
+class PayloadTooLarge(MemSpecError):
+    status = 413
+    code = "request_too_large"
+
+
+class QueueFull(MemSpecError):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(MemSpecError):
+    """Models still loading, being reloaded, or the daemon is shutting down."""
+
+    status = 503
+    type = "server_error"
+    code = "not_ready"
+
+    def __init__(self, message: str, code: str = "not_ready", retry_after_s: int = 2):
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
+
+class EngineError(MemSpecError):
+    """The engine raised something that is not a MemSpecError: a clean 500, no traceback."""
+
+    status = 500
+    type = "server_error"
+    code = "engine_error"
+
+
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: Any = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_json(exc: MemSpecError) -> dict[str, Any]:
+    return error_body(exc.message, exc.type, exc.param, exc.code)
+
+
+def error_response(exc: MemSpecError) -> JSONResponse:
+    headers = {}
+    retry = getattr(exc, "retry_after_s", None)
+    if retry is not None:
+        headers["Retry-After"] = str(retry)
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(error_json(exc), status_code=exc.status, headers=headers)
+
+
+def as_memspec_error(exc: BaseException) -> MemSpecError:
+    """Any exception from the engine, as the error the client sees (no internals leaked)."""
+    if isinstance(exc, MemSpecError):
+        return exc
+    return EngineError(f"the engine failed on this request ({type(exc).__name__}); retry it")
+
+
+def _loc_param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or None
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    """One line for the first problem: (message, param, code)."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None, "invalid_request_body"
+    first = errors[0]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        ctx = first.get("ctx") or {}
+        detail = ctx.get("error", "")
+        return f"request body is not valid JSON: {detail}".rstrip(": "), None, "invalid_json"
+    param = _loc_param(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid value")
+    if kind == "missing":
+        text = f"missing required parameter: {param}" if param else "request body is required"
+        return text, param, "missing_required_parameter"
+    if kind == "model_attributes_type" or (param is None and kind.endswith("_type")):
+        return "request body must be a JSON object", None, "invalid_request_body"
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return f"invalid value for {param or 'body'}: {msg}{more}", param, "invalid_value"
+
+
+async def _memspec_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, MemSpecError)
+    if exc.status >= 500:
+        log.error("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
+    return error_response(exc)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    message, param, code = validation_message(exc)
+    return JSONResponse(error_body(message, param=param, code=code), status_code=400)
+
+
+_HTTP_CODES = {
+    400: "invalid_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+}
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    if exc.status_code == 404:
+        detail = f"no route {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        detail = f"method {request.method} not allowed on {request.url.path}"
+    type_ = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    return JSONResponse(
+        error_body(detail, type_, code=_HTTP_CODES.get(exc.status_code)),
+        status_code=exc.status_code,
+        headers=getattr(exc, "headers", None),
+    )
+
+
+async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return JSONResponse(
+        error_body("internal server error", "server_error", code="internal_error"),
+        status_code=500,
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(MemSpecError, _memspec_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unhandled)

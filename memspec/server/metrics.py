@@ -1,0 +1,153 @@
+"""Prometheus metrics, all prefixed `memspec_`, in a registry of their own (one per app).
+
+Counters move with traffic; gauges (budget, memory, queue, resident drafts, prefix cache) are
+read when scraped. Draft loads and evictions are counted from residency changes, whoever made
+them (admin API, scheduler, start-up).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import psutil
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from memspec.engine.speculative import Generation
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+
+
+@dataclass
+class LiveValues:
+    """What the gauges report, read at scrape time."""
+
+    budget_bytes: int = 0
+    queue_depth: int = 0
+    prefix_cache_bytes: int = 0
+    drafts: list[dict] = field(default_factory=list)  # Runtime.draft_status() rows
+
+
+class _LiveCollector(Collector):
+    def __init__(self, metrics: Metrics, read: Callable[[], LiveValues]):
+        self._metrics = metrics
+        self._read = read
+        self._proc = psutil.Process()
+
+    def collect(self) -> Iterable[Metric]:
+        v = self._read()
+        self._metrics.observe_residency(v.drafts)
+        yield GaugeMetricFamily(
+            "memspec_budget_bytes", "Memory budget for models, KV caches and drafts", v.budget_bytes
+        )
+        yield GaugeMetricFamily(
+            "memspec_process_memory_bytes",
+            "Resident set size of the daemon process",
+            self._proc.memory_info().rss,
+        )
+        yield GaugeMetricFamily(
+            "memspec_queue_depth", "Requests waiting for the engine", v.queue_depth
+        )
+        yield GaugeMetricFamily(
+            "memspec_prefix_cache_bytes",
+            "Bytes of KV snapshots held for multi-session reuse",
+            v.prefix_cache_bytes,
+        )
+        resident = GaugeMetricFamily(
+            "memspec_draft_resident_bytes",
+            "Bytes of each resident draft (0 for zero-weight drafts such as prompt lookup)",
+            labels=["draft"],
+        )
+        for row in v.drafts:
+            if row.get("resident"):
+                resident.add_metric([str(row["id"])], float(row.get("bytes") or 0))
+        yield resident
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "memspec_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.tokens = Counter("memspec_tokens_generated", "Completion tokens sent", registry=r)
+        self.prompt_tokens = Counter("memspec_prompt_tokens", "Prompt tokens received", registry=r)
+        self.cached_tokens = Counter(
+            "memspec_cached_prompt_tokens", "Prompt tokens whose KV was reused", registry=r
+        )
+        self.proposed = Counter(
+            "memspec_draft_proposed", "Tokens proposed, per draft", ["draft"], registry=r
+        )
+        self.accepted = Counter(
+            "memspec_draft_accepted", "Proposed tokens accepted, per draft", ["draft"], registry=r
+        )
+        self.rounds = Counter("memspec_rounds", "Decode rounds (draft + verify)", registry=r)
+        self.loads = Counter("memspec_draft_loads", "Drafts made resident", registry=r)
+        self.evictions = Counter("memspec_draft_evictions", "Drafts evicted", registry=r)
+        self.stall = Counter(
+            "memspec_stall_seconds", "Seconds generation waited on draft loads", registry=r
+        )
+        self.ttft = Histogram(
+            "memspec_time_to_first_token_seconds",
+            "Arrival to first token (queue wait + prefill + first round)",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.token_latency = Histogram(
+            "memspec_token_latency_seconds",
+            "Mean seconds per output token after the first, one observation per request",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self._resident: set[str] | None = None
+        self._lock = threading.Lock()
+
+    def attach(self, read: Callable[[], LiveValues]) -> None:
+        self.registry.register(_LiveCollector(self, read))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def observe_residency(self, rows: list[dict]) -> None:
+        """Count loads/evictions as changes of the resident set (start-up loads count too)."""
+        if not rows:
+            return
+        now = {str(r["id"]) for r in rows if r.get("resident")}
+        with self._lock:
+            before = self._resident if self._resident is not None else set()
+            self._resident = now
+        if now - before:
+            self.loads.inc(len(now - before))
+        if before - now:
+            self.evictions.inc(len(before - now))
+
+    def observe_generation(
+        self, gen: Generation, per_draft: dict[str, tuple[int, int]], queued_s: float
+    ) -> None:
+        """One finished generation; per_draft: draft id -> (proposed, accepted)."""
+        self.tokens.inc(gen.completion_tokens)
+        self.prompt_tokens.inc(gen.prompt_tokens)
+        self.cached_tokens.inc(gen.cached_tokens)
+        self.rounds.inc(gen.rounds)
+        if gen.stall_s > 0:
+            self.stall.inc(gen.stall_s)
+        for draft_id, (proposed, accepted) in per_draft.items():
+            if proposed:
+                self.proposed.labels(draft_id).inc(proposed)
+                self.accepted.labels(draft_id).inc(accepted)
+        if gen.completion_tokens:
+            self.ttft.observe(queued_s + gen.ttft_s)
+        if gen.completion_tokens > 1:
+            self.token_latency.observe(
+                max(gen.elapsed_s - gen.ttft_s, 0.0) / (gen.completion_tokens - 1)
+            )

@@ -1,0 +1,168 @@
+"""Multi-session prefix cache: KV snapshots of earlier conversations, byte-bounded, LRU.
+
+A backend keeps one KV cache, so the engine reuses the longest common prefix between a new
+prompt and whatever that cache holds now: a follow-up turn of the *last* conversation reuses
+its KV. When conversations interleave, the next request would throw that KV away. Before it
+does, the live cache is snapshotted here; a later request whose prompt extends a snapshot much
+further than the live cache gets it restored first, then the engine's prefix reuse does the
+rest. Snapshots are counted in bytes, bounded by `prefix_cache` and by what the memory budget
+leaves after the models, and the least recently used go first.
+
+Only backends with `supports_kv_snapshot` take part; everything else keeps plain prefix reuse.
+Called on the engine thread only, between generations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from memspec.backends.base import Backend, KVSnapshot
+
+log = logging.getLogger("memspec.server")
+
+MIN_SAVE_TOKENS = 16  # a live cache losing fewer tokens than this is not worth a snapshot
+MIN_GAIN_TOKENS = 16  # restore only when a snapshot beats the live cache by this much
+
+
+def common_prefix(a: list[int] | tuple[int, ...], b: list[int]) -> int:
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@dataclass
+class _Entry:
+    owner: weakref.ref[Backend]  # the backend (model + context) the snapshot belongs to
+    snapshot: KVSnapshot
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class CacheStats:
+    saves: int = 0
+    restores: int = 0
+    evictions: int = 0
+    restored_tokens: int = 0
+
+
+class PrefixCache:
+    def __init__(self, capacity: Callable[[], int]):
+        """`capacity()` gives the byte bound now (it follows live budget changes)."""
+        self._capacity = capacity
+        self._entries: list[_Entry] = []
+        self._lock = threading.Lock()  # status readers vs the engine thread
+        self.stats = CacheStats()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(e.snapshot.nbytes for e in self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def forget(self, keep: list[Backend]) -> None:
+        """Drop snapshots of backends no longer loaded (an evicted draft, a reloaded target)."""
+        with self._lock:
+            self._entries = [e for e in self._entries if any(e.owner() is b for b in keep)]
+
+    def prepare(self, backend: Backend, prompt: list[int]) -> int:
+        """Make `backend`'s KV cache the best available start for `prompt`.
+
+        Returns the number of prompt tokens a restored snapshot covers (0: nothing restored).
+        """
+        if not backend.supports_kv_snapshot or self._capacity() <= 0:
+            return 0
+        live = common_prefix(backend.tokens, prompt)
+        best, best_n = None, live
+        with self._lock:
+            for e in self._entries:
+                if e.owner() is backend:
+                    n = common_prefix(e.snapshot.tokens, prompt)
+                    if n > best_n:
+                        best, best_n = e, n
+        losing = len(backend.tokens) - live
+        if best is not None and best_n >= live + MIN_GAIN_TOKENS:
+            if losing >= MIN_SAVE_TOKENS:
+                self._save(backend)
+            with self._lock:
+                if best in self._entries:
+                    self._entries.remove(best)  # moved back into the live cache
+            if backend.kv_restore(best.snapshot):
+                self.stats.restores += 1
+                self.stats.restored_tokens += best_n
+                return best_n
+            log.warning("KV snapshot restore failed; prefilling instead")
+            backend.reset()
+            return 0
+        if losing >= MIN_SAVE_TOKENS:
+            self._save(backend)
+        return 0
+
+    def _save(self, backend: Backend) -> None:
+        tokens = backend.tokens
+        with self._lock:
+            for e in self._entries:
+                if e.owner() is backend and common_prefix(e.snapshot.tokens, tokens) == len(tokens):
+                    e.last_used = time.monotonic()
+                    return  # already held by a longer (or equal) snapshot
+        snap = backend.kv_snapshot()
+        if snap is None:
+            return
+        cap = self._capacity()
+        if snap.nbytes > cap:
+            return
+        with self._lock:
+            # A snapshot that is a prefix of the new one is superseded by it.
+            self._entries = [
+                e
+                for e in self._entries
+                if not (
+                    e.owner() is backend
+                    and common_prefix(e.snapshot.tokens, tokens) == len(e.snapshot.tokens)
+                )
+            ]
+            self._entries.append(_Entry(weakref.ref(backend), snap))
+            self.stats.saves += 1
+            self._shrink(cap)
+
+    def shrink(self) -> None:
+        """Evict down to the current capacity (after a budget change)."""
+        cap = self._capacity()
+        with self._lock:
+            self._shrink(cap)
+
+    def _shrink(self, cap: int) -> None:
+        total = sum(e.snapshot.nbytes for e in self._entries)
+        self._entries.sort(key=lambda e: e.last_used)
+        while self._entries and total > cap:
+            total -= self._entries.pop(0).snapshot.nbytes
+            self.stats.evictions += 1
+
+
+def prepare_runtime(cache: PrefixCache, rt: Any, prompt: list[int], use_drafts: bool) -> int:
+    """Prepare the target's (and, when drafting, each model draft's) KV cache for `prompt`.
+
+    Returns the prompt tokens a restored target snapshot covers (0: none restored).
+    """
+    lock = getattr(rt, "lock", None)  # a background scheduler may load/evict drafts
+    with lock if lock is not None else contextlib.nullcontext():
+        drafts = [d.backend for d in list(rt.drafts.values()) if hasattr(d, "backend")]
+        cache.forget([rt.target, *drafts])
+        restored = cache.prepare(rt.target, prompt)
+        if use_drafts:
+            for be in drafts:
+                cache.prepare(be, prompt)
+    return restored

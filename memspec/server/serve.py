@@ -1,0 +1,144 @@
+"""`memspec serve`: settings, the bind check, the socket, uvicorn, signals, the exit status.
+
+The socket is bound before anything loads, so a busy port or a refused address fails at once
+with one line. SIGTERM/SIGINT start the app's graceful shutdown and the process exits 0 (not
+by re-raising the signal, as uvicorn does by default); a failed model load exits 1.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from memspec.config import Settings
+from memspec.server.app import Lifecycle, create_app
+from memspec.server.context import ServerContext
+from memspec.server.state import TUNABLE, load_state, state_path
+
+log = logging.getLogger("memspec.server")
+
+
+class BindRefused(ValueError):
+    pass
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def check_bind(settings: Settings) -> None:
+    """A non-loopback bind needs a key, or an explicit --allow-insecure-bind."""
+    if is_loopback(settings.host):
+        return
+    if settings.api_key is not None or settings.admin_key is not None:
+        return
+    if settings.allow_insecure_bind:
+        log.warning(
+            "binding %s with no API or admin key: anyone on the network can use it", settings.host
+        )
+        return
+    raise BindRefused(
+        f"refusing to bind {settings.host} (not loopback) with no api_key or admin_key; "
+        "set MEMSPEC_API_KEY / MEMSPEC_ADMIN_KEY, bind 127.0.0.1, or pass --allow-insecure-bind"
+    )
+
+
+def load_settings(config_file: str | Path | None, cli: dict[str, Any]) -> Settings:
+    """CLI flags > tuned state file > env MEMSPEC_* > TOML > defaults."""
+    cli = {k: v for k, v in cli.items() if v is not None}
+    base = Settings.load(config_file, **cli)
+    tuned = {k: v for k, v in load_state(state_path(base)).items() if k not in cli}
+    if not tuned:
+        return base
+    log.info("applying tuned settings from %s: %s", state_path(base), sorted(tuned))
+    return Settings.load(config_file, **tuned, **cli)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot bind {host}:{port}: {e.strerror or e}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+class Server(uvicorn.Server):
+    """uvicorn with our shutdown phases, READY on listen, and exit 0 on SIGTERM."""
+
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext, life: Lifecycle):
+        super().__init__(config)
+        self.ctx, self.life = ctx, life
+        ctx.request_exit = self._request_exit
+
+    def _request_exit(self, code: int) -> None:
+        self.ctx.exit_code = code
+        self.should_exit = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.life.on_listening()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.life.begin_shutdown_threadsafe()
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # a requested stop is a clean exit, not a re-raise
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def serve(config_file: str | Path | None = None, **cli: Any) -> int:
+    settings = load_settings(config_file, cli)
+    configure_logging(settings.log_level)
+    check_bind(settings)
+    sock = bind_socket(settings.host, settings.port)
+    app = create_app(settings)
+    ctx: ServerContext = app.state.memspec
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5,
+        lifespan="on",
+    )
+    server = Server(config, ctx, app.state.lifecycle)
+    log.info(
+        "memspec serve on %s:%d (model %s, tunable: %s)",
+        settings.host,
+        settings.port,
+        settings.model_name,
+        ", ".join(TUNABLE),
+    )
+    server.run(sockets=[sock])
+    if ctx.worker.state not in ("stopped", "failed", "starting"):
+        # The engine thread is stuck: do not run interpreter teardown under it.
+        logging.shutdown()
+        os._exit(ctx.exit_code or 1)
+    return ctx.exit_code

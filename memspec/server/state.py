@@ -1,0 +1,90 @@
+"""Settings tuned live through the admin API, persisted so that a restart keeps them.
+
+One small JSON file, `<state_dir>/tuned.json` (state_dir defaults to <data_dir>/state; the
+systemd unit uses /var/lib/memspec). Writes are atomic: a temporary file in the same directory,
+fsync, os.replace, fsync of the directory, so a crash or kill -9 mid-write leaves the old or
+the new file, never a torn one. At start the file is applied over env, TOML and defaults;
+command-line flags still win.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from memspec.config import Settings
+from memspec.errors import MemSpecError
+from memspec.paths import data_dir
+
+log = logging.getLogger("memspec.server")
+
+TUNABLE = ("budget", "policy", "k_max", "n_ctx")
+STATE_FILE = "tuned.json"
+
+
+class StateWriteError(MemSpecError):
+    status = 507
+    type = "server_error"
+    code = "state_not_persisted"
+
+
+def state_path(settings: Settings | None = None, state_dir: Path | None = None) -> Path:
+    base = state_dir or (settings.state_dir if settings is not None else None)
+    return Path(base or data_dir() / "state") / STATE_FILE
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    """The tuned settings, or {} when there are none; a corrupt file is set aside, not fatal."""
+    try:
+        raw = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        log.warning("cannot read tuned settings %s: %s; using configured values", path, e)
+        return {}
+    try:
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        aside = path.with_suffix(".corrupt")
+        log.warning("tuned settings %s unreadable (%s); moved to %s", path, e, aside)
+        try:
+            os.replace(path, aside)
+        except OSError:
+            pass
+        return {}
+    return {k: v for k, v in data.items() if k in TUNABLE}
+
+
+def save_state(path: Path, values: dict[str, Any]) -> None:
+    """Atomically replace the state file with `values` (raises StateWriteError on failure)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump({k: values[k] for k in TUNABLE if k in values}, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise StateWriteError(
+            f"could not persist tuned settings to {path}: {e.strerror or e}; nothing changed"
+        ) from e
+
+
+def current_values(settings: Settings) -> dict[str, Any]:
+    return {k: getattr(settings, k) for k in TUNABLE}

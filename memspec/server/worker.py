@@ -1,0 +1,430 @@
+"""The engine worker: one thread owns the Runtime; HTTP handlers talk to it through jobs.
+
+Generation jobs wait in a bounded FIFO (arrival order; full -> 429). Control jobs (admin: load,
+evict, pin, tune) go ahead of waiting generations but never interrupt the running one. Each job
+streams events back to the asyncio side: `Token` per text delta, then `Done` or `Failed`.
+
+The thread loads the Runtime itself (the HTTP server is already answering /health with 503),
+beats a heartbeat while idle and per token (the systemd watchdog pings only while it is fresh),
+and turns any exception from the engine into a clean per-request error: the next job runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from memspec.config import Settings
+from memspec.engine.sampling import SamplingParams
+from memspec.engine.speculative import Generation
+from memspec.errors import ContextOverflow, InvalidRequest, MemSpecError
+from memspec.server.errors import NotReady, QueueFull
+from memspec.server.metrics import Metrics
+from memspec.server.prefix_cache import PrefixCache, prepare_runtime
+from memspec.units import parse_size
+
+log = logging.getLogger("memspec.server")
+
+IDLE_BEAT_S = 0.5  # the idle loop beats at least this often
+
+
+# --- events from the engine thread to a request --------------------------------------------
+
+
+@dataclass
+class Token:
+    text: str
+
+
+@dataclass
+class Done:
+    result: Any  # Generation for generation jobs; the control function's return value
+
+
+@dataclass
+class Failed:
+    error: MemSpecError | BaseException
+
+
+Event = Token | Done | Failed
+
+
+class Job:
+    """One unit of work for the engine thread, with a channel back to its request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self.cancel = threading.Event()  # set: stop generating (client gone, shutdown)
+        self.enqueued_at = time.monotonic()
+        self.started_at: float | None = None
+
+    def post(self, event: Event) -> None:
+        """Called on the engine thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+    async def next_event(self) -> Event:
+        return await self._events.get()
+
+
+@dataclass
+class GenerateRequest:
+    prompt: str | list[int] | None = None  # text, or token ids (completions)
+    messages: list[dict[str, str]] | None = None  # chat
+    max_tokens: int | None = None  # None: settings.default_max_tokens
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    draft: str = "auto"
+    stream: bool = False
+
+
+class GenerateJob(Job):
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: GenerateRequest):
+        super().__init__(loop)
+        self.request = request
+
+
+class ControlJob(Job):
+    def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any], name: str):
+        super().__init__(loop)
+        self.fn = fn  # fn(worker) on the engine thread
+        self.name = name
+
+
+class _RecordingEstimator:
+    """The runtime's acceptance estimator, also counting proposed/accepted per draft."""
+
+    def __init__(self, base: Any):
+        self._base = base
+        self.per_draft: dict[str, list[int]] = {}
+
+    def update(self, key: str, proposed: int, accepted: int) -> None:
+        row = self.per_draft.setdefault(key.split("/")[0], [0, 0])
+        row[0] += proposed
+        row[1] += accepted
+        self._base.update(key, proposed, accepted)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+
+def per_draft_counts(gen: Generation, recorded: dict[str, list[int]]) -> dict[str, tuple]:
+    """(proposed, accepted) per draft: as recorded, else split by rounds drafted."""
+    if sum(p for p, _ in recorded.values()) == gen.proposed:
+        return {d: (p, a) for d, (p, a) in recorded.items()}
+    rounds = sum(gen.drafts_used.values())
+    out: dict[str, tuple] = {}
+    for d, r in gen.drafts_used.items():
+        share = r / rounds if rounds else 0.0
+        out[d] = (round(gen.proposed * share), round(gen.accepted * share))
+    return out
+
+
+class EngineWorker:
+    """Owns the Runtime on one thread; everything that touches models runs here."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        runtime_factory: Callable[[Settings], Any] | None = None,
+        on_ready: Callable[[], None] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ):
+        self.settings = settings
+        self.metrics = metrics
+        self._factory = runtime_factory or _default_factory
+        self._on_ready = on_ready
+        self._on_fatal = on_fatal
+        self.runtime: Any = None
+        self.state = "starting"  # loading | ready | reloading | failed | stopping | stopped
+        self.error: str | None = None
+        self._cond = threading.Condition()
+        self._queue: deque[GenerateJob] = deque()
+        self._control: deque[ControlJob] = deque()
+        self._current: Job | None = None
+        self._accepting = True
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.heartbeat = time.monotonic()
+        self.requests_served = 0
+        self._recent: deque[tuple[float, int, float]] = deque(maxlen=256)  # (end, tokens, s)
+        self.prefix_cache = PrefixCache(self._cache_capacity)
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="memspec-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready" and self._accepting
+
+    def healthy(self, stale_s: float) -> bool:
+        """Ready and the engine thread beat within `stale_s` (a stuck engine stops beating)."""
+        return self.state in ("ready", "reloading") and (
+            time.monotonic() - self.heartbeat < stale_s
+        )
+
+    def stop_accepting(self) -> None:
+        """Shutdown, phase 1: refuse new jobs, fail the waiting ones."""
+        with self._cond:
+            self._accepting = False
+            waiting = list(self._queue) + list(self._control)
+            self._queue.clear()
+            self._control.clear()
+        for job in waiting:
+            job.post(Failed(NotReady("the daemon is shutting down", code="shutting_down")))
+
+    def cancel_running(self) -> None:
+        """Shutdown, phase 2: cut the running generation (its stream ends cleanly)."""
+        with self._cond:
+            if self._current is not None:
+                self._current.cancel.set()
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the thread and close the Runtime; False if the engine did not stop in time."""
+        self.stop_accepting()
+        self.cancel_running()
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # --- submitting -----------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def retry_after_s(self) -> int:
+        durations = [s for _, _, s in list(self._recent)[-16:]]
+        mean = sum(durations) / len(durations) if durations else 1.0
+        return max(1, min(60, math.ceil(mean * (len(self._queue) + 1))))
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if not self._accepting or self._stop:
+                raise NotReady("the daemon is shutting down", code="shutting_down")
+            if self.state in ("starting", "loading"):
+                raise NotReady("models are loading; retry shortly", code="model_loading")
+            if self.state == "failed":
+                raise NotReady(f"models failed to load: {self.error}", code="model_load_failed")
+            if isinstance(job, ControlJob):
+                self._control.append(job)
+            else:
+                in_system = len(self._queue) + (1 if self._current is not None else 0)
+                if in_system > self.settings.max_queue:
+                    raise QueueFull(
+                        f"request queue is full ({len(self._queue)} waiting, "
+                        f"max_queue {self.settings.max_queue}); retry later",
+                        self.retry_after_s(),
+                    )
+                self._queue.append(job)  # type: ignore[arg-type]
+            self._cond.notify_all()
+
+    # --- the thread -----------------------------------------------------------------------
+    def _main(self) -> None:
+        self.state = "loading"
+        try:
+            self.runtime = self._factory(self.settings)
+        except BaseException as e:  # noqa: BLE001 - reported, then the daemon exits
+            self.state, self.error = "failed", str(getattr(e, "message", e))
+            log.error("loading models failed: %s", self.error)
+            if self._on_fatal is not None:
+                self._on_fatal(e)
+            return
+        self.state = "ready"
+        self.heartbeat = time.monotonic()
+        self._observe_residency()
+        if self._on_ready is not None:
+            self._on_ready()
+        try:
+            while (job := self._next_job()) is not None:
+                self._run(job)
+        finally:
+            self.state = "stopping"
+            try:
+                if self.runtime is not None:
+                    self.runtime.close()
+            finally:
+                self.state = "stopped"
+
+    def _next_job(self) -> Job | None:
+        with self._cond:
+            while True:
+                self.heartbeat = time.monotonic()
+                if self._control:
+                    job: Job = self._control.popleft()
+                elif self._queue:
+                    job = self._queue.popleft()
+                elif self._stop:
+                    return None
+                else:
+                    self._cond.wait(IDLE_BEAT_S)
+                    continue
+                if job.cancel.is_set():  # its client left while it waited
+                    continue
+                self._current = job
+                return job
+
+    def _run(self, job: Job) -> None:
+        job.started_at = time.monotonic()
+        try:
+            if isinstance(job, ControlJob):
+                job.post(Done(job.fn(self)))
+            else:
+                assert isinstance(job, GenerateJob)
+                self._generate(job)
+        except MemSpecError as e:
+            job.post(Failed(e))
+        except Exception as e:  # noqa: BLE001 - the next request must still work
+            log.exception("engine error on a %s job", type(job).__name__)
+            job.post(Failed(e))
+        finally:
+            with self._cond:
+                self._current = None
+            self.heartbeat = time.monotonic()
+            self._observe_residency()
+
+    def _observe_residency(self) -> None:
+        if self.metrics is not None and self.runtime is not None:
+            self.metrics.observe_residency(self.runtime.draft_status())
+
+    # --- generation -----------------------------------------------------------------------
+    def _prompt_tokens(self, rt: Any, req: GenerateRequest) -> list[int]:
+        if req.messages is not None:
+            return rt.prompt_tokens(messages=req.messages)
+        if isinstance(req.prompt, list):
+            n_vocab = rt.target.n_vocab
+            bad = next((t for t in req.prompt if not 0 <= t < n_vocab), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"token id {bad} is outside the vocabulary (0..{n_vocab - 1})", param="prompt"
+                )
+            return list(req.prompt)
+        return rt.prompt_tokens(prompt=req.prompt or "")
+
+    def _generate(self, job: GenerateJob) -> None:
+        rt, req = self.runtime, job.request
+        prompt = self._prompt_tokens(rt, req)
+        n_ctx = rt.target.n_ctx
+        if not prompt:
+            raise InvalidRequest("prompt is empty", param="prompt")
+        if len(prompt) >= n_ctx:
+            raise ContextOverflow(
+                f"This model's maximum context length is {n_ctx} tokens; the prompt has "
+                f"{len(prompt)}. Shorten the prompt or the conversation.",
+                param="messages" if req.messages is not None else "prompt",
+            )
+        max_tokens = req.max_tokens or self.settings.default_max_tokens
+        if req.max_tokens is not None and req.max_tokens > n_ctx:
+            raise ContextOverflow(
+                f"max_tokens {req.max_tokens} exceeds the context of {n_ctx} tokens",
+                param="max_tokens",
+            )
+        if req.draft not in ("auto", "none"):
+            rt.manifest(req.draft)  # unknown or invalid id: 404 before anything runs
+        params = SamplingParams(
+            max_tokens=min(max_tokens, n_ctx - len(prompt)),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=None if req.seed is None else req.seed % 2**64,
+            stop=req.stop,
+        )
+        prepare_runtime(self.prefix_cache, rt, prompt, use_drafts=req.draft != "none")
+
+        def on_token(delta: str, _token: int | None) -> None:
+            self.heartbeat = time.monotonic()
+            if req.stream and delta:
+                job.post(Token(delta))
+
+        est = _RecordingEstimator(rt.estimator)
+        gen = rt.generate(
+            prompt, params, draft=req.draft, on_token=on_token, cancel=job.cancel, estimator=est
+        )
+        queued_s = (job.started_at or job.enqueued_at) - job.enqueued_at
+        self.requests_served += 1
+        self._recent.append((time.monotonic(), gen.completion_tokens, gen.elapsed_s))
+        if self.metrics is not None:
+            self.metrics.observe_generation(gen, per_draft_counts(gen, est.per_draft), queued_s)
+        job.post(Done(gen))
+
+    def reload_runtime(self, n_ctx: int) -> None:
+        """Rebuild the Runtime with a new n_ctx, keeping resident and pinned drafts.
+
+        Engine thread only (a control job). If the new context cannot load, the old one is
+        loaded again and the error raised; if even that fails the daemon reports it and exits.
+        """
+        rt = self.runtime
+        rows = rt.draft_status()
+        resident = [r["id"] for r in rows if r["resident"]]
+        pinned = [r["id"] for r in rows if r["pinned"]]
+        old = self.settings.n_ctx
+        self.state = "reloading"
+        self.prefix_cache.clear()
+        self.runtime = None
+        rt.close()
+        self.settings.drafts = resident
+        try:
+            self.settings.n_ctx = n_ctx
+            self._load(pinned)
+        except BaseException:
+            self.settings.n_ctx = old
+            try:
+                self._load(pinned)
+            except BaseException as e:
+                self.state, self.error = "failed", str(getattr(e, "message", e))
+                if self._on_fatal is not None:
+                    self._on_fatal(e)
+                raise
+            raise
+
+    def _load(self, pinned: list[str]) -> None:
+        self.runtime = self._factory(self.settings)
+        for draft_id in pinned:
+            self.runtime.pin(draft_id, True)
+        self.state = "ready"
+        self.heartbeat = time.monotonic()
+
+    # --- KV reuse across sessions -----------------------------------------------------------
+    def _cache_capacity(self) -> int:
+        try:
+            cap = parse_size(self.settings.prefix_cache)
+        except ValueError:
+            return 0
+        rt = self.runtime
+        if rt is None or cap <= 0:
+            return 0
+        return max(0, min(cap, self.settings.budget_bytes - rt.modelled_bytes()))
+
+    # --- status ---------------------------------------------------------------------------
+    def tokens_per_s_recent(self, window_s: float = 60.0) -> float:
+        now = time.monotonic()
+        rows = [(t, n, s) for t, n, s in list(self._recent) if now - t <= window_s]
+        tokens, seconds = sum(n for _, n, _ in rows), sum(s for _, _, s in rows)
+        return round(tokens / seconds, 2) if seconds > 0 else 0.0
+
+
+def _default_factory(settings: Settings) -> Any:
+    from memspec.runtime import Runtime
+
+    return Runtime(settings)
