@@ -185,6 +185,52 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from memspec.server.serve import serve
+
+    cli = {
+        k: getattr(args, k, None)
+        for k in (
+            "target",
+            "backend",
+            "device",
+            "n_ctx",
+            "n_threads",
+            "n_gpu_layers",
+            "k_max",
+            "host",
+            "port",
+            "budget",
+            "policy",
+            "max_queue",
+            "state_dir",
+            "log_level",
+        )
+    }
+    if args.drafts is not None:
+        cli["drafts"] = [d for d in args.drafts.split(",") if d]
+    if args.allow_insecure_bind:
+        cli["allow_insecure_bind"] = True
+    try:
+        return serve(args.config, **cli)
+    except OSError as e:
+        print(f"memspec: error: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_bench_reuse(args: argparse.Namespace) -> int:
+    from memspec.bench.reuse import run_reuse_bench
+
+    report = run_reuse_bench(
+        _settings(args),
+        out=args.out,
+        questions=args.questions,
+        max_tokens=args.max_tokens,
+    )
+    print(json.dumps(report["summary"], indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -224,8 +270,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object with the stats")
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("serve", help="the daemon: OpenAI-compatible API, admin API, metrics")
+    _model_flags(p)
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--budget", help="memory budget, e.g. 1.5GiB")
+    p.add_argument("--policy", help="draft policy name")
+    p.add_argument("--max-queue", type=int, help="requests waiting before 429 (default 16)")
+    p.add_argument("--state-dir", help="where tuned settings persist (default <data>/state)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--allow-insecure-bind",
+        action="store_true",
+        help="allow a non-loopback bind with no api_key/admin_key configured",
+    )
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("bench", help="benchmarks that write JSON (and a PNG plot)")
     bsub = p.add_subparsers(dest="action", required=True)
+    r = bsub.add_parser("reuse", help="MT-Bench second-turn TTFT with and without KV reuse")
+    _model_flags(r)
+    r.add_argument("--out", required=True, help="JSON output file")
+    r.add_argument("--questions", type=int, default=16, help="MT-Bench questions (max 80)")
+    r.add_argument("--max-tokens", type=int, default=128, help="first-turn answer length")
+    r.set_defaults(func=cmd_bench_reuse)
     e = bsub.add_parser("engine", help="MT-Bench first turns: plain vs each draft vs adaptive")
     _model_flags(e)
     e.add_argument("--out", required=True, help="JSON output file")
