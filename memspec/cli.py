@@ -305,6 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, default=96)
     e.add_argument("--k", type=int, default=4, help="k for the fixed-k runs")
     e.set_defaults(func=cmd_bench_engine)
+
+    from memspec import cli_scheduling  # traces, predictor, simulate, sim, bench policies
+
+    cli_scheduling.register(sub, _model_flags)
+    cli_scheduling.register_bench(bsub, _model_flags)
     return parser
 
 

@@ -1,0 +1,476 @@
+"""Scheduling policies: each round's (draft, k), and what the working set should hold.
+
+One interface, two runners: the live engine (memspec.scheduler.rounds adapts a Policy to the
+engine's RoundPolicy, over the real WorkingSet) and the trace simulator (memspec.sim), over a
+simulated one. A policy sees drafts by id, the device's measured costs, the working set's
+residency, and for cheap proposers (prompt lookup, ...) a peek at what they would propose now.
+
+- `none`        plain target decoding.
+- `fixed:<id>`  always that draft, k by the decision rule (at least 1); loaded on first use.
+- `ucb`, `exp3` BanditSpec-style bandits over {none} ∪ drafts; reward = the round's measured
+                tokens/s (load stalls included); a chosen draft that is not resident is loaded
+                reactively, and the engine waits for it.
+- `memspec`     the predictor's α for every draft and the decision rule choose among the
+                *resident* drafts; the working set is told proactively what to hold, by
+                predicted seconds saved per byte; decoding never waits for a load.
+- `oracle`      knows from traces which single draft is best for each prompt and its actual
+                acceptance (comparison only); same prefetch mechanism as memspec.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from memspec.engine.costs import AcceptanceEstimator, CostModel
+from memspec.predictor.model import AcceptancePredictor, RequestState
+
+# α before a draft has been seen, per kind (the same priors the engine's estimator uses).
+PRIOR_ALPHA = {"model": 0.7, "prompt_lookup": 0.4}
+
+
+class Residency(Protocol):
+    """What a policy needs from a working set, live or simulated."""
+
+    def resident_ids(self) -> set[str]: ...
+
+    def prefetch(self, wanted: list[tuple[str, float]]) -> None: ...
+
+
+@dataclass(frozen=True)
+class DraftInfo:
+    id: str
+    kind: str
+    bytes: int  # resident footprint; 0: nothing to load (always available)
+    load_s: float = 0.0  # expected seconds of one load on this device
+
+    @property
+    def peek(self) -> bool:
+        """Cheap proposers are asked first; their proposal length says whether they apply."""
+        return self.kind != "model"
+
+    @property
+    def always_resident(self) -> bool:
+        return self.bytes == 0
+
+
+@dataclass
+class Env:
+    """What every policy knows about the device and the pool."""
+
+    drafts: dict[str, DraftInfo]
+    costs: CostModel
+    k_max: int = 8
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    text: str = ""  # the last user message
+    turns: int = 1
+    max_tokens: int = 128
+
+
+@dataclass
+class Round:
+    position: int  # output tokens so far
+    k_room: int  # most draft tokens this round may verify
+    peek: Callable[[str], tuple[str, int]]  # draft id -> (statistic key, tokens it proposes)
+
+
+class Policy(ABC):
+    name: str = "policy"
+    # True: a chosen draft that is not resident is loaded on demand and the round waits.
+    reactive: bool = False
+
+    def __init__(self, env: Env):
+        self.env = env
+        self.r_none = env.costs.rate(None, 0.0, 0)
+        self._memo: dict[tuple, tuple[int, float]] = {}
+
+    def begin(self, req: Request, ws: Residency) -> None:  # noqa: B027 - optional hook
+        """A request starts: read its prompt, tell the working set what to hold."""
+
+    @abstractmethod
+    def choose(self, rnd: Round, ws: Residency) -> tuple[str | None, int]:
+        """(draft id, k) for this round; (None, 0) decodes one token without a draft."""
+
+    def observe(  # noqa: B027 - optional hook
+        self,
+        draft: str | None,
+        key: str,
+        position: int,
+        proposed: int,
+        accepted: int,
+        seconds: float,
+        tokens: int,
+    ) -> None:
+        """One verified round: what was proposed/accepted, its wall time and tokens emitted."""
+
+    def end(self) -> None:  # noqa: B027 - optional hook
+        """The request finished."""
+
+    def status(self) -> dict:
+        return {"policy": self.name}
+
+    # The decision rule over one draft: the k with the most expected tokens/s (k ≥ 1 if forced).
+    # α is rounded to 1e-3 for a memo: the rule is smooth in α, and a round then costs a dict
+    # lookup instead of k_max rate evaluations.
+    def _best(self, draft: str, alpha: float, limit: int, force: bool = False):
+        if limit <= 0:
+            return 0, self.r_none
+        key = (draft, round(alpha, 3), limit, force)
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
+        a = key[1]
+        k, rate = self.env.costs.best_k(draft, a, limit)
+        if force and k == 0:
+            k, rate = 1, self.env.costs.rate(draft, a, 1)
+        if len(self._memo) > 50_000:
+            self._memo.clear()
+        self._memo[key] = (k, rate)
+        return k, rate
+
+
+def _limit(info: DraftInfo, rnd: Round, k_max: int) -> tuple[str, int]:
+    """The statistic key and the most tokens this draft can propose this round."""
+    if info.peek:
+        key, n = rnd.peek(info.id)
+        return key, min(n, rnd.k_room, k_max)
+    return info.id, min(k_max, rnd.k_room)
+
+
+def _estimator(env: Env) -> AcceptanceEstimator:
+    est = AcceptanceEstimator()
+    for d in env.drafts.values():
+        est.set_prior(d.id, PRIOR_ALPHA.get(d.kind, 0.5))
+    return est
+
+
+class NonePolicy(Policy):
+    name = "none"
+
+    def choose(self, rnd, ws):
+        return None, 0
+
+
+class FixedPolicy(Policy):
+    """One draft for every round; k from the decision rule on its running acceptance."""
+
+    reactive = True
+
+    def __init__(self, env: Env, draft: str):
+        super().__init__(env)
+        if draft not in env.drafts:
+            raise ValueError(f"fixed:{draft}: unknown draft; known: {', '.join(env.drafts)}")
+        self.info = env.drafts[draft]
+        self.name = f"fixed:{draft}"
+        self.est = _estimator(env)
+
+    def choose(self, rnd, ws):
+        key, limit = _limit(self.info, rnd, self.env.k_max)
+        k, _ = self._best(self.info.id, self.est.alpha(key), limit, force=True)
+        return (self.info.id, k) if k > 0 else (None, 0)
+
+    def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
+        if draft is not None:
+            self.est.update(key, proposed, accepted)
+
+
+class _Bandit(Policy):
+    """Arms: none and each draft. k per draft arm by the decision rule on the arm's observed
+    acceptance (at least 1, so the arm is really tried). Rewards are the round's measured
+    tokens/s over the best seen so far, in [0, 1]."""
+
+    reactive = True
+
+    def __init__(self, env: Env, seed: int = 0):
+        super().__init__(env)
+        self.arms: list[str | None] = [None, *env.drafts]
+        self.est = _estimator(env)
+        self.rng = random.Random(seed)
+        self.r_max = 2.0 * self.r_none
+        self.arm: int = 0  # the arm of the round in flight
+        self.plays = [0] * len(self.arms)
+
+    @abstractmethod
+    def pick(self) -> int: ...
+
+    @abstractmethod
+    def reward(self, arm: int, r: float) -> None: ...
+
+    def choose(self, rnd, ws):
+        self.arm = self.pick()
+        draft = self.arms[self.arm]
+        if draft is None:
+            return None, 0
+        key, limit = _limit(self.env.drafts[draft], rnd, self.env.k_max)
+        k, _ = self._best(draft, self.est.alpha(key), limit, force=True)
+        return (draft, k) if k > 0 else (None, 0)
+
+    def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
+        if draft is not None:
+            self.est.update(key, proposed, accepted)
+        r = tokens / max(seconds, 1e-6)
+        self.r_max = max(self.r_max, r)
+        self.plays[self.arm] += 1
+        self.reward(self.arm, r / self.r_max)
+
+    def status(self) -> dict:
+        return {
+            "policy": self.name,
+            "plays": {str(a): n for a, n in zip(self.arms, self.plays, strict=True)},
+        }
+
+
+class UCBPolicy(_Bandit):
+    """UCB1: play each arm once, then the arm maximising mean + sqrt(2 ln t / n)."""
+
+    name = "ucb"
+
+    def __init__(self, env: Env, seed: int = 0, c: float = math.sqrt(2.0)):
+        super().__init__(env, seed)
+        self.c = c
+        self.sums = [0.0] * len(self.arms)
+
+    def pick(self) -> int:
+        for i, n in enumerate(self.plays):
+            if n == 0:
+                return i
+        log_t = math.log(sum(self.plays))
+        scores = [
+            s / n + self.c * math.sqrt(log_t / n)
+            for s, n in zip(self.sums, self.plays, strict=True)
+        ]
+        return max(range(len(scores)), key=scores.__getitem__)
+
+    def reward(self, arm: int, r: float) -> None:
+        self.sums[arm] += r
+
+
+class EXP3Policy(_Bandit):
+    """EXP3: sample from exponential weights mixed with γ uniform exploration."""
+
+    name = "exp3"
+
+    def __init__(self, env: Env, seed: int = 0, gamma: float = 0.1):
+        super().__init__(env, seed)
+        self.gamma = gamma
+        self.logw = [0.0] * len(self.arms)
+        self.probs = [1.0 / len(self.arms)] * len(self.arms)
+
+    def pick(self) -> int:
+        top = max(self.logw)
+        w = [math.exp(x - top) for x in self.logw]
+        total = sum(w)
+        n = len(w)
+        self.probs = [(1 - self.gamma) * x / total + self.gamma / n for x in w]
+        return self.rng.choices(range(n), weights=self.probs)[0]
+
+    def reward(self, arm: int, r: float) -> None:
+        self.logw[arm] += self.gamma * (r / self.probs[arm]) / len(self.arms)
+
+
+class MemSpecPolicy(Policy):
+    """Predictor α + decision rule among resident drafts + proactive residency by value/byte.
+
+    Value of holding draft d = seconds it is predicted to save on the rest of this request
+    (tokens left × (1/rate_none − 1/rate_d)), plus a share of what it saved on recent requests
+    (the workload comes in runs, so the next request is likely alike), minus its load time when
+    it is not resident yet. The working set keeps the best value per byte that fits; loads run
+    in the background while decoding goes on with what is resident.
+    """
+
+    name = "memspec"
+
+    def __init__(
+        self,
+        env: Env,
+        predictor: AcceptancePredictor,
+        replan_every: int = 16,
+        carry: float = 0.5,
+        recent_decay: float = 0.5,
+    ):
+        super().__init__(env)
+        self.predictor = predictor
+        for d in env.drafts.values():
+            predictor.set_prior(d.id, PRIOR_ALPHA.get(d.kind, 0.5))
+        self.replan_every = replan_every
+        self.carry = carry
+        self.recent_decay = recent_decay
+        self.state: RequestState | None = None
+        self.ws: Residency | None = None
+        self.req: Request | None = None
+        self.rounds = 0
+        self.position = 0
+        self.mean_len = 0.0  # running mean output length (tokens)
+        self.recent: dict[str, float] = {}  # seconds saved per token on recent requests
+        self.plan: dict[str, float] = {}
+
+    def _tokens_left(self, position: int) -> float:
+        assert self.req is not None
+        expect = self.mean_len or self.req.max_tokens * 0.75
+        return max(min(expect, self.req.max_tokens) - position, 0.0)
+
+    def value(self, draft: DraftInfo, position: int, resident: set[str]) -> float:
+        """Predicted seconds saved by holding `draft` (net of its load if not resident)."""
+        assert self.state is not None
+        alpha = self.predictor.alpha(self.state, draft.id, position)
+        k, rate = self._best(draft.id, alpha, self.env.k_max)
+        per_token = max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
+        now = per_token * self._tokens_left(position)
+        later = self.carry * self.recent.get(draft.id, per_token) * (self.mean_len or 64.0)
+        v = now + later
+        if draft.id not in resident:
+            v -= draft.load_s
+        return v
+
+    def replan(self, position: int) -> None:
+        assert self.ws is not None
+        resident = self.ws.resident_ids()
+        wanted = []
+        for d in self.env.drafts.values():
+            if d.always_resident:
+                continue
+            v = self.value(d, position, resident)
+            if v > 0:
+                wanted.append((d.id, v))
+        self.plan = dict(wanted)
+        self.ws.prefetch(wanted)
+
+    def begin(self, req, ws):
+        self.req, self.ws = req, ws
+        self.state = self.predictor.request(req.prompt, req.text, req.turns)
+        self.rounds = self.position = 0
+        self.replan(0)
+
+    def choose(self, rnd, ws):
+        assert self.state is not None
+        self.position = rnd.position
+        resident = ws.resident_ids()
+        best: tuple[str | None, int] = (None, 0)
+        best_rate = self.r_none
+        for d in self.env.drafts.values():
+            if not d.always_resident and d.id not in resident:
+                continue
+            key, limit = _limit(d, rnd, self.env.k_max)
+            if limit <= 0:
+                continue
+            k, rate = self._best(d.id, self.predictor.alpha(self.state, key, rnd.position), limit)
+            if k > 0 and rate > best_rate:
+                best, best_rate = (d.id, k), rate
+        return best
+
+    def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
+        if draft is None or self.state is None:
+            return
+        self.predictor.update(self.state, key, position, proposed, accepted)
+        self.rounds += 1
+        if self.rounds % self.replan_every == 0:
+            self.replan(position + tokens)
+
+    def end(self) -> None:
+        if self.state is None:
+            return
+        n = self.position + 1
+        self.mean_len = n if not self.mean_len else 0.8 * self.mean_len + 0.2 * n
+        # What each draft would have saved per token on this request, as now estimated.
+        for d in self.env.drafts.values():
+            if d.always_resident:
+                continue
+            alpha = self.predictor.alpha(self.state, d.id, 0)
+            k, rate = self._best(d.id, alpha, self.env.k_max)
+            saved = max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
+            prev = self.recent.get(d.id, saved)
+            self.recent[d.id] = self.recent_decay * prev + (1 - self.recent_decay) * saved
+        self.state = None
+
+    def status(self) -> dict:
+        return {
+            "policy": self.name,
+            "plan": {k: round(v, 4) for k, v in self.plan.items()},
+            "predictor": self.predictor.describe(),
+        }
+
+
+@dataclass
+class OracleEntry:
+    draft: str | None  # the best single draft for this prompt (None: plain decoding wins)
+    alpha: dict[str, float] = field(default_factory=dict)  # actual α per statistic key
+
+
+def prompt_key(prompt: list[int]) -> str:
+    import hashlib
+
+    return hashlib.sha256(",".join(map(str, prompt)).encode()).hexdigest()[:20]
+
+
+class OraclePolicy(Policy):
+    """Best single draft per prompt, from traces, with its actual acceptance (not deployable)."""
+
+    name = "oracle"
+
+    def __init__(self, env: Env, table: dict[str, OracleEntry]):
+        super().__init__(env)
+        self.table = table
+        self.entry: OracleEntry | None = None
+        self.misses = 0
+
+    def begin(self, req, ws):
+        self.entry = self.table.get(prompt_key(req.prompt))
+        if self.entry is None:
+            self.misses += 1
+            return
+        d = self.entry.draft
+        wanted = [(d, 1.0)] if d is not None and not self.env.drafts[d].always_resident else []
+        ws.prefetch(wanted)
+
+    def choose(self, rnd, ws):
+        if self.entry is None or self.entry.draft is None:
+            return None, 0
+        info = self.env.drafts[self.entry.draft]
+        if not info.always_resident and info.id not in ws.resident_ids():
+            return None, 0
+        key, limit = _limit(info, rnd, self.env.k_max)
+        alpha = self.entry.alpha.get(key, self.entry.alpha.get(info.id, 0.0))
+        k, _ = self._best(info.id, alpha, limit)
+        return (info.id, k) if k > 0 else (None, 0)
+
+    def status(self) -> dict:
+        return {"policy": self.name, "misses": self.misses}
+
+
+POLICY_NAMES = ("none", "fixed:<id>", "ucb", "exp3", "memspec", "oracle")
+
+
+def make_policy(
+    spec: str,
+    env: Env,
+    predictor: AcceptancePredictor | None = None,
+    oracle: dict[str, OracleEntry] | None = None,
+    seed: int = 0,
+) -> Policy:
+    """Build a policy from its name: none, fixed:<id>, ucb, exp3, memspec, oracle."""
+    if spec == "none":
+        return NonePolicy(env)
+    if spec.startswith("fixed:"):
+        return FixedPolicy(env, spec.split(":", 1)[1])
+    if spec == "ucb":
+        return UCBPolicy(env, seed)
+    if spec == "exp3":
+        return EXP3Policy(env, seed)
+    if spec == "memspec":
+        if predictor is None:
+            predictor = AcceptancePredictor.fallback("no predictor given")
+        return MemSpecPolicy(env, predictor)
+    if spec == "oracle":
+        if oracle is None:
+            raise ValueError("policy 'oracle' needs traces (the best draft per prompt)")
+        return OraclePolicy(env, oracle)
+    raise ValueError(f"unknown policy {spec!r}; one of {', '.join(POLICY_NAMES)}")

@@ -1,0 +1,297 @@
+"""Trace-driven simulator: replay requests under a device profile, a byte budget and a policy.
+
+Each round the policy picks (draft, k) exactly as live; the trace says how many of the
+proposed tokens the target accepts at this output position (exact for greedy decoding,
+whatever sequence of drafts and k the policy picks); the profile says what the round costs:
+draft steps (plus a batched catch-up when the draft has not seen the latest context), the
+target's verification of k + 1 tokens, the engine's per-round overhead, and any wait on a
+reactive load. Background loads run on one loader in virtual time and may slow decoding by
+the profile's contention factor.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from memspec.predictor.model import AcceptancePredictor, load_or_fallback
+from memspec.scheduler.policies import (
+    DraftInfo,
+    Env,
+    OracleEntry,
+    OraclePolicy,
+    Policy,
+    Request,
+    Round,
+    make_policy,
+    prompt_key,
+)
+from memspec.sim.profile import DraftCost, Profile
+from memspec.sim.traces import Trace, TraceRequest
+from memspec.sim.working_set import SimWorkingSet
+from memspec.units import parse_size
+
+DEFAULT_PREDICTOR = Path(__file__).resolve().parents[2] / "predictors" / "smollm2-mtbench.json"
+
+
+@dataclass
+class Setup:
+    """A trace's drafts costed by a profile."""
+
+    profile: Profile
+    env: Env
+    dcost: dict[str, DraftCost]
+    max_tokens: int
+
+    @property
+    def all_drafts_bytes(self) -> int:
+        return sum(c.bytes for c in self.dcost.values())
+
+
+def build_setup(trace: Trace, profile: Profile) -> Setup:
+    dcost, infos = {}, {}
+    for d, h in trace.header["drafts"].items():
+        c = profile.draft(d, int(h["bytes"]), h["kind"])
+        dcost[d] = c
+        infos[d] = DraftInfo(d, h["kind"], c.bytes, profile.load_s(c))
+    env = Env(infos, profile.cost_model(dcost), int(trace.header["settings"]["k_max"]))
+    return Setup(profile, env, dcost, int(trace.header["settings"]["max_tokens"]))
+
+
+def resolve_budget(budget: str | int, setup: Setup) -> int:
+    """Bytes for target + drafts. 'auto': the target plus the largest single draft."""
+    if budget == "auto":
+        return setup.profile.target_bytes + max((c.bytes for c in setup.dcost.values()), default=0)
+    return parse_size(budget)
+
+
+def request_of(r: TraceRequest, max_tokens: int) -> Request:
+    return Request(r.id, r.prompt, r.text, r.turn, max_tokens)
+
+
+@dataclass
+class Totals:
+    tokens: int = 0
+    seconds: float = 0.0
+    proposed: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    requests: int = 0
+    policy_s: float = 0.0  # host time inside the policy (this machine's Python, not the device)
+
+
+def run_request(
+    r: TraceRequest, policy: Policy, ws: SimWorkingSet, setup: Setup, tot: Totals
+) -> None:
+    prof, env, costs = setup.profile, setup.env, setup.dcost
+    verify = prof.verify_s
+    n = len(r.output)
+    t = ws.now
+    c0 = time.perf_counter()
+    policy.begin(request_of(r, setup.max_tokens), ws)
+    tot.policy_s += time.perf_counter() - c0
+    prefill = prof.target_prefill_s_per_token * (len(r.prompt) - 1)
+    if ws.loading():
+        prefill *= 1 + prof.load_contention
+    t += prefill
+    seen: dict[str, int] = {}  # context tokens each draft's KV cache covers
+    pos = 0
+    peeked: list[str] = []
+    drafts = r.drafts
+
+    def peek(d: str) -> tuple[str, int]:
+        pd = drafts[d]
+        peeked.append(d)
+        suffix = pd.keys[pos] if pd.keys is not None else ""
+        return (f"{d}/{suffix}" if suffix else d), pd.length[pos]
+
+    while pos < n:
+        ws.advance(t)
+        peeked.clear()
+        k_room = setup.max_tokens - pos - 1
+        c0 = time.perf_counter()
+        d, k = policy.choose(Round(pos, k_room, peek), ws)
+        tot.policy_s += time.perf_counter() - c0
+        stall = 0.0
+        if d is not None and k > 0:
+            info = env.drafts[d]
+            if not info.always_resident:
+                if d in ws.resident:
+                    ws.touch(d)
+                elif policy.reactive:
+                    s = ws.acquire(d)
+                    d, stall = (d, s) if s is not None else (None, 0.0)
+                    seen.pop(d or "", None)
+                else:
+                    d = None
+        key = ""
+        proposed = accepted = 0
+        dt = 0.0
+        if d is not None and k > 0:
+            pd = drafts[d]
+            proposed = min(k, pd.length[pos], max(k_room, 0))
+            accepted = min(proposed, pd.run[pos])
+            suffix = pd.keys[pos] if pd.keys is not None else ""
+            key = f"{d}/{suffix}" if suffix else d
+            c = costs[d]
+            if c.s_per_token:
+                gap = len(r.prompt) + pos - seen.get(d, 0)
+                dt += c.s_per_token * proposed + (c.prefill_s_per_token * gap if gap > 2 else 0.0)
+                seen[d] = len(r.prompt) + pos + min(accepted, max(proposed - 1, 0))
+        for p in peeked:
+            dt += costs[p].overhead_s
+        b = proposed + 1
+        dt += (verify[b - 1] if b <= len(verify) else verify[-1]) + prof.round_overhead_s
+        if ws.loading():
+            dt *= 1 + prof.load_contention
+        t += stall + dt
+        tokens = min(accepted + 1, n - pos)
+        c0 = time.perf_counter()
+        policy.observe(d if proposed else None, key, pos, proposed, accepted, stall + dt, tokens)
+        tot.policy_s += time.perf_counter() - c0
+        tot.proposed += proposed
+        tot.accepted += accepted
+        tot.rounds += 1
+        pos += tokens
+    ws.advance(t)
+    ws.now = t
+    policy.end()
+    tot.tokens += n
+    tot.requests += 1
+
+
+def request_alphas(r: TraceRequest) -> dict[str, float]:
+    """The request's actual acceptance per statistic key (what an oracle knows in advance)."""
+    from memspec.predictor.train import cells_of
+
+    acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for c in cells_of(r):
+        acc[c.key][0] += c.accepted
+        acc[c.key][1] += c.compared
+    return {k: a / n for k, (a, n) in acc.items() if n}
+
+
+def oracle_table(trace: Trace, setup: Setup) -> dict[str, OracleEntry]:
+    """Per prompt, the single draft (or none) with the most tokens/s, all drafts resident."""
+    table: dict[str, OracleEntry] = {}
+    unlimited = 1 << 62
+    sizes = {d: c.bytes for d, c in setup.dcost.items()}
+    for r in trace.requests:
+        alphas = request_alphas(r)
+        best, best_s = None, float("inf")
+        for cand in [None, *setup.env.drafts]:
+            entry = OracleEntry(cand, alphas)
+            ws = SimWorkingSet(unlimited, sizes, {d: 0.0 for d in sizes})
+            ws.resident = {d: 0.0 for d in sizes}
+            tot = Totals()
+            run_request(r, OraclePolicy(setup.env, {prompt_key(r.prompt): entry}), ws, setup, tot)
+            if ws.now < best_s - 1e-12:
+                best, best_s = cand, ws.now
+        table[prompt_key(r.prompt)] = OracleEntry(best, alphas)
+    return table
+
+
+def sim_workload(trace: Trace, n: int | None, seed: int = 0, run_questions: int = 2):
+    """Trace requests in category runs (both turns of a question together); when more requests
+    are asked for than the trace holds, further passes shuffle the order of the runs."""
+    by_cat: dict[str, list[list[TraceRequest]]] = defaultdict(list)
+    for r in trace.requests:
+        convs = by_cat[r.category]
+        if not convs or convs[-1][0].question_id != r.question_id:
+            convs.append([])
+        convs[-1].append(r)
+    runs: list[list[TraceRequest]] = []
+    cats = list(by_cat)
+    width = max(len(v) for v in by_cat.values())
+    for i in range(0, width, run_questions):
+        for c in cats:
+            chunk = [r for conv in by_cat[c][i : i + run_questions] for r in conv]
+            if chunk:
+                runs.append(chunk)
+    total = n if n is not None else len(trace.requests)
+    rng = random.Random(seed)
+    order = list(runs)
+    out: list[TraceRequest] = []
+    while len(out) < total:
+        for run in order:
+            out.extend(run)
+        rng.shuffle(order)
+    return out[:total]
+
+
+def simulate(
+    trace: Trace,
+    setup: Setup,
+    policy: Policy,
+    budget_bytes: int,
+    workload: list[TraceRequest],
+) -> dict:
+    """Replay `workload` with one policy; the same summary the live bench reports."""
+    drafts_budget = budget_bytes - setup.profile.target_bytes
+    if drafts_budget < 0:
+        raise ValueError(
+            f"budget {budget_bytes} B is below the target's {setup.profile.target_bytes} B"
+        )
+    sizes = {d: c.bytes for d, c in setup.dcost.items()}
+    loads = {d: i.load_s for d, i in setup.env.drafts.items()}
+    ws = SimWorkingSet(drafts_budget, sizes, loads)
+    tot = Totals()
+    wall = time.perf_counter()
+    for r in workload:
+        run_request(r, policy, ws, setup, tot)
+    return {
+        "tokens_per_s": round(tot.tokens / ws.now, 3) if ws.now else 0.0,
+        "stall_s": round(ws.stall_s, 4),
+        "loads": ws.loads,
+        "evictions": ws.evictions,
+        "acceptance": round(tot.accepted / tot.proposed, 4) if tot.proposed else None,
+        "peak_bytes": setup.profile.target_bytes + ws.peak_bytes,
+        "tokens": tot.tokens,
+        "seconds": round(ws.now, 3),
+        "requests": tot.requests,
+        "rounds": tot.rounds,
+        "policy_host_us_per_round": round(tot.policy_s / max(tot.rounds, 1) * 1e6, 2),
+        "sim_wall_s": round(time.perf_counter() - wall, 3),
+    }
+
+
+def policy_for(
+    spec: str,
+    setup: Setup,
+    trace: Trace,
+    predictor: AcceptancePredictor | str | Path | None = None,
+    oracle: dict[str, OracleEntry] | None = None,
+    seed: int = 0,
+) -> Policy:
+    if spec == "memspec":
+        if not isinstance(predictor, AcceptancePredictor):
+            predictor = load_or_fallback(Path(predictor) if predictor else DEFAULT_PREDICTOR)
+    if spec == "oracle" and oracle is None:
+        oracle = oracle_table(trace, setup)
+    return make_policy(spec, setup.env, predictor, oracle, seed)
+
+
+def simulate_policy(
+    trace: Trace,
+    profile: Profile,
+    spec: str,
+    budget: str | int,
+    requests: int | None = None,
+    predictor: str | Path | None = None,
+    seed: int = 0,
+) -> dict:
+    """`memspec simulate`: one policy on a trace under a profile and budget."""
+    setup = build_setup(trace, profile)
+    budget_bytes = resolve_budget(budget, setup)
+    policy = policy_for(spec, setup, trace, predictor, seed=seed)
+    result = simulate(trace, setup, policy, budget_bytes, sim_workload(trace, requests, seed))
+    return {
+        "policy": spec,
+        "profile": profile.name,
+        "budget_bytes": budget_bytes,
+        **result,
+        "status": policy.status(),
+    }
