@@ -3,6 +3,10 @@
 Recipes (from manifests under drafts/):
 - quantize: llama.cpp's quantizer (allow_requantize) to F32 / F16 / Q8_0 / Q4_0 / Q2_K ...
 - layers:   a GGUF with a subset of the transformer blocks, written with the `gguf` package.
+- datastore: a suffix-array token index (memspec.drafts.datastore) over the source target's
+  greedy answers to seed prompts (drafts/seeds/prompts.jsonl) plus package text; the answers
+  are cached as they are generated, so an interrupted build resumes. `on_demand` recipes (the
+  full-size ones) are built only when named with --only.
 
 Deterministic and cached: each output records the SHA-256 of its source and its recipe in a
 sidecar `.build.json`; a second run with the same inputs does nothing.
@@ -51,7 +55,12 @@ def all_build_manifests(manifest_dir: Path = DEFAULT_MANIFEST_DIR) -> list[Draft
 def _recipe_key(m: DraftManifest, source_sha: str) -> str:
     assert m.build is not None
     recipe = m.build.model_dump()
-    return hashlib.sha256(json.dumps([recipe, source_sha], sort_keys=True).encode()).hexdigest()
+    parts: list = [recipe, source_sha]
+    if m.build.recipe == "datastore":  # its output also depends on the seed prompts
+        from memspec.drafts.corpus import SEEDS_FILE
+
+        parts.append(sha256_file(SEEDS_FILE))
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 def quantize(src: Path, dst: Path, ftype: str, n_threads: int = 0) -> None:
@@ -110,6 +119,10 @@ def build_one(m: DraftManifest, directory: Path, force: bool = False) -> tuple[P
     part = dst.with_name(dst.name + ".part")
     if m.build.recipe == "quantize":
         quantize(src, part, m.build.ftype)
+    elif m.build.recipe == "datastore":
+        from memspec.drafts.datastore import build_datastore_file
+
+        build_datastore_file(m.build, src, part)
     else:
         from memspec.drafts.layers import write_layer_subset
 
@@ -136,7 +149,11 @@ def build_all(
 ) -> list[tuple[str, Path, bool]]:
     directory = models_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    todo = [m for m in all_build_manifests(manifest_dir) if not only or m.id in only]
+    todo = [
+        m
+        for m in all_build_manifests(manifest_dir)
+        if (m.id in only if only else not (m.build and m.build.on_demand))
+    ]
     done = []
     for m in tqdm(todo, desc="drafts build", unit="model"):
         path, built = build_one(m, directory, force=force)

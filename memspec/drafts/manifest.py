@@ -39,10 +39,21 @@ def check_file_name(name: str) -> str:
 
 
 class BuildRecipe(BaseModel, extra="forbid"):
-    recipe: Literal["quantize", "layers"]
+    recipe: Literal["quantize", "layers", "datastore"]
     source: str  # file name in the models directory (the testbed GGUF or another built file)
     ftype: str = "F32"  # llama.cpp file type: F32, F16, Q8_0, Q4_0, Q4_1, Q2_K, ...
     keep_layers: list[int] | None = None  # recipe "layers": indices of blocks to keep
+    # recipe "datastore": the source GGUF (the target) answers seed prompts greedily; its
+    # outputs plus package text (stdlib source, pydoc) are tokenized and indexed.
+    domains: list[str] | None = None  # seed domains (drafts/seeds/prompts.jsonl); None: all
+    seeds_per_domain: int | None = None  # None: every seed prompt of those domains
+    gen_tokens: int = 96  # new tokens per seed prompt
+    package_chars: int = 0  # characters of stdlib source + pydoc text to add
+    max_tokens: int | None = None  # cap on the datastore's tokens
+    seed: int = 0  # which seed prompts / files are chosen
+    # On-demand recipes are built only when named (`--only ID`): the full-size datastores
+    # take tens of minutes of target decoding, more than a default build should.
+    on_demand: bool = False
 
     @field_validator("source")
     @classmethod
@@ -52,7 +63,7 @@ class BuildRecipe(BaseModel, extra="forbid"):
 
 class DraftManifest(BaseModel, extra="forbid"):
     id: str
-    kind: Literal["model", "prompt_lookup"]
+    kind: Literal["model", "prompt_lookup", "datastore"]
     description: str = ""
     file: str | None = None  # kind "model": GGUF file name in the models directory
     tags: list[str] = Field(default_factory=list)
@@ -88,8 +99,8 @@ def load_manifest(path: Path) -> DraftManifest:
     except ValidationError as e:
         errs = "; ".join(f"field '{'.'.join(map(str, x['loc']))}': {x['msg']}" for x in e.errors())
         raise ManifestError(f"{path}: {errs}") from e
-    if m.kind == "model" and not m.file:
-        raise ManifestError(f"{path}: field 'file': required for kind 'model'")
+    if m.kind in ("model", "datastore") and not m.file:
+        raise ManifestError(f"{path}: field 'file': required for kind '{m.kind}'")
     m.source_path = path
     return m
 

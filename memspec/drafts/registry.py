@@ -10,7 +10,7 @@ from memspec.drafts.prompt_lookup import PromptLookupDraft
 from memspec.paths import models_dir
 
 # α before any round has been seen, per kind (the estimator moves off it within a request).
-PRIOR_ALPHA = {"model": 0.7, "prompt_lookup": 0.4}
+PRIOR_ALPHA = {"model": 0.7, "prompt_lookup": 0.4, "datastore": 0.4}
 
 
 def instantiate(m: DraftManifest, options: BackendOptions, backend_kind: str) -> Draft:
@@ -19,6 +19,10 @@ def instantiate(m: DraftManifest, options: BackendOptions, backend_kind: str) ->
         return PromptLookupDraft(
             m.id, int(m.params.get("max_ngram", 3)), int(m.params.get("min_ngram", 1))
         )
+    if m.kind == "datastore":
+        from memspec.drafts.datastore import load_datastore
+
+        return load_datastore(m.id, m.model_path(models_dir()), dict(m.params))
     if m.kind == "model":
         return ModelDraft(m.id, load_backend(m.model_path(models_dir()), options, backend_kind))
     raise ValueError(f"draft {m.id}: unsupported kind {m.kind!r}")

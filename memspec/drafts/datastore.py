@@ -1,0 +1,451 @@
+"""Retrieval draft: longest-suffix match in a token datastore (REST / suffix-decoding style).
+
+Three sources are searched each round, and the longest match wins:
+- the *base* index: a suffix array over a corpus (the target's own outputs on seed prompts,
+  package text), loaded from a `.npz` file built by `memspec drafts build`;
+- *recent* outputs: finished generations the daemon has seen, in a FIFO buffer bounded by a
+  byte cap (oldest dropped first);
+- the *context* itself (prompt + output so far), like prompt lookup.
+
+A proposal walks the suffix tree below the match: at each step it takes the most frequent next
+token among all occurrences of the matched string, narrows to those occurrences, and goes on
+until k tokens, the end of a document, or too little support. The proposal key names the
+source and match length (e.g. "datastore/b4", "datastore/c6") so the engine's acceptance
+estimate is conditioned on what the draft knew. Proposals are deterministic (probs None).
+
+Suffix array layout: `tokens` (big-endian uint32, documents separated by SEP) and `sa` (int32
+start positions sorted by their first DEPTH tokens): 8 bytes per token, in the file and in
+memory. Lookups are binary searches comparing byte strings — big-endian byte order equals the
+tokens' numeric order — so Python's bisect does the work without a copy of the corpus.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import zipfile
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from memspec.drafts.base import Proposal
+from memspec.drafts.prompt_lookup import PromptLookupDraft
+from memspec.engine.sampling import SamplingParams
+from memspec.errors import ModelLoadError
+
+SEP = 0xFFFFFFFF  # document separator: larger than any token, never part of a pattern
+DEPTH = 64  # suffixes are sorted by this many tokens: max match + longest walk must fit
+FORMAT_VERSION = 1
+SAMPLE = 1024  # at most this many occurrences are read to pick the next token
+
+
+def build_suffix_array(tokens: np.ndarray, depth: int = DEPTH) -> np.ndarray:
+    """Start positions sorted by their first `depth` tokens (prefix doubling, O(N log N log d)).
+
+    Order beyond `depth` tokens is unspecified; a suffix running off the end sorts before any
+    longer one with the same prefix (as bytes comparison does).
+    """
+    n = len(tokens)
+    if n == 0:
+        return np.zeros(0, dtype=np.int32)
+    _, rank = np.unique(tokens, return_inverse=True)
+    rank = rank.astype(np.int64) + 1  # 0 means "past the end"
+    sa = np.argsort(rank, kind="stable")
+    h = 1
+    while h < depth:
+        nxt = np.zeros(n, dtype=np.int64)
+        nxt[: n - h] = rank[h:]
+        key = rank * (n + 2) + nxt
+        sa = np.argsort(key, kind="stable")
+        sk = key[sa]
+        new = np.empty(n, dtype=np.int64)
+        new[sa] = np.cumsum(np.concatenate(([1], sk[1:] != sk[:-1])))
+        rank = new
+        if rank[sa[-1]] == n:  # all distinct: fully sorted
+            break
+        h *= 2
+    return sa.astype(np.int32)
+
+
+def _mode_sorted(col: np.ndarray) -> tuple[int, int]:
+    """(value, count) of the most frequent value in a sorted array (ties: smallest value)."""
+    edges = np.flatnonzero(col[1:] != col[:-1]) + 1
+    starts = np.concatenate(([0], edges))
+    ends = np.concatenate((edges, [len(col)]))
+    i = int(np.argmax(ends - starts))
+    return int(col[starts[i]]), int(ends[i] - starts[i])
+
+
+class SuffixIndex:
+    """Immutable suffix-array index over a token array with SEP between documents."""
+
+    def __init__(self, tokens: np.ndarray, sa: np.ndarray | None = None, depth: int = DEPTH):
+        # A trailing SEP lets a walk read one past any suffix without a bounds check.
+        if len(tokens) == 0 or tokens[-1] != SEP:
+            tokens = np.concatenate((np.asarray(tokens, np.uint32), np.array([SEP], np.uint32)))
+        self.tokens = np.ascontiguousarray(tokens, dtype=">u4")
+        self.depth = depth
+        self.sa = build_suffix_array(self.tokens, depth) if sa is None else sa.astype(np.int32)
+        self._buf = memoryview(self.tokens.view(np.uint8))
+        self._sa_mv = memoryview(self.sa)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + self.sa.nbytes
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def _range(self, pat: bytes, lo: int = 0, hi: int | None = None) -> tuple[int, int]:
+        """SA index range of suffixes starting with `pat` (big-endian uint32 bytes)."""
+        n = len(pat)
+        buf = self._buf
+
+        def key(s: int) -> bytes:
+            return buf[4 * s : 4 * s + n].tobytes()
+
+        hi = len(self.sa) if hi is None else hi
+        lo = bisect.bisect_left(self._sa_mv, pat, lo, hi, key=key)
+        if lo >= hi or key(self._sa_mv[lo]) != pat:
+            return lo, lo
+        return lo, bisect.bisect_right(self._sa_mv, pat, lo, hi, key=key)
+
+    def longest_match(self, context: list[int], max_match: int) -> tuple[int, int, int]:
+        """(match length m, SA lo, SA hi) for the longest tail of `context` found (m ≥ 1)."""
+        max_match = min(max_match, len(context), self.depth - 1)
+        if max_match <= 0:
+            return 0, 0, 0
+        tail = np.asarray(context[-max_match:], dtype=">u4").tobytes()
+        best = (0, 0, 0)
+        lo_m, hi_m = 1, max_match
+        while lo_m <= hi_m:  # "the last m tokens occur" is monotone in m: binary search m
+            m = (lo_m + hi_m) // 2
+            a, b = self._range(tail[4 * (max_match - m) :])
+            if b > a:
+                best = (m, a, b)
+                lo_m = m + 1
+            else:
+                hi_m = m - 1
+        return best
+
+    def walk(self, lo: int, hi: int, m: int, k: int, min_count: int, min_share: float) -> list[int]:
+        """Most frequent continuation path below the SA range [lo, hi) matched to depth m."""
+        out: list[int] = []
+        tokens, sa = self.tokens, self.sa
+        pat = b"".join(int(t).to_bytes(4, "big") for t in tokens[sa[lo] : sa[lo] + m])
+        while len(out) < k and m + 1 < self.depth and hi > lo:
+            step = max(1, (hi - lo) // SAMPLE)  # sorted column: an even sample keeps the mode
+            col = tokens[sa[lo:hi:step] + m]
+            tok, cnt = _mode_sorted(col)
+            total = len(col)
+            if tok == SEP or cnt * step < min_count or cnt < min_share * total:
+                break
+            out.append(tok)
+            pat += tok.to_bytes(4, "big")
+            m += 1
+            if step == 1:
+                # Exact: the run of `tok` in the sorted column is the narrowed range.
+                first = int(np.searchsorted(col, tok, "left"))
+                lo, hi = lo + first, lo + first + cnt
+            else:
+                lo, hi = self._range(pat, lo, hi)
+        return out
+
+
+def _tail_match(arr: np.ndarray, context: list[int], max_match: int) -> tuple[int, np.ndarray]:
+    """Longest tail of `context` occurring in `arr` followed by ≥1 token: (m, end positions)."""
+    if len(arr) < 2 or not context:
+        return 0, np.zeros(0, dtype=np.int64)
+    cand = np.flatnonzero(arr[:-1] == context[-1])  # position of the matched tail's last token
+    m = 0
+    if cand.size:
+        m = 1
+        limit = min(max_match, len(context))
+        while m < limit:
+            prev = cand - m
+            ok = prev >= 0
+            ok[ok] = arr[prev[ok]] == context[-1 - m]
+            if not ok.any():
+                break
+            cand, m = cand[ok], m + 1
+    return m, cand
+
+
+def _linear_walk(
+    arr: np.ndarray,
+    cand: np.ndarray,
+    k: int,
+    min_count: int,
+    min_share: float,
+    prefer_latest: bool,
+) -> list[int]:
+    out: list[int] = []
+    while len(out) < k and cand.size:
+        nxt = cand + 1
+        nxt = nxt[nxt < len(arr)]
+        if not nxt.size:
+            break
+        col = arr[nxt]
+        vals, counts = np.unique(col, return_counts=True)
+        best = int(np.argmax(counts))
+        tok, cnt = int(vals[best]), int(counts[best])
+        if prefer_latest and cnt == 1:
+            tok = int(col[-1])  # no repeat to vote with: copy the latest occurrence
+        if tok == SEP or cnt < min_count or cnt < min_share * len(col):
+            break
+        out.append(tok)
+        cand = nxt[col == tok]
+    return out
+
+
+class DatastoreDraft(PromptLookupDraft):
+    """A lookup draft (so the engine peeks it each round like prompt lookup: it is free)."""
+
+    kind = "datastore"
+
+    def __init__(
+        self,
+        id: str,
+        index: SuffixIndex | None,
+        *,
+        max_match: int = 16,
+        min_match: int = 2,
+        min_count: int = 1,
+        min_share: float = 0.0,
+        use_context: bool = True,
+        recent_bytes: int = 1 << 20,
+        learn: bool = True,
+        meta: dict | None = None,
+    ):
+        self.id = id
+        self.index = index
+        self.max_match = max_match
+        self.min_match = min_match
+        self.min_count = min_count
+        self.min_share = min_share
+        self.use_context = use_context
+        self.recent_bytes = recent_bytes  # byte cap on remembered outputs
+        self.learn = learn
+        self.meta = meta or {}
+        self._recent: deque[np.ndarray] = deque()
+        self._recent_arr = np.array([SEP], dtype=np.uint32)
+        self._recent_used = 0
+        self._req_prompt: list[int] | None = None  # prompt of the request being decoded
+        self._req_ctx: list[int] | None = None  # its context as last seen
+
+    # --- past outputs ---------------------------------------------------------------------
+    def remember(self, tokens: list[int]) -> None:
+        """Add a finished generation to the recent store; drop the oldest past the byte cap."""
+        if not tokens:
+            return
+        arr = np.asarray(tokens, dtype=np.uint32)
+        if arr.nbytes + 4 > self.recent_bytes:
+            arr = arr[-(self.recent_bytes // 4 - 1) :]
+        self._recent.append(arr)
+        self._recent_used += arr.nbytes + 4  # + its separator
+        while self._recent_used > self.recent_bytes:
+            old = self._recent.popleft()
+            self._recent_used -= old.nbytes + 4
+        parts = [np.array([SEP], np.uint32)]
+        for a in self._recent:
+            parts += [a, np.array([SEP], np.uint32)]
+        self._recent_arr = np.concatenate(parts)
+
+    @property
+    def recent_tokens(self) -> int:
+        return sum(len(a) for a in self._recent)
+
+    def _track_request(self, context: list[int]) -> None:
+        """Notice a new request and remember the previous one's output.
+
+        The engine calls propose with the growing context of one request; a context that does
+        not extend the last request's prompt starts a new request.
+        """
+        prompt = self._req_prompt
+        if prompt is not None and len(context) >= len(prompt) and context[: len(prompt)] == prompt:
+            self._req_ctx = context
+            return
+        if prompt is not None and self._req_ctx is not None:
+            self.remember(self._req_ctx[len(prompt) :])
+        self._req_prompt = list(context)
+        self._req_ctx = context
+
+    def finish_request(self) -> None:
+        """Remember the current request's output now (the daemon may call this at its end)."""
+        if self._req_prompt is not None and self._req_ctx is not None:
+            self.remember(self._req_ctx[len(self._req_prompt) :])
+        self._req_prompt = self._req_ctx = None
+
+    # --- proposals ------------------------------------------------------------------------
+    def find(self, context: list[int], k: int) -> tuple[list[int], int]:
+        tokens, _, m = self.lookup(context, k)
+        return tokens, m
+
+    def lookup(self, context: list[int], k: int) -> tuple[list[int], str, int]:
+        """(tokens, source, match length): source "c" context, "r" recent, "b" base index."""
+        best: tuple[int, str] = (0, "")
+        found: dict[str, object] = {}
+        if self.use_context and len(context) > 1:
+            ctx = np.asarray(context, dtype=np.uint32)
+            m, cand = _tail_match(ctx[:-1], context, self.max_match)
+            # cand indexes ctx[:-1]: the token after each is in ctx (never the tail itself)
+            if m:
+                found["c"] = (ctx, cand)
+                best = max(best, (m, "c"))
+        if self._recent:
+            m, cand = _tail_match(self._recent_arr, context, self.max_match)
+            if m > best[0]:
+                found["r"] = (self._recent_arr, cand)
+                best = (m, "r")
+        if self.index is not None:
+            m, lo, hi = self.index.longest_match(context, self.max_match)
+            if m > best[0]:
+                found["b"] = (lo, hi)
+                best = (m, "b")
+        m, src = best
+        if m < self.min_match:
+            return [], "", m
+        if src == "b":
+            lo, hi = found["b"]  # type: ignore[misc]
+            return self.index.walk(lo, hi, m, k, self.min_count, self.min_share), src, m  # type: ignore[union-attr]
+        arr, cand = found[src]  # type: ignore[misc]
+        # In the context the latest occurrence is the best guess (what is being repeated).
+        toks = _linear_walk(arr, cand, k, 1, self.min_share, prefer_latest=src == "c")
+        return toks, src, m
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Proposal:
+        if self.learn:
+            self._track_request(context)
+        if k <= 0:
+            return Proposal(key=self.id)
+        tokens, src, m = self.lookup(context, k)
+        # Acceptance grows with match length; bucket long matches together.
+        return Proposal(tokens=tokens, probs=None, key=f"{self.id}/{src or 'b'}{min(m, 8)}")
+
+    def memory_bytes(self) -> int:
+        base = self.index.nbytes if self.index is not None else 0
+        return base + self._recent_arr.nbytes
+
+    # --- files ----------------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        save_index(path, self.index or SuffixIndex(np.zeros(0, np.uint32)), self.meta)
+
+
+def save_index(path: Path, index: SuffixIndex, meta: dict) -> None:
+    """Write tokens + suffix array + metadata as one uncompressed .npz at exactly `path`."""
+    info = {**meta, "format": FORMAT_VERSION, "depth": index.depth, "n_tokens": len(index)}
+    with Path(path).open("wb") as f:  # a file object: np.savez would append ".npz" to a name
+        np.savez(
+            f,
+            tokens=index.tokens,
+            sa=index.sa,
+            meta=np.frombuffer(json.dumps(info, sort_keys=True).encode(), dtype=np.uint8),
+        )
+
+
+def load_index(path: Path) -> tuple[SuffixIndex, dict]:
+    """Load and validate a datastore file; any damage is a ModelLoadError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"datastore file not found: {path}", param="model")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            tokens = z["tokens"]
+            sa = z["sa"]
+            meta = json.loads(bytes(z["meta"]).decode())
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"corrupt datastore {path.name}: {e}", param="model") from e
+    n = len(tokens)
+    ok = (
+        isinstance(meta, dict)
+        and meta.get("format") == FORMAT_VERSION
+        and tokens.dtype == np.dtype(">u4")
+        and sa.dtype == np.int32
+        and tokens.ndim == sa.ndim == 1
+        and len(sa) == n
+        and n > 0
+        and tokens[-1] == SEP
+        and int(sa.min()) >= 0
+        and int(sa.max()) < n
+    )
+    if not ok:
+        raise ModelLoadError(f"corrupt datastore {path.name}: bad arrays or format", param="model")
+    return SuffixIndex(tokens, sa, int(meta.get("depth", DEPTH))), meta
+
+
+def load_datastore(id: str, path: Path, params: dict | None = None) -> DatastoreDraft:
+    index, meta = load_index(path)
+    p = params or {}
+    return DatastoreDraft(
+        id,
+        index,
+        max_match=int(p.get("max_match", 16)),
+        min_match=int(p.get("min_match", 2)),
+        min_count=int(p.get("min_count", 1)),
+        min_share=float(p.get("min_share", 0.0)),
+        use_context=bool(int(p.get("use_context", 1))),
+        recent_bytes=int(p.get("recent_bytes", 1 << 20)),
+        learn=bool(int(p.get("learn", 1))),
+        meta=meta,
+    )
+
+
+def build_index(documents: list[list[int]], max_tokens: int | None = None) -> SuffixIndex:
+    """Concatenate documents (SEP between) up to max_tokens and index them."""
+    parts: list[np.ndarray] = []
+    used = 0
+    for doc in documents:
+        if not doc:
+            continue
+        if max_tokens is not None and used + len(doc) + 1 > max_tokens:
+            doc = doc[: max(0, max_tokens - used - 1)]
+            if not doc:
+                break
+        parts += [np.asarray(doc, dtype=np.uint32), np.array([SEP], np.uint32)]
+        used += len(doc) + 1
+    tokens = np.concatenate(parts) if parts else np.array([SEP], np.uint32)
+    return SuffixIndex(tokens)
+
+
+def build_datastore_file(recipe, src: Path, dst: Path, progress: bool = True) -> dict:
+    """Recipe "datastore": corpus (target outputs on seed prompts + package text) → index file.
+
+    `recipe` is a manifest BuildRecipe; `src` the target GGUF (it generates and tokenizes).
+    """
+    import time
+
+    from tqdm import tqdm
+
+    from memspec.drafts import corpus
+
+    t0 = time.perf_counter()
+    docs: list[list[int]] = []
+    rows = corpus.select_seeds(recipe.domains, recipe.seeds_per_domain, recipe.seed)
+    if rows and recipe.gen_tokens > 0:
+        outs = corpus.generate_outputs(
+            src, rows, recipe.gen_tokens, n_threads=corpus.default_threads(), progress=progress
+        )
+        docs += [r["tokens"] for r in outs]
+    n_generated = sum(map(len, docs))
+    if recipe.package_chars > 0:
+        tok = corpus.Tokenizer(src)
+        try:
+            texts = corpus.package_texts(recipe.package_chars, seed=recipe.seed)
+            for text in tqdm(texts, desc="corpus: package text", unit="file", disable=not progress):
+                docs.append(tok.tokenize(text))
+        finally:
+            tok.close()
+    index = build_index(docs, recipe.max_tokens)
+    meta = {
+        "source": src.name,
+        "domains": recipe.domains,
+        "seed_prompts": len(rows),
+        "generated_tokens": n_generated,
+        "package_tokens": sum(map(len, docs)) - n_generated,
+        "build_s": round(time.perf_counter() - t0, 1),
+    }
+    save_index(dst, index, meta)
+    return meta
