@@ -112,6 +112,7 @@ def status(ctx: ServerContext) -> dict[str, Any]:
         "used_bytes": {"measured": measured, "modelled": modelled},
         "memory": snap,
         "queue": {"depth": w.queue_depth, "max": s.max_queue, "busy": w.busy},
+        "engine": {"state": w.state, "heartbeat_age_s": round(w.heartbeat_age_s, 2)},
         "tokens_per_s_recent": w.tokens_per_s_recent(),
         "requests_served": w.requests_served,
         "prefix_cache": {

@@ -54,7 +54,12 @@ class Lifecycle:
     def _maybe_ready(self) -> None:
         ctx = self.ctx
         with self._lock:
-            if self._ready_sent or not ctx.listening or ctx.worker.state != "ready":
+            if (
+                self._ready_sent
+                or ctx.shutting_down
+                or not ctx.listening
+                or ctx.worker.state != "ready"
+            ):
                 return
             self._ready_sent = True
         ctx.notifier.ready(f"serving {ctx.settings.model_name}")

@@ -172,6 +172,10 @@ class EngineWorker:
     def ready(self) -> bool:
         return self.state == "ready" and self._accepting
 
+    @property
+    def heartbeat_age_s(self) -> float:
+        return time.monotonic() - self.heartbeat
+
     def healthy(self, stale_s: float) -> bool:
         """Ready and the engine thread beat within `stale_s` (a stuck engine stops beating)."""
         return self.state in ("ready", "reloading") and (
