@@ -96,20 +96,35 @@ def as_memspec_error(exc: BaseException) -> MemSpecError:
     return EngineError(f"the engine failed on this request ({type(exc).__name__}); retry it")
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _loc_param(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body",)]
+    """("body", "messages", 0, "content", "str") -> "messages[0].content".
+
+    Union members show up in pydantic's locations as type tags ("str", "list[int]",
+    "constrained-str"); they are not parameters, so they are left out.
+    """
     out = ""
-    for p in parts:
-        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    for p in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(p, int):
+            out += f"[{p}]"
+            continue
+        p = str(p)
+        if p in _TYPE_TAGS or "[" in p or "-" in p:
+            continue
+        out += f".{p}" if out else p
     return out or None
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
-    """One line for the first problem: (message, param, code)."""
+    """One line for the most telling problem: (message, param, code)."""
     errors = exc.errors()
     if not errors:
         return "invalid request body", None, "invalid_request_body"
-    first = errors[0]
+    # With unions every member reports; a type mismatch ("should be a valid string") is the
+    # least telling, so a constraint error (too long, out of range, not allowed) wins.
+    first = next((e for e in errors if not e.get("type", "").endswith("_type")), errors[0])
     kind = first.get("type", "")
     if kind == "json_invalid":
         ctx = first.get("ctx") or {}
@@ -120,10 +135,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None, st
     if kind == "missing":
         text = f"missing required parameter: {param}" if param else "request body is required"
         return text, param, "missing_required_parameter"
-    if kind == "model_attributes_type" or (param is None and kind.endswith("_type")):
+    if param is None and kind in ("model_attributes_type", "dict_type", "model_type"):
         return "request body must be a JSON object", None, "invalid_request_body"
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return f"invalid value for {param or 'body'}: {msg}{more}", param, "invalid_value"
+    return f"invalid value for {param or 'body'}: {msg}", param, "invalid_value"
 
 
 async def _memspec_error(request: Request, exc: Exception) -> JSONResponse:

@@ -95,6 +95,17 @@ def check_model(ctx: ServerContext, model: str) -> None:
         )
 
 
+def check_text(param: str, *texts: str) -> None:
+    """JSON can carry lone surrogates (\\ud800) that no tokenizer can encode: a 400, not a 500."""
+    for t in texts:
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest(
+                f"{param} contains invalid Unicode (a lone surrogate)", param=param
+            ) from None
+
+
 def check_prompt_size(ctx: ServerContext, chars: int) -> None:
     limit = ctx.settings.max_prompt_chars
     if chars > limit:
@@ -212,6 +223,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
     check_model(ctx, body.model)
     body.check_supported()
     messages = body.message_dicts()
+    check_text("messages", *(m["content"] for m in messages))
+    check_text("stop", *body.stop_list())
     check_prompt_size(ctx, sum(len(m["content"]) for m in messages))
     req = GenerateRequest(messages=messages, max_tokens=body.token_limit(), **_sampling(body))
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model
@@ -264,6 +277,9 @@ async def completions(request: Request, body: CompletionRequest, ctx: Ctx) -> An
     check_model(ctx, body.model)
     body.check_supported()
     prompt = body.prompt_value()
+    if isinstance(prompt, str):
+        check_text("prompt", prompt)
+    check_text("stop", *body.stop_list())
     check_prompt_size(ctx, len(prompt) if isinstance(prompt, str) else len(prompt) * 4)
     req = GenerateRequest(prompt=prompt, max_tokens=body.max_tokens, **_sampling(body))
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model
