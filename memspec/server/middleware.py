@@ -14,6 +14,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from memspec.server.errors import PayloadTooLarge, error_json
 from memspec.server.metrics import Metrics
 
+DRAIN_MAX = 16 << 20  # bytes of an oversize body read and dropped so the 413 gets through
+
 
 async def _send_error(send: Send, status: int, body: dict[str, Any]) -> None:
     raw = json.dumps(body).encode()
@@ -46,15 +48,16 @@ class BodyLimit:
             f"request body exceeds the limit of {self.limit} bytes", param=None
         )
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                declared = -1
-            if declared > self.limit:
-                await _send_error(send, 413, error_json(too_large))
-                return
-        # Read the whole (bounded) body first; then replay it and pass the rest through.
+        try:
+            declared = int(length) if length is not None else 0
+        except ValueError:
+            declared = 0
+        if declared > self.limit + DRAIN_MAX:  # not worth reading: answer and hang up
+            await _send_error(send, 413, error_json(too_large))
+            return
+        # Read the whole (bounded) body first; then replay it and pass the rest through. An
+        # oversize body is read to its end (and dropped) before the 413, up to DRAIN_MAX, so
+        # the client sees the answer instead of a connection reset mid-upload.
         chunks: list[bytes] = []
         size = 0
         more = True
@@ -64,11 +67,16 @@ class BodyLimit:
                 return  # disconnected before the body was complete
             body = message.get("body", b"")
             size += len(body)
-            if size > self.limit:
-                await _send_error(send, 413, error_json(too_large))
-                return
-            chunks.append(body)
             more = message.get("more_body", False)
+            if size > self.limit:
+                chunks.clear()
+                if size > self.limit + DRAIN_MAX:
+                    break
+                continue
+            chunks.append(body)
+        if size > self.limit:
+            await _send_error(send, 413, error_json(too_large))
+            return
         replayed = False
 
         async def replay() -> Message:

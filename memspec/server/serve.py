@@ -137,8 +137,10 @@ def serve(config_file: str | Path | None = None, **cli: Any) -> int:
         ", ".join(TUNABLE),
     )
     server.run(sockets=[sock])
-    if ctx.worker.state not in ("stopped", "failed", "starting"):
-        # The engine thread is stuck: do not run interpreter teardown under it.
+    state = ctx.worker.state
+    if state not in ("stopped", "failed", "starting"):
+        # The engine thread is still inside llama.cpp: do not run interpreter teardown under
+        # it. Still loading (a stop during start-up) is a clean exit; anything else is stuck.
         logging.shutdown()
-        os._exit(ctx.exit_code or 1)
+        os._exit(ctx.exit_code if state == "loading" else (ctx.exit_code or 1))
     return ctx.exit_code

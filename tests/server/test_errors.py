@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 from server_harness import MODEL, N_CTX
@@ -51,6 +53,20 @@ def test_malformed_json(http, raw):
 def test_wrong_types_are_400_not_422(http, body, param):
     err = assert_openai_error(http.post(CHAT, json=body), 400)
     assert err["param"] == param or (err["param"] or "").startswith(param), err
+
+
+def test_lone_surrogates_are_400(http):
+    bad = "a\ud800b"  # legal JSON (an escape), not encodable as UTF-8
+
+    def post(path: str, body: dict):
+        raw = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as \ud800
+        return http.post(path, content=raw, headers={"Content-Type": "application/json"})
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": bad}]}
+    assert_openai_error(post(CHAT, chat), 400, param="messages")
+    assert_openai_error(
+        post("/v1/completions", {"model": MODEL, "prompt": bad}), 400, "invalid_request", "prompt"
+    )
 
 
 def test_body_not_an_object(http):
