@@ -54,6 +54,7 @@ class LlamaCppBackend(Backend):
             raise ModelLoadError(f"failed to load {path.name}: {e}", param="model") from e
         self.n_ctx = self._llm.n_ctx()
         self.n_vocab = self._llm.n_vocab()
+        self._pieces: dict[int, bytes] = {}
         self._n_batch = self._llm.n_batch
         meta = self._llm.metadata
         self.metadata = meta
@@ -79,7 +80,25 @@ class LlamaCppBackend(Backend):
         return self._llm.tokenize(text.encode("utf-8"), add_bos and self._add_bos, special)
 
     def detokenize(self, tokens: list[int]) -> bytes:
-        return self._llm.detokenize(tokens)
+        return b"".join(self._piece(t) for t in tokens)
+
+    def _piece(self, token: int) -> bytes:
+        # llama-cpp-python's detokenize uses a 32-byte buffer and silently drops longer pieces
+        # (SmolLM2 has 47, e.g. runs of spaces); ask for the size llama.cpp says it needs.
+        piece = self._pieces.get(token)
+        if piece is None:
+            import llama_cpp
+
+            vocab = self._llm._model.vocab
+            size = 64
+            while True:
+                buf = ctypes.create_string_buffer(size)
+                n = llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, False)
+                if n >= 0:
+                    break
+                size = -n
+            piece = self._pieces[token] = buf.raw[:n]
+        return piece
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         return render_chat(self._template, messages, self._bos_text, self._eos_text)

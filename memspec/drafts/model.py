@@ -12,9 +12,13 @@ from memspec.engine.sampling import SamplingParams, probs_from_logits, sample
 class ModelDraft(Draft):
     kind = "model"
 
-    def __init__(self, id: str, backend: Backend):
+    def __init__(self, id: str, backend: Backend, min_confidence: float = 0.3):
         self.id = id
         self.backend = backend
+        # Stop drafting once the draft's own top probability falls below this: an unsure
+        # token is likely rejected and would waste the remaining draft steps. Only the
+        # proposal's length changes, so this cannot affect the output.
+        self.min_confidence = min_confidence
 
     def propose(
         self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator
@@ -35,11 +39,15 @@ class ModelDraft(Draft):
         for i in range(k):
             if params.greedy:
                 tok = int(np.argmax(logits))
+                confidence = top_probability(logits, tok)
             else:
                 q = probs_from_logits(logits, params)
                 tok = sample(q, rng)
                 probs.append(q)  # type: ignore[union-attr]
+                confidence = float(q[tok])
             tokens.append(tok)
+            if i > 0 and confidence < self.min_confidence:
+                break  # keep the unsure token (one try is cheap), stop paying for more
             if i + 1 < k:  # the last proposal need not be fed: its logits are never used
                 logits = be.eval([tok], all_logits=False)[-1]
         return Proposal(tokens=tokens, probs=probs, key=self.id)
@@ -49,3 +57,9 @@ class ModelDraft(Draft):
 
     def close(self) -> None:
         self.backend.close()
+
+
+def top_probability(logits: np.ndarray, token: int) -> float:
+    """softmax(logits)[token] without materialising the whole distribution twice."""
+    z = logits - logits[token]
+    return float(1.0 / np.exp(z, dtype=np.float64).sum())
