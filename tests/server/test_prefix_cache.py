@@ -1,0 +1,98 @@
+"""The multi-session prefix cache on a real llama.cpp backend: snapshots restore the exact KV,
+stay within their byte bound, and never cross backends."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memspec.backends.base import BackendOptions, load_backend
+from memspec.paths import models_dir
+from memspec.server.prefix_cache import MIN_SAVE_TOKENS, PrefixCache
+
+A = "The quick brown fox jumps over the lazy dog while the farmer watches from the gate. " * 2
+B = "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen in leaves. " * 2
+
+
+def _load(name: str):
+    # One thread: the test box is shared, and llama.cpp threads spin when cores are busy.
+    return load_backend(models_dir() / name, BackendOptions(n_ctx=256, n_threads=1))
+
+
+@pytest.fixture()
+def small_backend():
+    be = _load("smollm2-135m-f32.gguf")
+    yield be
+    be.close()
+
+
+def greedy(be, prompt: list[int], n: int = 6) -> list[int]:
+    """Prefill what the cache lacks, then n greedy tokens (the engine's prefix-reuse rule)."""
+    kept = be.reuse_prefix(prompt[:-1])
+    if kept < len(prompt) - 1:
+        be.eval(prompt[kept:-1], all_logits=False)
+    out, last = [], prompt[-1]
+    for _ in range(n):
+        tok = int(np.argmax(be.eval([last])[-1]))
+        out.append(tok)
+        last = tok
+    return out
+
+
+def test_restore_is_exact_and_interleaving_reuses(small_backend):
+    be = small_backend
+    cache = PrefixCache(lambda: 64 << 20)
+    a = be.tokenize(A)
+    b = be.tokenize(B)
+    ref_a = greedy(be, a)
+    be.reset()
+
+    cache.prepare(be, a)
+    assert greedy(be, a) == ref_a
+    a_kv = list(be.tokens)
+    assert cache.prepare(be, b) == 0  # a different conversation: A's KV is saved first
+    assert len(cache) == 1 and cache.nbytes > 0
+    greedy(be, b)
+    follow_up = a_kv + be.tokenize(" And then?", add_bos=False)
+    restored = cache.prepare(be, follow_up)  # A comes back; B is saved in its place
+    assert restored == len(a_kv)
+    assert be.tokens == a_kv and len(cache) == 1
+    assert cache.stats.restores == 1 and cache.stats.saves == 2
+    be.truncate(len(a) - 1)
+    assert greedy(be, a) == ref_a  # the restored KV gives the same greedy continuation
+
+
+def test_byte_bound_and_supersede(small_backend):
+    be = small_backend
+    cap = [1 << 30]
+    cache = PrefixCache(lambda: cap[0])
+    a = be.tokenize(A)
+    be.eval(a[:24], all_logits=False)
+    cache.prepare(be, be.tokenize(B))  # saves a 24-token prefix of A
+    one = cache.nbytes
+    be.reset()
+    be.eval(a, all_logits=False)
+    cache.prepare(be, be.tokenize(B))  # A's full KV supersedes its own prefix
+    assert len(cache) == 1 and cache.nbytes > one
+    cap[0] = one  # a budget cut: the cache shrinks to fit
+    cache.shrink()
+    assert cache.nbytes <= one and cache.stats.evictions == 1
+    be.reset()
+    be.eval(a[: MIN_SAVE_TOKENS - 1], all_logits=False)
+    cache.prepare(be, be.tokenize(B))  # too short to be worth a snapshot
+    assert len(cache) == 0
+
+
+def test_snapshots_never_cross_backends(small_backend):
+    other = _load("smollm2-135m-q8_0.gguf")
+    try:
+        cache = PrefixCache(lambda: 64 << 20)
+        a = small_backend.tokenize(A)
+        small_backend.eval(a, all_logits=False)
+        cache.prepare(small_backend, small_backend.tokenize(B))
+        assert len(cache) == 1
+        assert cache.prepare(other, a) == 0  # the target's snapshot is not the draft's
+        cache.forget([other])
+        assert len(cache) == 0
+    finally:
+        other.close()
