@@ -87,12 +87,12 @@ def cmd_predictor_show(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from memspec.sim.profile import load_profile
+    from memspec.sim.profile import profile_for
     from memspec.sim.simulator import simulate_policy
     from memspec.sim.traces import load_trace
 
     trace = load_trace(args.trace)
-    profile = load_profile(args.profile)
+    profile = profile_for(args.profile, trace)
     result = simulate_policy(
         trace,
         profile,
@@ -174,7 +174,9 @@ def register(sub: argparse._SubParsersAction, model_flags) -> None:
     s.set_defaults(func=cmd_predictor_show)
 
     p = sub.add_parser("simulate", help="replay a trace under a device profile and a policy")
-    p.add_argument("--profile", required=True, help="profile name or TOML file")
+    p.add_argument(
+        "--profile", required=True, help="profile name, TOML file, or 'trace' (its own costs)"
+    )
     p.add_argument("--trace", required=True)
     p.add_argument("--policy", required=True, help="none, fixed:<id>, ucb, exp3, memspec, oracle")
     p.add_argument("--budget", required=True, help="bytes, e.g. 900MB or 4.5GiB")

@@ -38,6 +38,7 @@ from memspec.predictor.features import (
 
 ARTIFACT_FORMAT = "memspec-predictor"
 ARTIFACT_VERSION = 1
+_BUCKET = [pos_bucket(i) for i in range(1024)]  # position -> bucket, without a loop per call
 
 
 class PredictorError(MemSpecError):
@@ -79,6 +80,10 @@ class RequestState:
     z: dict[str, float] = field(default_factory=dict)
     acc: dict[str, float] = field(default_factory=dict)
     seen: dict[str, float] = field(default_factory=dict)
+    # Online steps along this request's (constant) feature vector, per key: the request's z
+    # already includes them; the shared weights get them at flush (before the next request).
+    pending: dict[str, float] = field(default_factory=dict)
+    a0: dict[str, list[float | None]] = field(default_factory=dict)  # σ(z + pos) per bucket
 
 
 class AcceptancePredictor:
@@ -100,6 +105,7 @@ class AcceptancePredictor:
         self.error: str | None = None  # why the artifact could not be used (fallback)
         self.online_updates = 0
         self._features: dict[tuple, PromptFeatures] = {}
+        self._open: list[RequestState] = []  # states whose weight steps are not flushed yet
 
     # --- construction -----------------------------------------------------------------
     @classmethod
@@ -133,15 +139,35 @@ class AcceptancePredictor:
             if len(self._features) >= 512:
                 self._features.pop(next(iter(self._features)))
             self._features[key] = feats
-        return RequestState(feats)
+        self.flush()
+        state = RequestState(feats)
+        self._open.append(state)
+        return state
+
+    def flush(self) -> None:
+        """Apply the online steps of finished (or running) requests to the shared weights."""
+        for state in self._open:
+            f = state.features
+            for key, step in state.pending.items():
+                self.model(key).w[f.idx] += step * f.val
+            state.pending.clear()
+        self._open.clear()
 
     def prior_alpha(self, state: RequestState, key: str, position: int = 0) -> float:
+        b = _BUCKET[position] if position < len(_BUCKET) else N_POS - 1
+        cached = state.a0.get(key)
+        if cached is not None and cached[b] is not None:
+            return cached[b]
         z = state.z.get(key)
         m = self.model(key)
         if z is None:
             z = m.bias + state.features.dot(m.w)
             state.z[key] = z
-        return _sigmoid(z + m.pos[pos_bucket(position)])
+        a = _sigmoid(z + m.pos[b])
+        if cached is None:
+            cached = state.a0[key] = [None] * N_POS
+        cached[b] = a
+        return a
 
     def alpha(self, state: RequestState, key: str, position: int = 0) -> float:
         """Predicted per-token acceptance now: the prior sharpened by this request's rounds."""
@@ -163,18 +189,19 @@ class AcceptancePredictor:
         # Gradient of the Bernoulli log-likelihood of `compared` trials w.r.t. the logit,
         # normalised by the feature norm (NLMS) so a step has the same size for any prompt.
         m = self.model(key)
-        b = pos_bucket(position)
         p = self.prior_alpha(state, key, position)
-        step = self.online_lr * (accepted - p * compared) / (state.features.sq_norm + 2.0)
         f = state.features
-        m.w[f.idx] += step * f.val
+        step = self.online_lr * (accepted - p * compared) / (f.sq_norm + 2.0)
+        state.pending[key] = state.pending.get(key, 0.0) + step
         m.bias += step
-        m.pos[b] += step
-        state.z[key] = state.z.get(key, 0.0) + step * (f.sq_norm + 1.0)
+        m.pos[pos_bucket(position)] += step
+        state.z[key] += step * (f.sq_norm + 1.0)
+        state.a0.pop(key, None)
         self.online_updates += 1
 
     # --- artifact ---------------------------------------------------------------------
     def to_dict(self) -> dict:
+        self.flush()
         keys = {}
         for k, m in sorted(self.keys.items()):
             nz = np.flatnonzero(np.abs(m.w) > 1e-6)

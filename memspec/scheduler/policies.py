@@ -281,10 +281,11 @@ class MemSpecPolicy(Policy):
     """Predictor α + decision rule among resident drafts + proactive residency by value/byte.
 
     Value of holding draft d = seconds it is predicted to save on the rest of this request
-    (tokens left × (1/rate_none − 1/rate_d)), plus a share of what it saved on recent requests
-    (the workload comes in runs, so the next request is likely alike), minus its load time when
-    it is not resident yet. The working set keeps the best value per byte that fits; loads run
-    in the background while decoding goes on with what is resident.
+    (tokens left × (1/rate_none − 1/rate_d)), plus what it saved per request lately times the
+    number of further requests it is expected to stay the right choice (requests come in runs;
+    the run length is learnt from how often the best draft changed between requests), minus
+    its load time when it is not resident yet. The working set keeps the best value per byte
+    that fits; loads run in the background while decoding goes on with what is resident.
     """
 
     name = "memspec"
@@ -294,16 +295,18 @@ class MemSpecPolicy(Policy):
         env: Env,
         predictor: AcceptancePredictor,
         replan_every: int = 16,
-        carry: float = 0.5,
         recent_decay: float = 0.5,
+        horizon_cap: float = 8.0,
     ):
         super().__init__(env)
         self.predictor = predictor
         for d in env.drafts.values():
             predictor.set_prior(d.id, PRIOR_ALPHA.get(d.kind, 0.5))
         self.replan_every = replan_every
-        self.carry = carry
         self.recent_decay = recent_decay
+        self.horizon_cap = horizon_cap
+        self.switch_rate = 0.5  # how often the best draft changes from one request to the next
+        self.last_best: str | None = None
         self.state: RequestState | None = None
         self.ws: Residency | None = None
         self.req: Request | None = None
@@ -312,6 +315,7 @@ class MemSpecPolicy(Policy):
         self.mean_len = 0.0  # running mean output length (tokens)
         self.recent: dict[str, float] = {}  # seconds saved per token on recent requests
         self.plan: dict[str, float] = {}
+        self._drafts = [(d.id, d.peek, d.always_resident) for d in env.drafts.values()]
 
     def _tokens_left(self, position: int) -> float:
         assert self.req is not None
@@ -325,11 +329,17 @@ class MemSpecPolicy(Policy):
         k, rate = self._best(draft.id, alpha, self.env.k_max)
         per_token = max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
         now = per_token * self._tokens_left(position)
-        later = self.carry * self.recent.get(draft.id, per_token) * (self.mean_len or 64.0)
+        later = self.recent.get(draft.id, per_token) * (self.mean_len or 64.0) * self.horizon
         v = now + later
         if draft.id not in resident:
             v -= draft.load_s
         return v
+
+    @property
+    def horizon(self) -> float:
+        """Further requests a draft is expected to stay useful: (1 − p) / p for switch rate p."""
+        p = max(self.switch_rate, 1.0 / (self.horizon_cap + 1))
+        return (1 - p) / p
 
     def replan(self, position: int) -> None:
         assert self.ws is not None
@@ -351,20 +361,26 @@ class MemSpecPolicy(Policy):
         self.replan(0)
 
     def choose(self, rnd, ws):
-        assert self.state is not None
-        self.position = rnd.position
+        state = self.state
+        assert state is not None
+        pos = self.position = rnd.position
         resident = ws.resident_ids()
+        cap = min(self.env.k_max, rnd.k_room)
         best: tuple[str | None, int] = (None, 0)
         best_rate = self.r_none
-        for d in self.env.drafts.values():
-            if not d.always_resident and d.id not in resident:
+        for d, peek, always in self._drafts:
+            if not always and d not in resident:
                 continue
-            key, limit = _limit(d, rnd, self.env.k_max)
+            if peek:
+                key, n = rnd.peek(d)
+                limit = min(n, cap)
+            else:
+                key, limit = d, cap
             if limit <= 0:
                 continue
-            k, rate = self._best(d.id, self.predictor.alpha(self.state, key, rnd.position), limit)
+            k, rate = self._best(d, self.predictor.alpha(state, key, pos), limit)
             if k > 0 and rate > best_rate:
-                best, best_rate = (d.id, k), rate
+                best, best_rate = (d, k), rate
         return best
 
     def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
@@ -381,6 +397,7 @@ class MemSpecPolicy(Policy):
         n = self.position + 1
         self.mean_len = n if not self.mean_len else 0.8 * self.mean_len + 0.2 * n
         # What each draft would have saved per token on this request, as now estimated.
+        best, best_saved = None, 0.0
         for d in self.env.drafts.values():
             if d.always_resident:
                 continue
@@ -389,12 +406,17 @@ class MemSpecPolicy(Policy):
             saved = max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
             prev = self.recent.get(d.id, saved)
             self.recent[d.id] = self.recent_decay * prev + (1 - self.recent_decay) * saved
+            if saved > best_saved:
+                best, best_saved = d.id, saved
+        self.switch_rate = 0.8 * self.switch_rate + 0.2 * (best != self.last_best)
+        self.last_best = best
         self.state = None
 
     def status(self) -> dict:
         return {
             "policy": self.name,
             "plan": {k: round(v, 4) for k, v in self.plan.items()},
+            "horizon_requests": round(self.horizon, 2),
             "predictor": self.predictor.describe(),
         }
 

@@ -71,6 +71,60 @@ class Profile:
         )
 
 
+def profile_from_trace(trace) -> Profile:
+    """This machine as the trace measured it while collecting (`--profile trace`): the
+    calibrated verify/draft costs, median real load times, prefill rates, and the engine's
+    per-round overhead (plain rounds' wall time minus the calibrated single-token verify)."""
+    h = trace.header
+    costs = h["costs"]
+
+    def median(xs: list[float], default: float = 0.0) -> float:
+        return statistics.median(xs) if xs else default
+
+    def timing(key: str) -> list[float]:
+        return [r.timing[key] for r in trace.requests if key in r.timing]
+
+    plain = [x.draft_s + x.verify_s for r in trace.requests for x in r.plain.rounds]
+    drafts = {}
+    for d, info in h["drafts"].items():
+        if info["kind"] == "model":
+            drafts[d] = DraftCost(
+                bytes=int(info["bytes"]),
+                s_per_token=float(costs["draft_s"].get(d, 0.0)),
+                prefill_s_per_token=median(timing(f"prefill_s_per_token/{d}")),
+                load_s=float(info.get("load_s_median", 0.0)),
+            )
+        else:
+            drafts[d] = DraftCost(
+                bytes=int(info["bytes"]),
+                overhead_s=float(costs["draft_overhead_s"].get(d, 0.0)),
+                load_s=float(info.get("load_s_median", 0.0)),
+            )
+    return Profile(
+        name="trace",
+        memory_bytes=0,
+        usable_bytes=0,
+        load_bandwidth=1e9,
+        load_overhead_s=0.0,
+        load_contention=0.0,
+        target_bytes=int(h["target"]["bytes"]),
+        target_prefill_s_per_token=median(timing("prefill_s_per_token/target")),
+        verify_s=[float(x) for x in costs["verify_s"]],
+        round_overhead_s=max(median(plain, costs["verify_s"][0]) - costs["verify_s"][0], 0.0),
+        drafts=drafts,
+        source="trace header and timings",
+    )
+
+
+def profile_for(name_or_path: str, trace=None) -> Profile:
+    """A named/file profile, or "trace": the costs the trace itself measured."""
+    if name_or_path == "trace":
+        if trace is None:
+            raise ValueError("profile 'trace' needs a trace")
+        return profile_from_trace(trace)
+    return load_profile(name_or_path)
+
+
 def resolve_profile(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix == ".toml" and p.is_file():

@@ -84,6 +84,8 @@ class TraceRequest:
     plain: RunRecord
     runs: dict[str, RunRecord] = field(default_factory=dict)
     text: str = ""  # the last user message (predictor cues)
+    # Measured while collecting: prefill seconds per token of the target and each model draft.
+    timing: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -203,7 +205,9 @@ class RecordingPolicy:
         self._close(time.perf_counter())
 
 
-def teacher_forced_runs(draft: ModelDraft, prompt: list[int], output: list[int], k_max: int):
+def teacher_forced_runs(
+    draft: ModelDraft, prompt: list[int], output: list[int], k_max: int, timing: dict | None = None
+):
     """Accepted run from each output position, from one batched pass of the draft."""
     n = len(output)
     if n == 0:
@@ -211,16 +215,35 @@ def teacher_forced_runs(draft: ModelDraft, prompt: list[int], output: list[int],
     be = draft.backend
     be.reset()
     if len(prompt) > 1:
+        t = time.perf_counter()
         be.eval(prompt[:-1], all_logits=False)
+        if timing is not None:
+            timing[f"prefill_s_per_token/{draft.id}"] = (time.perf_counter() - t) / (
+                len(prompt) - 1
+            )
     logits = be.eval([prompt[-1]] + output[:-1], all_logits=True)
     be.reset()
-    match = np.argmax(logits, axis=1) == np.asarray(output)
+    top = np.argmax(logits, axis=1)
+    match = top == np.asarray(output)
     run = [0] * n
     streak = 0
     for i in range(n - 1, -1, -1):  # consecutive matches from i onward
         streak = streak + 1 if match[i] else 0
         run[i] = min(streak, k_max)
-    length = [min(k_max, n - i) for i in range(n)]
+    # A draft that stops early when unsure (ModelDraft.min_confidence) proposes fewer tokens:
+    # it keeps the first unsure token after the first and stops there. Confidence is read off
+    # the teacher-forced pass: exact up to the first rejection, which is all acceptance needs.
+    min_conf = getattr(draft, "min_confidence", 0.0) or 0.0
+    z = logits - logits.max(axis=1, keepdims=True)
+    conf = 1.0 / np.exp(z).sum(axis=1)  # softmax probability of the argmax
+    length = []
+    for i in range(n):
+        n_prop = min(k_max, n - i)
+        for t in range(1, n_prop):
+            if conf[i + t] < min_conf:
+                n_prop = t + 1
+                break
+        length.append(n_prop)
     return DraftPositions(length, run)
 
 
@@ -376,9 +399,10 @@ def collect_one(
     ref = gen.token_ids
     positions: dict[str, DraftPositions] = {}
     runs: dict[str, RunRecord] = {}
+    timing = {"prefill_s_per_token/target": plain.prefill_s / max(len(prompt) - 1, 1)}
     for d, draft in rt.drafts.items():
         if isinstance(draft, ModelDraft):
-            positions[d] = teacher_forced_runs(draft, prompt, ref, k_max)
+            positions[d] = teacher_forced_runs(draft, prompt, ref, k_max, timing)
         else:
             positions[d] = proposed_runs(draft, prompt, ref, k_max)
         if with_runs:
@@ -394,6 +418,7 @@ def collect_one(
         plain=plain,
         runs=runs,
         text=spec.turns[spec.turn - 1],
+        timing={k: round(v, 7) for k, v in timing.items()},
     )
 
 

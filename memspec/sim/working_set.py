@@ -56,8 +56,9 @@ class SimWorkingSet:
     def _note_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.used_bytes())
 
-    def resident_ids(self) -> set[str]:
-        return set(self.resident)
+    def resident_ids(self):
+        """Set-like view of the resident drafts (no copy: asked every simulated round)."""
+        return self.resident.keys()
 
     def _evict(self, draft: str) -> None:
         if self.resident.pop(draft, None) is not None:

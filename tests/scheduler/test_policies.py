@@ -1,0 +1,210 @@
+"""Each policy's choose/observe on synthetic rounds, over the simulator's working set."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+
+from memspec.engine.costs import CostModel
+from memspec.predictor.model import AcceptancePredictor, KeyModel
+from memspec.scheduler.policies import (
+    DraftInfo,
+    Env,
+    OracleEntry,
+    Request,
+    Round,
+    make_policy,
+    prompt_key,
+)
+from memspec.sim.working_set import SimWorkingSet
+
+# GPU-like costs: verification nearly flat in k, drafting cheap.
+COSTS = CostModel(
+    verify_s=[0.040 + 0.002 * b for b in range(9)],
+    draft_s={"good": 0.004, "bad": 0.004, "big": 0.006},
+    draft_overhead_s={"lookup": 0.0001},
+)
+DRAFTS = {
+    "good": DraftInfo("good", "model", 100, load_s=0.3),
+    "bad": DraftInfo("bad", "model", 100, load_s=0.3),
+    "big": DraftInfo("big", "model", 300, load_s=0.8),
+    "lookup": DraftInfo("lookup", "prompt_lookup", 0),
+}
+TRUE_ALPHA = {"good": 0.9, "bad": 0.05, "big": 0.92, "lookup/n3": 0.7}
+ENV = Env(DRAFTS, COSTS, k_max=8)
+PROMPT = list(range(100, 160))
+
+
+def working_set(budget: int = 1000, resident=()) -> SimWorkingSet:
+    ws = SimWorkingSet(
+        budget, {d: i.bytes for d, i in DRAFTS.items()}, {d: i.load_s for d, i in DRAFTS.items()}
+    )
+    ws.resident = dict.fromkeys(resident, 0.0)
+    return ws
+
+
+def no_peek(draft):
+    return f"{draft}/n0", 0
+
+
+def play(policy, ws, rounds: int, rng: random.Random, peek=no_peek) -> Counter:
+    """Synthetic rounds: acceptance drawn from TRUE_ALPHA, seconds from COSTS (+ any stall)."""
+    chosen: Counter = Counter()
+    policy.begin(Request("r", PROMPT), ws)
+    for pos in range(rounds):
+        d, k = policy.choose(Round(pos, 64, peek), ws)
+        stall = 0.0
+        if d is not None and d not in ws.resident and not DRAFTS[d].always_resident:
+            assert policy.reactive, f"{policy.name} chose non-resident {d}"
+            stall = ws.acquire(d)
+            if stall is None:  # cannot fit: this round decodes without a draft
+                d, k, stall = None, 0, 0.0
+        chosen[d] += 1
+        key = peek(d)[0] if d == "lookup" else d
+        acc = 0
+        if d is not None:
+            while acc < k and rng.random() < TRUE_ALPHA[key]:
+                acc += 1
+        seconds = COSTS.round_seconds(d, k) + stall
+        policy.observe(d, key or "", pos, k, acc, seconds, acc + 1)
+    policy.end()
+    return chosen
+
+
+def test_none_and_fixed():
+    ws = working_set()
+    assert make_policy("none", ENV).choose(Round(0, 8, no_peek), ws) == (None, 0)
+    fixed = make_policy("fixed:bad", ENV)
+    chosen = play(fixed, ws, 50, random.Random(0))
+    assert set(chosen) == {"bad"}, "a fixed policy drafts with its draft every round"
+    assert ws.loads == 1 and ws.stall_s > 0, "first use is a reactive load"
+
+
+def test_ucb_explores_then_exploits():
+    ws = working_set(budget=1000, resident=DRAFTS)
+    ucb = make_policy("ucb", ENV)
+    rng = random.Random(1)
+    play(ucb, ws, len(ucb.arms), rng)
+    assert ucb.plays == [1] * len(ucb.arms), "UCB plays every arm once first"
+    later = play(ucb, ws, 1500, rng)
+    best = later.most_common(1)[0][0]
+    assert best in ("good", "big"), later
+    assert later[best] > 0.5 * sum(later.values())
+    assert later["bad"] < 0.1 * sum(later.values())
+
+
+def test_exp3_shifts_probability_to_the_best_arms():
+    ws = working_set(budget=1000, resident=DRAFTS)
+    exp3 = make_policy("exp3", ENV, seed=3)
+    rng = random.Random(2)
+    early = play(exp3, ws, 200, rng)
+    late = play(exp3, ws, 2000, rng)
+    share = lambda c, a: c[a] / sum(c.values())  # noqa: E731
+    assert share(late, "good") + share(late, "big") > share(early, "good") + share(early, "big")
+    assert share(late, "bad") < 0.15
+
+
+def test_bandit_reactive_loads_stall_under_a_tight_budget():
+    ws = working_set(budget=100)  # one small draft at a time
+    ucb = make_policy("ucb", ENV)
+    play(ucb, ws, 300, random.Random(4))
+    assert ws.loads >= 2 and ws.stall_s > 0
+    assert ws.peak_bytes <= 100
+
+
+def predictor_knowing(alphas: dict[str, float]) -> AcceptancePredictor:
+    return AcceptancePredictor({k: KeyModel.prior(a) for k, a in alphas.items()})
+
+
+def test_memspec_prefers_the_predicted_best_resident_draft():
+    pred = predictor_knowing({"good": 0.9, "bad": 0.05, "big": 0.3})
+    memspec = make_policy("memspec", ENV, predictor=pred)
+    ws = working_set(resident=("good", "bad"))
+    memspec.begin(Request("r", PROMPT, max_tokens=128), ws)
+    d, k = memspec.choose(Round(0, 64, no_peek), ws)
+    assert d == "good" and k >= 4
+    # Only "bad" resident and it does not pay: plain decoding, never a stall.
+    ws2 = working_set(budget=100, resident=("bad",))
+    memspec.begin(Request("r2", PROMPT, max_tokens=128), ws2)
+    assert memspec.choose(Round(0, 64, no_peek), ws2)[0] != "bad"
+    assert ws2.stall_s == 0
+
+
+def test_memspec_uses_lookup_when_it_has_a_long_match():
+    pred = predictor_knowing({"good": 0.3, "lookup/n3": 0.95})
+    memspec = make_policy("memspec", ENV, predictor=pred)
+    ws = working_set(resident=("good",))
+    memspec.begin(Request("r", PROMPT), ws)
+
+    def peek(d):
+        return "lookup/n3", 8
+
+    assert memspec.choose(Round(10, 64, peek), ws)[0] == "lookup"
+
+
+def test_memspec_prefetches_by_value_per_byte():
+    # "big" is a bit better than "good" but three times the bytes: with room for one small
+    # draft, the working set loads "good"; with room for all, it holds both.
+    pred = predictor_knowing({"good": 0.9, "bad": 0.05, "big": 0.92})
+    memspec = make_policy("memspec", ENV, predictor=pred)
+    ws = working_set(budget=300)
+    memspec.begin(Request("r", PROMPT, max_tokens=256), ws)
+    assert [ld.draft for ld in ws.queue] == ["good"]
+    assert memspec.plan["good"] / 100 > memspec.plan["big"] / 300 > 0
+    assert "bad" not in memspec.plan
+    d, _ = memspec.choose(Round(0, 64, no_peek), ws)
+    assert d is None, "decoding goes on without waiting for the load"
+    ws.advance(1.0)
+    assert memspec.choose(Round(1, 64, no_peek), ws)[0] == "good"
+    wide = working_set(budget=1000)
+    memspec.begin(Request("r2", PROMPT, max_tokens=256), wide)
+    assert sorted(ld.draft for ld in wide.queue) == ["big", "good"]
+
+
+def test_memspec_learns_online_when_the_prediction_is_wrong():
+    pred = predictor_knowing({"good": 0.9, "bad": 0.85, "big": 0.1})
+    memspec = make_policy("memspec", ENV, predictor=pred)
+    ws = working_set(resident=("good", "bad"))
+    TRUE_ALPHA_WRONG = {"good": 0.05}
+    memspec.begin(Request("r", PROMPT), ws)
+    rng = random.Random(5)
+    for pos in range(40):
+        d, k = memspec.choose(Round(pos, 64, no_peek), ws)
+        if d is None:
+            continue
+        a = TRUE_ALPHA_WRONG.get(d, TRUE_ALPHA[d])
+        acc = sum(1 for _ in range(k) if rng.random() < a)
+        memspec.observe(d, d, pos, k, min(acc, k), 0.05, acc + 1)
+    assert memspec.choose(Round(41, 64, no_peek), ws)[0] == "bad"
+
+
+def test_oracle_follows_its_table():
+    table = {prompt_key(PROMPT): OracleEntry("good", {"good": 0.9})}
+    oracle = make_policy("oracle", ENV, oracle=table)
+    ws = working_set(budget=300)
+    oracle.begin(Request("r", PROMPT), ws)
+    assert [ld.draft for ld in ws.queue] == ["good"]
+    assert oracle.choose(Round(0, 64, no_peek), ws) == (None, 0)  # still loading
+    ws.advance(1.0)
+    d, k = oracle.choose(Round(1, 64, no_peek), ws)
+    assert d == "good" and k >= 4
+    oracle.begin(Request("other", [1, 2, 3]), ws)
+    assert oracle.choose(Round(0, 64, no_peek), ws) == (None, 0)
+    assert oracle.status()["misses"] == 1
+
+
+def test_policy_decision_is_fast():
+    import time
+
+    pred = predictor_knowing({"good": 0.9, "bad": 0.2, "big": 0.9})
+    memspec = make_policy("memspec", ENV, predictor=pred)
+    ws = working_set(resident=("good", "bad", "big"))
+    memspec.begin(Request("r", PROMPT), ws)
+    rng = np.random.default_rng(0)
+    t = time.perf_counter()
+    for pos in range(2000):
+        d, k = memspec.choose(Round(pos, 64, lambda d: ("lookup/n2", 3)), ws)
+        memspec.observe(d, d or "", pos, k, int(rng.integers(0, k + 1)), 0.05, 2)
+    assert (time.perf_counter() - t) / 2000 < 1e-3
