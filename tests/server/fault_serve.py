@@ -8,11 +8,13 @@ engine thread, exactly where a real engine failure would happen:
     FAULT:slow       sleep 0.1 s per token (holds the engine: queue and disconnect tests)
     FAULT:hang       never return (a stuck engine: watchdog pings must stop)
 
+and FAULT_LOAD_DELAY_S=N in the environment makes loading the models take N s longer.
 Everything else is the real daemon.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -45,7 +47,16 @@ def generate(self, prompt, params, *args, **kwargs):  # noqa: ANN001, ANN201 - a
     return _generate(self, prompt, params, *args, **kwargs)
 
 
+_init = Runtime.__init__
+
+
+def init(self, *args, **kwargs):  # noqa: ANN001, ANN201 - a patch
+    time.sleep(float(os.environ.get("FAULT_LOAD_DELAY_S", "0")))
+    _init(self, *args, **kwargs)
+
+
 Runtime.generate = generate  # type: ignore[method-assign]
+Runtime.__init__ = init  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     from memspec.cli import main

@@ -116,6 +116,7 @@ class ServerProcess:
             cmd, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT
         )
         self.health_503_seen = False
+        self.while_loading: dict | None = None  # what a test saw before ready
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout

@@ -29,14 +29,34 @@ def daemon(tmp_path_factory, notify):
     srv = ServerProcess(
         tmp_path_factory.mktemp("faults"),
         args=["--max-queue", "1", "--drafts", "prompt-lookup"],
-        env={"MEMSPEC_SHUTDOWN_GRACE_S": "1", "NOTIFY_SOCKET": notify.address},
+        env={
+            "MEMSPEC_SHUTDOWN_GRACE_S": "1",
+            "NOTIFY_SOCKET": notify.address,
+            "FAULT_LOAD_DELAY_S": "3",
+        },
         script=FAULT_SERVE,
     )
     try:
+        srv.while_loading = while_loading(srv, notify)
         srv.wait_ready()
         yield srv
     finally:
         srv.stop()
+
+
+def while_loading(srv: ServerProcess, notify: NotifySocket) -> dict:
+    """What the daemon answers in its first seconds, while the models load (3 s slower)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert srv.proc.poll() is None, srv.logs()
+        try:
+            health = httpx.get(srv.url + "/health", timeout=2)
+        except httpx.HTTPError:
+            time.sleep(0.1)
+            continue
+        v1 = httpx.post(srv.url + "/v1/completions", json=body("hi"), timeout=5)
+        return {"health": health, "v1": v1, "ready_sent": "READY=1" in notify.lines()}
+    raise AssertionError(f"daemon never answered:\n{srv.logs()}")
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +84,16 @@ def wait_idle(daemon, timeout: float = 30.0) -> dict:
     raise AssertionError(f"engine still busy after {timeout}s: {st['queue']}")
 
 
-def test_ready_on_abstract_socket(daemon, notify):
-    notify.wait_for("READY=1", timeout=10)
+def test_http_answers_503_while_loading_then_ready(daemon, notify):
+    seen = daemon.while_loading
+    assert seen["health"].status_code == 503, seen["health"].text
+    assert seen["health"].json()["status"] == "loading"
+    assert seen["health"].json()["error"]["code"] == "not_ready"
+    assert seen["v1"].status_code == 503 and "retry-after" in seen["v1"].headers
+    assert seen["v1"].json()["error"]["code"] == "model_loading"
+    assert not seen["ready_sent"]  # READY only once the models are loaded
+    notify.wait_for("READY=1", timeout=10)  # on the abstract-namespace socket
+    assert httpx.get(daemon.url + "/health").status_code == 200
 
 
 def test_engine_error_is_a_clean_500_and_the_next_request_works(daemon, oai):
