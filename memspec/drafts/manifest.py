@@ -6,6 +6,7 @@ manifest's file must stay inside the models directory.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -16,7 +17,18 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from memspec.errors import UnknownDraft
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-DEFAULT_MANIFEST_DIR = Path(__file__).resolve().parent.parent.parent / "drafts"
+
+
+def _default_manifest_dir() -> Path:
+    """$MEMSPEC_MANIFEST_DIR, else drafts/ of a source checkout, else /etc/memspec/drafts."""
+    env = os.environ.get("MEMSPEC_MANIFEST_DIR")
+    if env:
+        return Path(env)
+    checkout = Path(__file__).resolve().parent.parent.parent / "drafts"
+    return checkout if checkout.is_dir() else Path("/etc/memspec/drafts")
+
+
+DEFAULT_MANIFEST_DIR = _default_manifest_dir()
 
 
 class ManifestError(ValueError):
