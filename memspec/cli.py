@@ -62,6 +62,21 @@ def cmd_drafts_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drafts_eval(args: argparse.Namespace) -> int:
+    from memspec.bench.drafts_eval import run_drafts_eval
+
+    run_drafts_eval(
+        _settings(args),
+        out=args.out,
+        plot=args.plot,
+        per_category=args.per_category,
+        max_tokens=args.max_tokens,
+        categories=args.categories,
+        drafts=[d for d in args.only.split(",") if d] if args.only else None,
+    )
+    return 0
+
+
 def cmd_drafts_list(args: argparse.Namespace) -> int:
     from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
     from memspec.paths import models_dir
@@ -241,12 +256,21 @@ def build_parser() -> argparse.ArgumentParser:
         func=cmd_testbed_fetch
     )
 
-    p = sub.add_parser("drafts", help="draft pool: build and list")
+    p = sub.add_parser("drafts", help="draft pool: build, list and evaluate")
     dsub = p.add_subparsers(dest="action", required=True)
     b = dsub.add_parser("build", help="build the model family from the manifests in drafts/")
     b.add_argument("--only", nargs="*", help="ids to build (default: all)")
     b.add_argument("--force", action="store_true", help="rebuild even if up to date")
     b.set_defaults(func=cmd_drafts_build)
+    ev = dsub.add_parser("eval", help="each built draft vs the target on MT-Bench first turns")
+    _model_flags(ev)
+    ev.add_argument("--out", required=True, help="JSON output file")
+    ev.add_argument("--plot", help="PNG output file")
+    ev.add_argument("--per-category", type=int, default=3, help="questions per category")
+    ev.add_argument("--categories", nargs="*", help="only these MT-Bench categories")
+    ev.add_argument("--max-tokens", type=int, default=96)
+    ev.add_argument("--only", help="comma-separated draft ids (default: every built draft)")
+    ev.set_defaults(func=cmd_drafts_eval)
     ls = dsub.add_parser("list", help="manifests and whether their files are built")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=cmd_drafts_list)

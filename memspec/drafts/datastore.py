@@ -38,6 +38,7 @@ SEP = 0xFFFFFFFF  # document separator: larger than any token, never part of a p
 DEPTH = 64  # suffixes are sorted by this many tokens: max match + longest walk must fit
 FORMAT_VERSION = 1
 SAMPLE = 1024  # at most this many occurrences are read to pick the next token
+SMALL = 32  # ranges this small are walked in plain Python (numpy calls cost more)
 
 
 def build_suffix_array(tokens: np.ndarray, depth: int = DEPTH) -> np.ndarray:
@@ -135,6 +136,10 @@ class SuffixIndex:
         tokens, sa = self.tokens, self.sa
         pat = b"".join(int(t).to_bytes(4, "big") for t in tokens[sa[lo] : sa[lo] + m])
         while len(out) < k and m + 1 < self.depth and hi > lo:
+            if hi - lo <= SMALL:
+                return out + self._walk_small(
+                    lo, hi, m, min(k - len(out), self.depth - 1 - m), min_count, min_share
+                )
             step = max(1, (hi - lo) // SAMPLE)  # sorted column: an even sample keeps the mode
             col = tokens[sa[lo:hi:step] + m]
             tok, cnt = _mode_sorted(col)
@@ -150,6 +155,25 @@ class SuffixIndex:
                 lo, hi = lo + first, lo + first + cnt
             else:
                 lo, hi = self._range(pat, lo, hi)
+        return out
+
+    def _walk_small(
+        self, lo: int, hi: int, m: int, k: int, min_count: int, min_share: float
+    ) -> list[int]:
+        """The same walk for a few occurrences: read all their next k tokens at once."""
+        starts = self.sa[lo:hi].astype(np.int64) + m
+        idx = np.minimum(starts[:, None] + np.arange(k), len(self.tokens) - 1)
+        rows = self.tokens[idx].tolist()  # past the end reads the final SEP
+        out: list[int] = []
+        for j in range(k):
+            counts: dict[int, int] = {}
+            for r in rows:
+                counts[r[j]] = counts.get(r[j], 0) + 1
+            tok, cnt = min(counts.items(), key=lambda tc: (-tc[1], tc[0]))
+            if tok == SEP or cnt < min_count or cnt < min_share * len(rows):
+                break
+            out.append(tok)
+            rows = [r for r in rows if r[j] == tok]
         return out
 
 

@@ -1,0 +1,219 @@
+"""`memspec drafts eval`: every draft of the pool against the target on MT-Bench first turns.
+
+Per draft and category: acceptance, mean accepted tokens per drafted round, draft cost per
+token (calibrated), bytes resident, tokens/s and speedup over plain decoding measured in the
+same run (configurations interleaved per prompt, so machine noise hits all alike), and whether
+the output is identical to plain decoding. Each draft runs under the engine's decision rule
+(k chosen per round from its running α, "none" allowed), as the daemon would use it alone.
+
+Datastore drafts do not learn from outputs during the run: every configuration decodes the
+same prompt, so learning would hand later ones the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from tqdm import tqdm
+
+from memspec.bench.engine import select_questions
+from memspec.config import Settings
+from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
+from memspec.engine.sampling import SamplingParams
+from memspec.paths import models_dir
+
+
+def built_drafts(manifest_dir: Path | None = None) -> list[str]:
+    """Ids of the pool whose files exist (lookup drafts always do)."""
+    ids = []
+    for m in load_manifests(manifest_dir or DEFAULT_MANIFEST_DIR).values():
+        if m.file is None or m.model_path(models_dir()).is_file():
+            ids.append(m.id)
+    return ids
+
+
+def _summary(rows: list[dict], plain: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in rows)
+    secs = sum(r["seconds"] for r in rows)
+    p_tokens = sum(r["tokens"] for r in plain)
+    p_secs = sum(r["seconds"] for r in plain)
+    proposed = sum(r["proposed"] for r in rows)
+    accepted = sum(r["accepted"] for r in rows)
+    draft_rounds = sum(r["draft_rounds"] for r in rows)
+    rounds = sum(r["rounds"] for r in rows)
+    tps = tokens / max(secs, 1e-9)
+    plain_tps = p_tokens / max(p_secs, 1e-9)
+    return {
+        "tokens_per_s": round(tps, 2),
+        "plain_tokens_per_s": round(plain_tps, 2),
+        "speedup": round(tps / plain_tps, 3) if plain_tps else None,
+        "acceptance": round(accepted / proposed, 4) if proposed else None,
+        "mean_accepted_per_draft_round": round(accepted / draft_rounds, 3)
+        if draft_rounds
+        else None,
+        "draft_round_share": round(draft_rounds / rounds, 3) if rounds else None,
+        "tokens_per_round": round(tokens / rounds, 3) if rounds else None,
+        "proposed": proposed,
+        "accepted": accepted,
+        "draft_s_per_token": round(sum(r["draft_s"] for r in rows) / max(proposed, 1), 6),
+        "identical_to_plain": all(r["identical"] for r in rows),
+        "prompts": len(rows),
+    }
+
+
+def run_drafts_eval(
+    settings: Settings,
+    out: str,
+    plot: str | None = None,
+    per_category: int = 3,
+    max_tokens: int = 96,
+    categories: list[str] | None = None,
+    drafts: list[str] | None = None,
+) -> dict:
+    from memspec.drafts.datastore import DatastoreDraft
+    from memspec.runtime import Runtime
+
+    questions = select_questions(per_category, categories)
+    pool = drafts or built_drafts(settings.manifest_dir)
+    settings.drafts = pool
+    rt = Runtime(settings)
+    for d in rt.drafts.values():
+        if isinstance(d, DatastoreDraft):
+            d.learn = False
+    configs = ["none", *pool]
+    estimators = {name: rt.new_estimator() for name in configs}
+    results: dict[str, list[dict]] = defaultdict(list)
+    params = SamplingParams(max_tokens=max_tokens)
+    try:
+        for q in tqdm(questions, desc="drafts eval", unit="prompt"):
+            prompt = rt.prompt_tokens(messages=[{"role": "user", "content": q["turns"][0]}])
+            plain_ids: list[int] = []
+            for name in configs:
+                rt.target.reset()  # no KV reuse across configurations
+                gen = rt.generate(prompt, params, draft=name, estimator=estimators[name])
+                if name == "none":
+                    plain_ids = gen.token_ids
+                results[name].append(
+                    {
+                        "question_id": q["question_id"],
+                        "category": q["category"],
+                        "tokens": gen.completion_tokens,
+                        "seconds": gen.elapsed_s,
+                        "draft_s": gen.draft_s,
+                        "proposed": gen.proposed,
+                        "accepted": gen.accepted,
+                        "rounds": gen.rounds,
+                        "draft_rounds": sum(gen.drafts_used.values()),
+                        "identical": gen.token_ids == plain_ids,
+                    }
+                )
+        info = {
+            d_id: {
+                "kind": rt.manifests[d_id].kind,
+                "bytes": rt.drafts[d_id].memory_bytes(),
+                "file_bytes": rt.draft_bytes(d_id),
+                "tags": rt.manifests[d_id].tags,
+                "calibrated_draft_ms_per_token": round(rt.costs.draft_s.get(d_id, 0.0) * 1e3, 3),
+                "calibrated_overhead_ms_per_round": round(
+                    rt.costs.draft_overhead_s.get(d_id, 0.0) * 1e3, 3
+                ),
+            }
+            for d_id in pool
+        }
+        verify_ms = [round(s * 1e3, 3) for s in rt.costs.verify_s]
+    finally:
+        rt.close()
+
+    cats = sorted({q["category"] for q in questions})
+    report: dict = {
+        "benchmark": "drafts-eval",
+        "target": settings.target,
+        "max_tokens": max_tokens,
+        "per_category": per_category,
+        "prompts": len(questions),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": sys.version.split()[0],
+            "n_threads": settings.n_threads,
+        },
+        "verify_ms": verify_ms,
+        "drafts": {},
+    }
+    for name in configs:
+        rows = results[name]
+        entry = {
+            **(info.get(name, {"kind": "none", "bytes": 0})),
+            "overall": _summary(rows, results["none"]),
+            "per_category": {
+                c: _summary(
+                    [r for r in rows if r["category"] == c],
+                    [r for r in results["none"] if r["category"] == c],
+                )
+                for c in cats
+            },
+            "runs": rows,
+        }
+        report["drafts"][name] = entry
+    report["all_identical"] = all(
+        e["overall"]["identical_to_plain"] for e in report["drafts"].values()
+    )
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2))
+    print_table(report, cats)
+    if plot:
+        plot_report(report, cats, plot)
+    return report
+
+
+def print_table(report: dict, cats: list[str]) -> None:
+    print(f"{'draft':20s} {'MB':>7s} {'overall':>8s} " + " ".join(f"{c[:9]:>9s}" for c in cats))
+    for name, e in report["drafts"].items():
+        cells = " ".join(
+            f"{e['per_category'][c]['speedup']:5.2f}/{_pct(e['per_category'][c]['acceptance'])}"
+            for c in cats
+        )
+        same = "" if e["overall"]["identical_to_plain"] else "  (outputs differ!)"
+        print(f"{name:20s} {e['bytes'] / 1e6:7.1f} {e['overall']['speedup']:8.2f} {cells}{same}")
+    print("cells: speedup/acceptance% per category (same run, plain decoding = 1.00)")
+
+
+def _pct(a: float | None) -> str:
+    return " --" if a is None else f"{round(a * 100):3d}"
+
+
+def plot_report(report: dict, cats: list[str], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = [n for n in report["drafts"] if n != "none"]
+    x = np.arange(len(cats) + 1)
+    width = 0.8 / max(len(names), 1)
+    fig, axes = plt.subplots(2, 1, figsize=(14, 8), sharex=True)
+    for i, n in enumerate(names):
+        e = report["drafts"][n]
+        sp = [e["per_category"][c]["speedup"] for c in cats] + [e["overall"]["speedup"]]
+        acc = [e["per_category"][c]["acceptance"] or 0.0 for c in cats]
+        acc.append(e["overall"]["acceptance"] or 0.0)
+        label = f"{n} ({e['bytes'] / 1e6:.0f} MB)"
+        axes[0].bar(x + i * width, sp, width, label=label)
+        axes[1].bar(x + i * width, acc, width, label=label)
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[0].set_ylabel("speedup over plain decoding")
+    axes[1].set_ylabel("acceptance")
+    axes[1].set_xticks(x + 0.4 - width / 2, cats + ["overall"], rotation=20)
+    axes[0].set_title(
+        f"memspec drafts eval: {report['prompts']} MT-Bench first turns, greedy, "
+        f"{report['max_tokens']} tokens"
+    )
+    axes[0].legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,169 @@
+"""Datastore draft: suffix-array index, longest-suffix proposals, byte cap, file round-trip."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from memspec.drafts.datastore import (
+    SEP,
+    DatastoreDraft,
+    build_index,
+    build_suffix_array,
+    load_datastore,
+    load_index,
+    save_index,
+)
+from memspec.engine.sampling import SamplingParams
+from memspec.errors import ModelLoadError
+
+DOCS = [[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 7, 8], [2, 3, 4, 5, 6, 10], [7, 7, 7]]
+
+
+def propose(d: DatastoreDraft, ctx: list[int], k: int = 8):
+    return d.propose(ctx, k, SamplingParams(), np.random.default_rng(0))
+
+
+def brute_longest(tokens: np.ndarray, ctx: list[int], max_m: int) -> int:
+    arr = tokens.astype(np.int64)
+    best = 0
+    for m in range(1, max_m + 1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr, m)
+        if not (windows == np.array(ctx[-m:])).all(axis=1).any():
+            break
+        best = m
+    return best
+
+
+def test_suffix_array_sorted_to_depth():
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 5, size=3000).astype(np.uint32)
+    sa = build_suffix_array(tokens, depth=8)
+    keys = [tuple(tokens[s : s + 8]) for s in sa]
+    assert keys == sorted(keys)  # shorter (cut by the end) sorts first, like bytes
+    assert sorted(sa.tolist()) == list(range(len(tokens)))
+
+
+def test_longest_match_and_most_frequent_path():
+    idx = build_index(DOCS)
+    m, lo, hi = idx.longest_match([0, 2, 3, 4], 16)
+    assert (m, hi - lo) == (3, 3)  # "2 3 4" occurs three times
+    # 5 follows twice, 7 once; then 6 twice; then SEP vs 10: 10 (never across documents)
+    assert idx.walk(lo, hi, m, 8, 1, 0.0) == [5, 6, 10]
+    d = DatastoreDraft("ds", idx, use_context=False, learn=False)
+    p = propose(d, [8, 1, 2, 3], 3)
+    assert p.tokens == [4, 5, 6] and p.probs is None and p.key == "ds/b3"
+    assert propose(d, [8, 1, 2, 3], 1).tokens == [4]
+
+
+def test_min_match_and_no_match():
+    d = DatastoreDraft("ds", build_index(DOCS), use_context=False, learn=False, min_match=2)
+    assert propose(d, [100, 4]).tokens == []  # only a 1-token match: below min_match
+    assert propose(d, [100, 101]).tokens == []
+    assert propose(d, [3, 4]).tokens  # 2 tokens: proposes
+
+
+def test_min_share_stops_on_ambiguity():
+    d = DatastoreDraft("ds", build_index(DOCS), use_context=False, learn=False, min_share=0.9)
+    assert propose(d, [2, 3, 4]).tokens == []  # 5 (2/3) vs 7 (1/3): not confident enough
+
+
+def test_longest_match_agrees_with_brute_force():
+    rng = np.random.default_rng(0)
+    docs = [list(rng.integers(0, 40, size=rng.integers(5, 120))) for _ in range(300)]
+    idx = build_index(docs)
+    for _ in range(100):
+        ctx = [int(t) for t in rng.integers(0, 40, size=12)]
+        m, lo, hi = idx.longest_match(ctx, 10)
+        assert m == brute_longest(idx.tokens, ctx, 10)
+        if m:
+            for s in idx.sa[lo:hi]:
+                assert idx.tokens[s : s + m].tolist() == ctx[-m:]
+
+
+def test_context_match_wins_when_longer():
+    idx = build_index(DOCS)
+    d = DatastoreDraft("ds", idx, learn=False)
+    ctx = [50, 51, 52, 53, 60, 61, 50, 51, 52, 53]  # repeats its own 4-gram
+    p = propose(d, ctx, 2)
+    assert p.tokens == [60, 61] and p.key == "ds/c4"
+
+
+def test_recent_outputs_byte_cap_and_learning():
+    d = DatastoreDraft("ds", None, use_context=False, recent_bytes=64)
+    d.remember([1, 2, 3, 4, 5])  # 5 tokens + separator = 24 bytes
+    d.remember([6, 7, 8, 9, 10])
+    assert propose(d, [1, 2, 3]).tokens == [4, 5]
+    d.remember([11, 12, 13, 14, 15])  # 72 bytes > 64: the oldest goes
+    assert d.recent_tokens == 10 and d._recent_used <= 64
+    assert propose(d, [1, 2, 3]).tokens == []
+    assert propose(d, [6, 7, 8]).tokens == [9, 10]
+    d.remember(list(range(100, 200)))  # longer than the cap on its own: its tail is kept
+    assert d._recent_used <= 64 and d.recent_tokens == 15
+
+    # The draft learns a finished request's output when the next request starts.
+    learner = DatastoreDraft("ds", None, use_context=False, recent_bytes=1 << 16)
+    prompt = [900, 901, 902]
+    ctx = list(prompt)
+    for tok in [30, 31, 32, 33]:
+        propose(learner, ctx)
+        ctx.append(tok)
+    assert learner.recent_tokens == 0
+    assert propose(learner, [7, 30, 31]).tokens == [32, 33]  # a new request: learned
+    assert learner.recent_tokens == 4
+
+
+def test_save_load_round_trip(tmp_path):
+    idx = build_index(DOCS)
+    path = tmp_path / "ds.npz"
+    save_index(path, idx, {"source": "x"})
+    idx2, meta = load_index(path)
+    assert meta["source"] == "x" and meta["n_tokens"] == len(idx)
+    assert np.array_equal(idx2.tokens, idx.tokens) and np.array_equal(idx2.sa, idx.sa)
+    d = load_datastore("ds", path, {"use_context": 0, "learn": 0})
+    assert propose(d, [8, 1, 2, 3], 3).tokens == [4, 5, 6]
+    assert d.memory_bytes() >= path.stat().st_size - 4096
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty", "bad_sa"])
+def test_corrupt_file_is_model_load_error(tmp_path, damage):
+    path = tmp_path / "ds.npz"
+    idx = build_index(DOCS)
+    if damage == "bad_sa":
+        idx.sa = idx.sa.copy()
+        idx.sa[0] = 10_000  # out of range
+    save_index(path, idx, {})
+    data = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00" * 64 + data[64:])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    with pytest.raises(ModelLoadError):
+        load_datastore("ds", path)
+    with pytest.raises(ModelLoadError):
+        load_datastore("ds", tmp_path / "missing.npz")
+
+
+def test_separator_never_proposed():
+    d = DatastoreDraft("ds", build_index([[1, 2, 3], [1, 2, 3]]), use_context=False, learn=False)
+    toks = propose(d, [1, 2, 3]).tokens
+    assert SEP not in toks and toks == []
+
+
+def test_propose_is_fast_on_a_realistic_index():
+    # ~1M tokens with a Zipf-like vocabulary, like a tokenized corpus.
+    rng = np.random.default_rng(0)
+    tokens = (rng.zipf(1.3, size=1_000_000) % 49152).astype(np.uint32)
+    docs = np.split(tokens, 2000)
+    idx = build_index([d.tolist() for d in docs])
+    d = DatastoreDraft("ds", idx, learn=False)
+    ctxs = [tokens[i : i + 300].tolist() for i in rng.integers(0, len(tokens) - 300, size=200)]
+    t = time.perf_counter()
+    for c in ctxs:
+        propose(d, c, 8)
+    per_call = (time.perf_counter() - t) / len(ctxs)
+    assert per_call < 2e-3, f"{per_call * 1e3:.2f} ms per proposal"  # typically ~0.2 ms

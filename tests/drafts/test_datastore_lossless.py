@@ -1,0 +1,92 @@
+"""Greedy output with every built datastore draft is the target's own (real SmolLM2, k 1..8)."""
+
+from __future__ import annotations
+
+import pytest
+
+from memspec.backends.base import BackendOptions, load_backend
+from memspec.drafts.datastore import DatastoreDraft, build_index
+from memspec.drafts.manifest import load_manifests
+from memspec.drafts.registry import instantiate
+from memspec.engine.costs import AcceptanceEstimator, CostModel
+from memspec.engine.policy import DecisionRulePolicy, FixedPolicy
+from memspec.engine.sampling import SamplingParams
+from memspec.engine.speculative import speculative_generate
+from memspec.paths import models_dir
+
+PROMPTS = [
+    "Write a Python function that returns the largest element of a list.",
+    "Explain why the sky is blue in two sentences.",
+]
+MAX_TOKENS = 32
+
+
+def built_datastores() -> list[str]:
+    return [
+        m.id
+        for m in load_manifests().values()
+        if m.kind == "datastore" and m.model_path(models_dir()).is_file()
+    ]
+
+
+@pytest.fixture(scope="module")
+def cases(small_backend_module):
+    target = small_backend_module
+    out = []
+    for text in PROMPTS:
+        prompt = target.tokenize(
+            target.chat_prompt([{"role": "user", "content": text}]), special=True
+        )
+        target.reset()
+        ref = speculative_generate(
+            target, prompt, SamplingParams(max_tokens=MAX_TOKENS), FixedPolicy(None, 0)
+        ).token_ids
+        assert ref
+        out.append((prompt, ref))
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_backend_module():
+    path = models_dir() / "smollm2-135m-f32.gguf"
+    if not path.is_file():
+        pytest.fail(f"testbed missing in {models_dir()}: run scripts/setup.sh", pytrace=False)
+    be = load_backend(path, BackendOptions(n_ctx=512))
+    yield be
+    be.close()
+
+
+def check_lossless(target, draft, cases) -> int:
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    accepted = 0
+    for prompt, ref in cases:
+        for k in range(1, 9):
+            target.reset()
+            gen = speculative_generate(target, prompt, params, FixedPolicy(draft, k))
+            assert gen.token_ids == ref, f"{draft.id} k={k} diverged"
+            accepted += gen.accepted
+        target.reset()
+        costs = CostModel(verify_s=[0.020, 0.024, 0.027, 0.031, 0.033, 0.035, 0.037, 0.039, 0.040])
+        policy = DecisionRulePolicy([draft], costs, AcceptanceEstimator(0.5))
+        assert speculative_generate(target, prompt, params, policy).token_ids == ref
+    return accepted
+
+
+def test_self_index_accepts_and_stays_lossless(small_backend_module, cases):
+    # An index holding the reference outputs, one corrupted: proposals are mostly right, and
+    # the wrong ones are rejected and rolled back.
+    refs = [ref for _, ref in cases]
+    broken = list(refs[1])
+    broken[len(broken) // 2] = (broken[len(broken) // 2] + 1) % 49152
+    draft = DatastoreDraft("self", build_index([refs[0], broken]), use_context=False, learn=False)
+    assert check_lossless(small_backend_module, draft, cases) > MAX_TOKENS
+
+
+@pytest.mark.parametrize("draft_id", built_datastores() or ["<none built>"])
+def test_every_built_datastore_is_lossless(small_backend_module, cases, draft_id):
+    if draft_id == "<none built>":
+        pytest.fail("no datastore draft built: run `memspec drafts build`", pytrace=False)
+    m = load_manifests()[draft_id]
+    draft = instantiate(m, BackendOptions(), "llama_cpp")
+    draft.learn = False
+    check_lossless(small_backend_module, draft, cases)
