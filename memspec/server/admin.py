@@ -15,18 +15,19 @@ import asyncio
 import logging
 from typing import Annotated, Any, Literal
 
+import psutil
 from fastapi import APIRouter, Body, Depends
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import memspec
 from memspec import telemetry
-from memspec.errors import InvalidRequest
+from memspec.errors import BudgetExceeded, InvalidRequest
 from memspec.server.auth import require_admin_key
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.openai_schema import ERROR_RESPONSES
 from memspec.server.state import TUNABLE, load_state, save_state, state_path
 from memspec.server.worker import EngineWorker
-from memspec.units import parse_size
+from memspec.units import format_size, parse_size
 
 log = logging.getLogger("memspec.server")
 
@@ -113,10 +114,12 @@ def status(ctx: ServerContext) -> dict[str, Any]:
         "memory": snap,
         "queue": {"depth": w.queue_depth, "max": s.max_queue, "busy": w.busy},
         "engine": {"state": w.state, "heartbeat_age_s": round(w.heartbeat_age_s, 2)},
+        "warnings": list(w.warnings),
         "tokens_per_s_recent": w.tokens_per_s_recent(),
         "requests_served": w.requests_served,
         "prefix_cache": {
             "bytes": cache.nbytes,
+            "capacity": w.prefix_cache_capacity(),
             "entries": len(cache),
             "saves": cache.stats.saves,
             "restores": cache.stats.restores,
@@ -160,6 +163,45 @@ async def draft_action(
     return {"ok": True, "draft": row}
 
 
+def check_tune(worker: EngineWorker, changes: dict[str, Any]) -> None:
+    """Refuse (400) what could never run, before anything is written: an unknown policy, a
+    budget below what the target needs or above the machine's memory. Persisting such a value
+    would break every request, or keep the daemon from starting again after a restart."""
+    rt = worker.runtime
+    if "policy" in changes:
+        known = getattr(rt, "policies", None)
+        if known is not None and changes["policy"] not in known:
+            raise InvalidRequest(
+                f"unknown policy {changes['policy']!r}; known: {', '.join(sorted(known))}",
+                param="policy",
+                code="invalid_value",
+            )
+    if "budget" in changes:
+        budget = parse_size(changes["budget"])
+        total = psutil.virtual_memory().total
+        if budget > total:
+            raise InvalidRequest(
+                f"budget {format_size(budget)} exceeds this machine's memory "
+                f"({format_size(total)})",
+                param="budget",
+                code="invalid_value",
+            )
+        reserved = getattr(rt, "reserved_bytes", None)
+        if reserved is not None and "n_ctx" not in changes and budget < reserved:
+            raise InvalidRequest(
+                f"budget {format_size(budget)} is below what the target needs at n_ctx "
+                f"{worker.settings.n_ctx} ({format_size(reserved)}); see `memspec plan`",
+                param="budget",
+                code="budget_too_small",
+            )
+
+
+def _as_tune_error(e: BudgetExceeded, changes: dict[str, Any]) -> InvalidRequest:
+    """A tune that does not fit is the caller's request to fix (400), not a server fault."""
+    param = "budget" if "budget" in changes else "n_ctx" if "n_ctx" in changes else e.param
+    return InvalidRequest(e.message, param=param, code="budget_too_small")
+
+
 @router.post("/tune")
 async def tune(body: Annotated[TuneRequest, Body()], ctx: Ctx) -> dict[str, Any]:
     changes = body.model_dump(exclude_none=True)
@@ -168,27 +210,41 @@ async def tune(body: Annotated[TuneRequest, Body()], ctx: Ctx) -> dict[str, Any]
     path = state_path(ctx.settings)
 
     def run(worker: EngineWorker) -> None:
+        check_tune(worker, changes)
         s = worker.settings
         before = {k: getattr(s, k) for k in TUNABLE}
         persisted = load_state(path)
         save_state(path, {**persisted, **changes})  # raises (507) before anything changes
+        budget_applied = False
         try:
+            rt = worker.runtime
+            set_budget = getattr(rt, "set_budget", None)
+            if "budget" in changes and set_budget is not None:
+                set_budget(parse_size(changes["budget"]))  # evicts to fit; raises if pinned block
+                budget_applied = True
             for key in ("budget", "policy", "k_max"):
                 if key in changes:
-                    setattr(s, key, changes[key])
-                    rt = worker.runtime
+                    setattr(s, key, changes[key])  # as sent ("1.5GiB"), as persisted
                     if rt is not None and rt.settings is not s:
                         setattr(rt.settings, key, changes[key])
             if "n_ctx" in changes and changes["n_ctx"] != s.n_ctx:
                 worker.reload_runtime(changes["n_ctx"])
             worker.prefix_cache.shrink()
-        except BaseException:
+        except BaseException as e:
             for key, value in before.items():
                 setattr(s, key, value)
+            rt = worker.runtime
+            if budget_applied and rt is not None:
+                try:
+                    rt.set_budget(parse_size(before["budget"]))
+                except Exception:  # noqa: BLE001 - the original error is the one to report
+                    log.exception("could not restore the budget")
             try:
                 save_state(path, persisted)
             except Exception:  # noqa: BLE001 - the original error is the one to report
                 log.exception("could not roll back %s", path)
+            if isinstance(e, BudgetExceeded):
+                raise _as_tune_error(e, changes) from e
             raise
 
     await ctx.control(run, "tune")

@@ -107,11 +107,13 @@ def create_app(
     settings: Settings,
     runtime_factory: Callable[[Settings], Any] | None = None,
     environ: dict[str, str] | None = None,
+    fallback: Settings | None = None,
 ) -> FastAPI:
+    """`fallback`: the settings without the tuned state, tried if the tuned ones cannot load."""
     metrics = Metrics()
     ctx = ServerContext(
         settings=settings,
-        worker=EngineWorker(settings, metrics, runtime_factory),
+        worker=EngineWorker(settings, metrics, runtime_factory, fallback=fallback),
         metrics=metrics,
         notifier=Notifier(environ),
     )

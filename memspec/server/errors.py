@@ -161,16 +161,31 @@ _HTTP_CODES = {
 }
 
 
+def _parse_failure(exc: BaseException) -> tuple[str, str] | None:
+    """FastAPI's "error parsing the body" 400, said plainly: (message, code) or None."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return f"request body is not valid UTF-8 (byte {cause.start})", "invalid_json"
+    if isinstance(cause, RecursionError):
+        return "request body is nested too deeply to parse", "invalid_json"
+    if isinstance(cause, ValueError):  # e.g. an integer with thousands of digits
+        return f"request body is not valid JSON: {cause}"[:300], "invalid_json"
+    return None
+
+
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-    if exc.status_code == 404:
+    code = _HTTP_CODES.get(exc.status_code)
+    if exc.status_code == 400 and (plain := _parse_failure(exc)) is not None:
+        detail, code = plain
+    elif exc.status_code == 404:
         detail = f"no route {request.method} {request.url.path}"
     elif exc.status_code == 405:
         detail = f"method {request.method} not allowed on {request.url.path}"
     type_ = "server_error" if exc.status_code >= 500 else "invalid_request_error"
     return JSONResponse(
-        error_body(detail, type_, code=_HTTP_CODES.get(exc.status_code)),
+        error_body(detail, type_, code=code),
         status_code=exc.status_code,
         headers=getattr(exc, "headers", None),
     )

@@ -19,7 +19,7 @@ MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
 
 FinishReason = Literal["stop", "length", "cancelled"]  # "cancelled": cut by disconnect/shutdown
-StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]  # "" stops at once
 DraftField = Annotated[
     str,
     Field(

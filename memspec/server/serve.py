@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from pydantic import ValidationError
 
 from memspec.config import Settings
 from memspec.server.app import Lifecycle, create_app
+from memspec.server.auth import configured
 from memspec.server.context import ServerContext
-from memspec.server.state import TUNABLE, load_state, state_path
+from memspec.server.state import TUNABLE, load_state, reject_state, state_path
 
 log = logging.getLogger("memspec.server")
 
@@ -45,7 +47,7 @@ def check_bind(settings: Settings) -> None:
     """A non-loopback bind needs a key, or an explicit --allow-insecure-bind."""
     if is_loopback(settings.host):
         return
-    if settings.api_key is not None or settings.admin_key is not None:
+    if configured(settings.api_key) is not None or configured(settings.admin_key) is not None:
         return
     if settings.allow_insecure_bind:
         log.warning(
@@ -60,13 +62,29 @@ def check_bind(settings: Settings) -> None:
 
 def load_settings(config_file: str | Path | None, cli: dict[str, Any]) -> Settings:
     """CLI flags > tuned state file > env MEMSPEC_* > TOML > defaults."""
+    return load_settings_and_base(config_file, cli)[0]
+
+
+def load_settings_and_base(
+    config_file: str | Path | None, cli: dict[str, Any]
+) -> tuple[Settings, Settings | None]:
+    """The settings to start with, and the same without the tuned state (None when nothing
+    is tuned): if the models cannot load with the tuned values, the daemon falls back to the
+    configured ones instead of failing every restart."""
     cli = {k: v for k, v in cli.items() if v is not None}
     base = Settings.load(config_file, **cli)
-    tuned = {k: v for k, v in load_state(state_path(base)).items() if k not in cli}
+    path = state_path(base)
+    tuned = {k: v for k, v in load_state(path).items() if k not in cli}
     if not tuned:
-        return base
-    log.info("applying tuned settings from %s: %s", state_path(base), sorted(tuned))
-    return Settings.load(config_file, **tuned, **cli)
+        return base, None
+    try:
+        settings = Settings.load(config_file, **tuned, **cli)
+    except ValidationError as e:
+        aside = reject_state(path)
+        log.error("tuned settings in %s are invalid (%s); set aside as %s", path, e, aside)
+        return base, None
+    log.info("applying tuned settings from %s: %s", path, sorted(tuned))
+    return settings, base
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -114,11 +132,11 @@ def configure_logging(level: str) -> None:
 
 
 def serve(config_file: str | Path | None = None, **cli: Any) -> int:
-    settings = load_settings(config_file, cli)
+    settings, configured_settings = load_settings_and_base(config_file, cli)
     configure_logging(settings.log_level)
     check_bind(settings)
     sock = bind_socket(settings.host, settings.port)
-    app = create_app(settings)
+    app = create_app(settings, fallback=configured_settings)
     ctx: ServerContext = app.state.memspec
     config = uvicorn.Config(
         app,

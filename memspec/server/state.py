@@ -23,6 +23,7 @@ log = logging.getLogger("memspec.server")
 
 TUNABLE = ("budget", "policy", "k_max", "n_ctx")
 STATE_FILE = "tuned.json"
+REJECTED_FILE = "tuned.rejected.json"
 
 
 class StateWriteError(MemSpecError):
@@ -88,3 +89,27 @@ def save_state(path: Path, values: dict[str, Any]) -> None:
 
 def current_values(settings: Settings) -> dict[str, Any]:
     return {k: getattr(settings, k) for k in TUNABLE}
+
+
+def reject_state(path: Path, keys: list[str] | None = None) -> Path | None:
+    """Set aside tuned values the daemon could not start with, so the next start (and the next
+    tune, which merges into the file) does not trip on them again: all of them (keys None) or
+    only `keys`. A copy of the file as it was is kept beside it; returns that copy's path."""
+    aside = path.with_name(REJECTED_FILE)
+    try:
+        raw = path.read_text()
+    except OSError:
+        return None
+    try:
+        tmp = aside.with_name(f".{aside.name}.{os.getpid()}.tmp")
+        tmp.write_text(raw)
+        os.replace(tmp, aside)
+        if keys is None:
+            path.unlink()
+        else:
+            kept = {k: v for k, v in load_state(path).items() if k not in keys}
+            save_state(path, kept)
+    except (OSError, StateWriteError) as e:
+        log.warning("could not set the rejected tuned settings in %s aside: %s", path, e)
+        return None
+    return aside

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import jinja2
+
 from memspec.config import Settings
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import Generation
@@ -28,6 +30,7 @@ from memspec.errors import ContextOverflow, InvalidRequest, MemSpecError
 from memspec.server.errors import NotReady, QueueFull
 from memspec.server.metrics import Metrics
 from memspec.server.prefix_cache import PrefixCache, prepare_runtime
+from memspec.server.state import TUNABLE, reject_state, state_path
 from memspec.units import parse_size
 
 log = logging.getLogger("memspec.server")
@@ -142,8 +145,11 @@ class EngineWorker:
         runtime_factory: Callable[[Settings], Any] | None = None,
         on_ready: Callable[[], None] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        fallback: Settings | None = None,
     ):
         self.settings = settings
+        self._fallback = fallback  # the configured settings, without the tuned state
+        self.warnings: list[str] = []  # what the daemon runs without, and why (status)
         self.metrics = metrics
         self._factory = runtime_factory or _default_factory
         self._on_ready = on_ready
@@ -249,7 +255,7 @@ class EngineWorker:
     def _main(self) -> None:
         self.state = "loading"
         try:
-            self.runtime = self._factory(self.settings)
+            self.runtime = self._first_load()
         except BaseException as e:  # noqa: BLE001 - reported, then the daemon exits
             self.state, self.error = "failed", str(getattr(e, "message", e))
             log.error("loading models failed: %s", self.error)
@@ -271,6 +277,48 @@ class EngineWorker:
                     self.runtime.close()
             finally:
                 self.state = "stopped"
+
+    def _first_load(self) -> Any:
+        """Load with the tuned settings; if they cannot load (a budget below the target, an
+        n_ctx that does not fit), with the configured ones, and set the tuned values aside:
+        a bad tune must not keep the daemon from starting on every restart."""
+        try:
+            rt = self._factory(self.settings)
+        except Exception as e:
+            if self._fallback is None:
+                raise
+            why = str(getattr(e, "message", e))
+            tuned = sorted(
+                k for k in TUNABLE if getattr(self.settings, k) != getattr(self._fallback, k)
+            )
+            log.error("loading with the tuned settings %s failed: %s; trying without", tuned, why)
+            for key in TUNABLE:
+                setattr(self.settings, key, getattr(self._fallback, key))
+            rt = self._factory(self.settings)
+            aside = reject_state(state_path(self.settings))
+            self.warnings.append(
+                f"tuned settings {', '.join(tuned)} were not applied at start ({why}); "
+                f"running on the configured values; the tuned file was set aside as {aside}"
+            )
+        self._check_policy(rt)
+        return rt
+
+    def _check_policy(self, rt: Any) -> None:
+        """An unknown policy name would fail every request: run on a known one, and say so."""
+        known = getattr(rt, "policies", None)
+        name = self.settings.policy
+        if known is None or name in known:
+            return
+        fb = self._fallback.policy if self._fallback is not None else None
+        use = fb if fb in known else "auto" if "auto" in known else None
+        if use is None:
+            return
+        self.settings.policy = use
+        if self._fallback is not None and name != fb:  # it came from the tuned state
+            reject_state(state_path(self.settings), keys=["policy"])
+        msg = f"policy {name!r} is unknown (known: {', '.join(sorted(known))}); using {use!r}"
+        log.error(msg)
+        self.warnings.append(msg)
 
     def _next_job(self) -> Job | None:
         with self._cond:
@@ -316,7 +364,13 @@ class EngineWorker:
     # --- generation -----------------------------------------------------------------------
     def _prompt_tokens(self, rt: Any, req: GenerateRequest) -> list[int]:
         if req.messages is not None:
-            return rt.prompt_tokens(messages=req.messages)
+            try:
+                return rt.prompt_tokens(messages=req.messages)
+            except jinja2.TemplateError as e:  # the model's template refuses these messages
+                raise InvalidRequest(
+                    f"the model's chat template cannot render these messages: {e}",
+                    param="messages",
+                ) from None
         if isinstance(req.prompt, list):
             n_vocab = rt.target.n_vocab
             bad = next((t for t in req.prompt if not 0 <= t < n_vocab), None)
@@ -410,6 +464,13 @@ class EngineWorker:
         self.heartbeat = time.monotonic()
 
     # --- KV reuse across sessions -----------------------------------------------------------
+    def prefix_cache_capacity(self) -> int:
+        """The prefix cache's byte bound now (status; the soak run checks it is kept)."""
+        try:
+            return self._cache_capacity()
+        except Exception:  # noqa: BLE001 - status must not fail on a runtime mid-reload
+            return 0
+
     def _cache_capacity(self) -> int:
         try:
             cap = parse_size(self.settings.prefix_cache)
