@@ -334,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_scheduling.register(sub, _model_flags)
     cli_scheduling.register_bench(bsub, _model_flags)
+    from memspec.bench import load as load_bench  # load and soak runs against a daemon
+
+    load_bench.register_bench(bsub)
     return parser
 
 
