@@ -1,0 +1,1 @@
+"""Memory: the SpecMemo footprint model, the budget plan, and measured process memory."""

@@ -1,0 +1,172 @@
+"""The SpecMemo memory model: bytes one loaded model takes, by part, from its GGUF and n_ctx.
+
+    footprint = weights + KV cache + candidate/logit buffers(k) + scratch + per-context overhead
+
+for the target and for each resident model draft; the budget check sums them. Every part is
+computed from the GGUF's hyper-parameters (memspec.memory.gguf_info) and the run settings
+(n_ctx, n_batch, k); the two constants below were measured, and the whole model is checked
+against psutil RSS/USS deltas of real loads (tests/memory/test_footprint_measured.py).
+
+Where the parts come from (llama.cpp as bundled with llama-cpp-python 0.3.36, CPU, mmap off;
+the numbers are what its verbose log prints and what USS grew by, SmolLM2-135M, n_ctx 2048):
+- weights: Σ tensor bytes. "CPU model buffer" + "CPU_REPACK model buffer" (Q4_0 weights are
+  repacked to 8x8 blocks, same size) = 513.13 MiB for F32, 136.40 MiB for Q8_0,
+  28.82 + 56.95 MiB for Q4_0: exactly the GGUF's tensor bytes.
+- KV cache: n_ctx × layers × (K + V) × kv_heads × head_dim × 2 bytes (f16): "CPU KV buffer
+  size = 45.00 MiB". llama.cpp zero-fills it at load, so it is resident from the start.
+- candidate/logit buffers: llama.cpp's output buffer holds n_outputs × vocab floats (0.19 MiB
+  for one row; +1.77 MiB after a k = 8 verification); the engine copies those rows into numpy
+  (the same size again). A draft asks for one row per step, the target for k + 1.
+- scratch: llama.cpp *reserves* a worst-case compute buffer (99.38 MiB at n_batch 512: its
+  graph for 512 outputs) but only touches what the batches it really runs need. The engine
+  prefills in n_batch chunks with one output, so the peak is one chunk attending to the whole
+  context: attention scores u × n_kv × heads × 4 bytes (no flash attention on the CPU), half
+  that again in the CPU backend's work buffer (scores converted to f16 for KQ·V), plus the
+  chunk's activations u × (n_embd + 3 × n_ff) × 4. Measured worst case (prefill to n_ctx):
+  +8.8 / 21.9 / 37.2 / 67.8 MB at n_ctx 256 / 512 / 1024 / 2048; this formula: 8.9 / 24.7 /
+  38.9 / 67.2 MB.
+- overhead: the llama.cpp vocabulary (token texts, maps, BPE merges), the Python wrapper and
+  its batch arrays: USS at load minus weights minus KV = 19.6 / 20.4 / 21.5 MB at n_ctx
+  256 / 512 / 1024 with a 49,152-token vocabulary (a draft loaded beside the target).
+- runtime: the first model in a process also maps llama.cpp's code and sets up its backends:
+  +12.4 MB RSS (+6.2 MB USS) over the same load beside a resident model. The target is always
+  loaded first, so it carries this part.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from memspec.errors import ModelLoadError
+from memspec.memory.gguf_info import ModelShape, read_shape
+
+# Measured (see above): bytes per vocabulary entry that llama.cpp + llama-cpp-python keep per
+# loaded model (≈ 20.1 MB / 49,152 tokens), plus half of the llama_batch seq-id arrays
+# (n_batch × n_ctx × 4 bytes, allocated per token slot and partly touched).
+OVERHEAD_PER_VOCAB_BYTES = 410
+BATCH_SEQ_BYTES = 2
+# Measured: ΔRSS of a first llama.cpp load in a process minus the same load beside a model.
+FIRST_MODEL_BYTES = 12_400_000
+# llama.cpp sizes the KV cache in multiples of 256 cells.
+KV_PAD = 256
+DEFAULT_N_BATCH = 512  # what memspec.backends.llama_cpp passes: min(n_ctx, 512)
+
+
+def pad(n: int, to: int = KV_PAD) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes of one loaded model (or draft), by part."""
+
+    weights: int = 0
+    kv: int = 0
+    candidates: int = 0  # logit rows: llama.cpp's output buffer + the engine's copy
+    scratch: int = 0  # compute buffer pages the engine's batches touch (worst case)
+    overhead: int = 0  # vocabulary, wrapper, batch arrays
+    runtime: int = 0  # once per process: llama.cpp's code and backends (the target pays it)
+
+    @property
+    def total(self) -> int:
+        """Steady-state bytes once the model has run its largest batch: what is budgeted."""
+        return (
+            self.weights + self.kv + self.candidates + self.scratch + self.overhead + self.runtime
+        )
+
+    @property
+    def at_load(self) -> int:
+        """Bytes right after loading, before any batch ran (no scratch touched, one row)."""
+        return (
+            self.weights + self.kv + self.overhead + self.runtime + min(self.candidates, self._row)
+        )
+
+    _row: int = 0  # one logit row (vocab × 4): what the output buffer holds at load
+
+    def to_dict(self) -> dict[str, int]:
+        d = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        d["total"] = self.total
+        d["at_load"] = self.at_load
+        return d
+
+
+def scratch_bytes(
+    shape: ModelShape, n_ctx: int, n_batch: int, n_outputs: int = 1, flash_attn: bool = False
+) -> int:
+    """Peak compute-buffer bytes of the engine's batches (see the module docstring)."""
+    n_kv = pad(n_ctx)
+
+    def batch_peak(u: int, outputs: int) -> int:
+        if flash_attn:  # scores are never materialised; estimate, not measured here
+            attn = u * shape.n_head * (shape.head_dim_k + shape.head_dim_v) * 4
+        else:
+            attn = u * n_kv * shape.n_head * 4 * 3 // 2
+        act = u * (shape.n_embd + 3 * shape.n_ff) * 4
+        return attn + act + outputs * shape.n_vocab * 4
+
+    prefill = batch_peak(min(n_batch, n_ctx), 1)  # one chunk at the end of a full context
+    verify = batch_peak(min(n_outputs, n_ctx), n_outputs)  # k + 1 rows with logits
+    return max(prefill, verify)
+
+
+def model_footprint(
+    shape: ModelShape,
+    n_ctx: int,
+    n_outputs: int = 1,
+    n_batch: int | None = None,
+    n_gpu_layers: int = 0,
+    flash_attn: bool = False,
+) -> Footprint:
+    """Footprint of one llama.cpp model + context, asking for up to n_outputs logit rows."""
+    n_batch = min(n_batch or DEFAULT_N_BATCH, n_ctx)
+    row = shape.n_vocab * 4
+    weights = shape.weight_bytes
+    if n_gpu_layers != 0 and shape.tied_output:
+        # A GPU output layer gets its own copy of the tied embedding (the input lookup stays
+        # on the CPU). Unified memory on a Jetson pays both. Not measured here (no CUDA build).
+        weights += shape.token_embd_bytes
+    return Footprint(
+        weights=weights,
+        kv=pad(n_ctx) * shape.kv_bytes_per_token,
+        candidates=2 * max(n_outputs, 1) * row,
+        scratch=scratch_bytes(shape, n_ctx, n_batch, n_outputs, flash_attn),
+        overhead=shape.n_vocab * OVERHEAD_PER_VOCAB_BYTES + n_batch * n_ctx * BATCH_SEQ_BYTES,
+        _row=row,
+    )
+
+
+def target_footprint(
+    path: str | os.PathLike[str], n_ctx: int, k: int, n_gpu_layers: int = 0
+) -> Footprint:
+    """The target verifies k drafted tokens + 1 per round: k + 1 logit rows. Loaded first."""
+    fp = model_footprint(read_shape(path), n_ctx, k + 1, n_gpu_layers=n_gpu_layers)
+    return replace(fp, runtime=FIRST_MODEL_BYTES)
+
+
+def draft_footprint(
+    kind: str,
+    path: Path | None,
+    n_ctx: int,
+    params: dict | None = None,
+    n_gpu_layers: int = 0,
+) -> Footprint:
+    """A draft's footprint by kind. Model drafts: from the GGUF (one logit row per step).
+
+    Drafts without weights (prompt lookup) take nothing beyond the context. Other kinds (e.g. a
+    retrieval datastore) take `params.memory_bytes` when the manifest states it, else their
+    file's size: they are read into memory whole.
+    """
+    params = params or {}
+    if "memory_bytes" in params:
+        return Footprint(weights=int(params["memory_bytes"]))
+    if kind == "model":
+        if path is None:
+            raise ValueError("a model draft needs a file")
+        return model_footprint(read_shape(path), n_ctx, 1, n_gpu_layers=n_gpu_layers)
+    if kind == "prompt_lookup" or path is None:
+        return Footprint()
+    if not path.is_file():
+        raise ModelLoadError(f"draft file not found: {path}", param="draft")
+    return Footprint(weights=path.stat().st_size)

@@ -1,0 +1,172 @@
+"""A GGUF model's hyper-parameters and tensor bytes, read with the `gguf` package (no load).
+
+Only the header is parsed. GGUFReader turns every element of every array field into its own
+numpy view, which for a tokenizer (49k tokens, 49k merges) takes seconds; the subclass below
+skips array *contents* (only their length is kept) and parses everything else as GGUFReader
+does. Results are cached per (path, size, mtime), since plans and budgets ask repeatedly.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+
+from memspec.errors import ModelLoadError
+
+# Byte sizes of GGUF scalar types (the gguf spec), for skipping arrays without parsing them.
+_SCALAR_SIZE = {
+    GGUFValueType.UINT8: 1,
+    GGUFValueType.INT8: 1,
+    GGUFValueType.BOOL: 1,
+    GGUFValueType.UINT16: 2,
+    GGUFValueType.INT16: 2,
+    GGUFValueType.UINT32: 4,
+    GGUFValueType.INT32: 4,
+    GGUFValueType.FLOAT32: 4,
+    GGUFValueType.UINT64: 8,
+    GGUFValueType.INT64: 8,
+    GGUFValueType.FLOAT64: 8,
+}
+
+
+class _HeaderReader(GGUFReader):
+    """GGUFReader that keeps an array field as [item type, length, raw bytes] (fast)."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
+        if GGUFValueType(raw_type) != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        offs = orig_offs + 12
+        itype = GGUFValueType(int(raw_itype[0]))
+        n = int(alen[0])
+        if itype in _SCALAR_SIZE:
+            offs += n * _SCALAR_SIZE[itype]
+        elif itype == GGUFValueType.STRING:
+            buf = memoryview(self.data)
+            for _ in range(n):  # each string: u64 length, then the bytes
+                offs += 8 + struct.unpack_from("<Q", buf, offs)[0]
+        else:  # nested arrays: rare in practice; let GGUFReader walk them
+            return super()._get_field_parts(orig_offs, raw_type)
+        blob = self._get(orig_offs + 12, np.uint8, offs - orig_offs - 12)
+        return offs - orig_offs, [raw_itype, alen, blob], [1], [GGUFValueType.ARRAY, itype]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model needs to know about one GGUF model."""
+
+    path: Path
+    arch: str
+    n_layers: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    n_ff: int
+    n_vocab: int
+    weight_bytes: int  # Σ tensor bytes: what llama.cpp allocates for the weights (mmap off)
+    file_bytes: int
+    tied_output: bool  # no output.weight: the output layer reuses token_embd
+    token_embd_bytes: int
+    bytes_by_type: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token, f16 cache (llama.cpp's default type_k/type_v)."""
+        return self.n_layers * self.n_head_kv * (self.head_dim_k + self.head_dim_v) * 2
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["path"] = str(self.path)
+        d["kv_bytes_per_token"] = self.kv_bytes_per_token
+        return d
+
+
+def _scalar(reader: GGUFReader, key: str) -> Any:
+    f = reader.fields.get(key)
+    if f is None or not f.data:
+        return None
+    part = f.parts[f.data[0]]
+    if f.types and f.types[0] == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", errors="replace")
+    if f.types and f.types[0] == GGUFValueType.ARRAY:
+        return int(f.parts[1][0])  # arrays: their length
+    return part.tolist()[0]
+
+
+def _read(path: Path) -> ModelShape:
+    try:
+        r = _HeaderReader(path)
+    except Exception as e:  # truncated or garbage headers surface as assorted numpy errors
+        raise ModelLoadError(f"cannot read GGUF header of {path.name}: {e}", param="model") from e
+    arch = _scalar(r, "general.architecture") or "llama"
+
+    def hp(name: str, default: int | None = None) -> int:
+        v = _scalar(r, f"{arch}.{name}")
+        if v is None:
+            if default is None:
+                raise ModelLoadError(f"{path.name}: missing {arch}.{name}", param="model")
+            return default
+        return int(v)
+
+    n_embd = hp("embedding_length")
+    n_head = hp("attention.head_count")
+    n_head_kv = hp("attention.head_count_kv", n_head)
+    head_dim = n_embd // max(n_head, 1)
+    n_vocab = _scalar(r, f"{arch}.vocab_size") or _scalar(r, "tokenizer.ggml.tokens") or 0
+    by_type: dict[str, int] = {}
+    names = set()
+    embd_bytes = 0
+    for t in r.tensors:
+        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
+        names.add(t.name)
+        if t.name == "token_embd.weight":
+            embd_bytes = int(t.n_bytes)
+    return ModelShape(
+        path=path,
+        arch=arch,
+        n_layers=hp("block_count"),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim_k=hp("attention.key_length", head_dim),
+        head_dim_v=hp("attention.value_length", head_dim),
+        n_ff=hp("feed_forward_length", 4 * n_embd),
+        n_vocab=int(n_vocab),
+        weight_bytes=sum(by_type.values()),
+        file_bytes=path.stat().st_size,
+        tied_output="output.weight" not in names,
+        token_embd_bytes=embd_bytes,
+        bytes_by_type=by_type,
+    )
+
+
+_cache: dict[tuple[str, int, int], ModelShape] = {}
+_cache_lock = threading.Lock()
+
+
+def read_shape(path: str | os.PathLike[str]) -> ModelShape:
+    """Hyper-parameters of a GGUF file; ModelLoadError if it is missing or unreadable."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError as e:
+        raise ModelLoadError(f"model file not found: {p}", param="model") from e
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    with _cache_lock:
+        hit = _cache.get(key)
+    if hit is not None:
+        return hit
+    shape = _read(p)
+    with _cache_lock:
+        _cache[key] = shape
+    return shape

@@ -1,0 +1,251 @@
+"""What fits in a memory budget: resident drafts, eviction order, the lower bound, what to shed.
+
+The budget covers everything the daemon allocates for models: the target (charged first) and
+its KV cache and buffers, then the drafts. When everything does not fit, SpecMemo's order of
+shedding applies, cheapest loss first:
+  1. evict drafts     (lowest value per byte first; keep the best set that fits)
+  2. shorten k        (fewer logit rows per verification: the candidate buffers)
+  3. shorten n_ctx    (smaller KV caches and attention scratch, for target and draft)
+  4. plain decoding   (no model draft; weightless drafts such as prompt lookup still run)
+The lower bound that still speculates is target + the smallest model draft at k = 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memspec.drafts.manifest import DraftManifest
+from memspec.errors import ModelLoadError
+from memspec.memory.footprint import KV_PAD, Footprint, draft_footprint, target_footprint
+from memspec.units import format_size
+
+SHED_STEPS = ("evict drafts", "shorten k", "shorten n_ctx", "plain decoding")
+MIN_N_CTX = 256
+
+
+@dataclass
+class DraftFit:
+    id: str
+    kind: str
+    footprint: Footprint | None  # None: its file is missing or unreadable
+    value: float
+    error: str | None = None
+
+    @property
+    def bytes(self) -> int:
+        return self.footprint.total if self.footprint else 0
+
+    @property
+    def value_per_byte(self) -> float:
+        return math.inf if self.bytes == 0 else self.value / self.bytes
+
+
+@dataclass
+class Plan:
+    budget_bytes: int
+    n_ctx: int  # requested
+    k_max: int  # requested
+    target: Footprint
+    drafts: list[DraftFit]
+    everything_bytes: int  # target + every available draft at (n_ctx, k_max)
+    lower_bound_bytes: int | None  # target at k = 1 + the smallest model draft, at n_ctx
+    lower_bound_draft: str | None
+    target_only_bytes: int  # plain decoding at n_ctx
+    # The outcome: what runs under this budget.
+    fits: bool = False
+    shed: list[str] = field(default_factory=list)  # empty: nothing to shed
+    resident: list[str] = field(default_factory=list)
+    evict_order: list[str] = field(default_factory=list)  # from everything resident
+    k: int = 0
+    planned_n_ctx: int = 0
+    used_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "n_ctx": self.n_ctx,
+            "k_max": self.k_max,
+            "fits": self.fits,
+            "shed": self.shed or ["none"],
+            "resident": self.resident,
+            "evict_order": self.evict_order,
+            "k": self.k,
+            "planned_n_ctx": self.planned_n_ctx,
+            "used_bytes": self.used_bytes,
+            "everything_bytes": self.everything_bytes,
+            "lower_bound_bytes": self.lower_bound_bytes,
+            "lower_bound_draft": self.lower_bound_draft,
+            "target_only_bytes": self.target_only_bytes,
+            "target": self.target.to_dict(),
+            "drafts": [
+                {
+                    "id": d.id,
+                    "kind": d.kind,
+                    "bytes": d.bytes,
+                    "value": d.value,
+                    "footprint": d.footprint.to_dict() if d.footprint else None,
+                    "fits_alone": d.footprint is not None
+                    and self.target.total + d.bytes <= self.budget_bytes,
+                    "error": d.error,
+                }
+                for d in self.drafts
+            ],
+        }
+
+
+def draft_fits(
+    manifests: dict[str, DraftManifest],
+    models_dir: Path,
+    n_ctx: int,
+    values: dict[str, float] | None = None,
+    n_gpu_layers: int = 0,
+) -> list[DraftFit]:
+    from memspec.drafts.registry import PRIOR_ALPHA
+
+    out = []
+    for m in manifests.values():
+        value = (values or {}).get(m.id, PRIOR_ALPHA.get(m.kind, 0.5))
+        try:
+            path = m.model_path(models_dir) if m.file else None
+            fp = draft_footprint(m.kind, path, n_ctx, dict(m.params), n_gpu_layers)
+            out.append(DraftFit(m.id, m.kind, fp, value))
+        except (ModelLoadError, OSError, ValueError) as e:
+            out.append(DraftFit(m.id, m.kind, None, value, str(e)))
+    return out
+
+
+def choose_resident(drafts: list[DraftFit], room: int) -> list[str]:
+    """Greedy by value per byte: the set the working set would hold in `room` bytes."""
+    chosen = []
+    for d in sorted(drafts, key=lambda d: d.value_per_byte, reverse=True):
+        if d.footprint is not None and d.value > 0 and d.bytes <= room:
+            chosen.append(d.id)
+            room -= d.bytes
+    return chosen
+
+
+def make_plan(
+    budget_bytes: int,
+    target_path: Path,
+    manifests: dict[str, DraftManifest],
+    models_dir: Path,
+    n_ctx: int = 2048,
+    k_max: int = 8,
+    values: dict[str, float] | None = None,
+    n_gpu_layers: int = 0,
+) -> Plan:
+    def target(n: int, k: int) -> Footprint:
+        return target_footprint(target_path, n, k, n_gpu_layers)
+
+    def fits_at(n: int) -> list[DraftFit]:
+        return draft_fits(manifests, models_dir, n, values, n_gpu_layers)
+
+    drafts = fits_at(n_ctx)
+    avail = [d for d in drafts if d.footprint is not None]
+    models = [d for d in avail if d.bytes > 0]
+    t_full = target(n_ctx, k_max)
+    smallest = min(models, key=lambda d: d.bytes, default=None)
+    plan = Plan(
+        budget_bytes=budget_bytes,
+        n_ctx=n_ctx,
+        k_max=k_max,
+        target=t_full,
+        drafts=drafts,
+        everything_bytes=t_full.total + sum(d.bytes for d in avail),
+        lower_bound_bytes=target(n_ctx, 1).total + smallest.bytes if smallest else None,
+        lower_bound_draft=smallest.id if smallest else None,
+        target_only_bytes=target(n_ctx, 0).total,
+    )
+    plan.evict_order = [d.id for d in sorted(models, key=lambda d: (d.value_per_byte, -d.bytes))]
+
+    def settle(shed: list[str], n: int, k: int, resident: list[str], used: int) -> Plan:
+        plan.fits, plan.shed, plan.planned_n_ctx, plan.k = True, shed, n, k
+        plan.resident, plan.used_bytes = resident, used
+        return plan
+
+    weightless = [d.id for d in avail if d.bytes == 0 and d.value > 0]
+    if plan.everything_bytes <= budget_bytes:
+        return settle([], n_ctx, k_max, [d.id for d in avail], plan.everything_bytes)
+    # 1. Evict drafts: the best value-per-byte set beside the target.
+    chosen = choose_resident(avail, budget_bytes - t_full.total)
+    if any(d.id in chosen for d in models):
+        used = t_full.total + sum(d.bytes for d in avail if d.id in chosen)
+        return settle(["evict drafts"], n_ctx, k_max, chosen, used)
+    if smallest is not None:
+        # 2. Shorten k: the smallest model draft beside a target verifying fewer tokens.
+        for k in range(k_max - 1, 0, -1):
+            used = target(n_ctx, k).total + smallest.bytes
+            if used <= budget_bytes:
+                return settle([*SHED_STEPS[:2]], n_ctx, k, weightless + [smallest.id], used)
+        # 3. Shorten n_ctx (in llama.cpp's 256-cell steps), with the largest k that then fits.
+        for n in range((n_ctx - 1) // KV_PAD * KV_PAD, MIN_N_CTX - 1, -KV_PAD):
+            small = {d.id: d for d in fits_at(n) if d.footprint is not None}[smallest.id]
+            for k in range(k_max, 0, -1):
+                used = target(n, k).total + small.bytes
+                if used <= budget_bytes:
+                    steps = ["evict drafts", *(["shorten k"] if k < k_max else []), "shorten n_ctx"]
+                    return settle(steps, n, k, weightless + [smallest.id], used)
+    # 4. Plain decoding (weightless drafts may still propose), at n_ctx or shorter.
+    shorter = range((n_ctx - 1) // KV_PAD * KV_PAD, MIN_N_CTX - 1, -KV_PAD)
+    for n in [n_ctx, *shorter]:
+        k = k_max if weightless else 0
+        used = target(n, k).total
+        if used <= budget_bytes:
+            steps = ["evict drafts", "plain decoding"] if n == n_ctx else [*SHED_STEPS]
+            return settle(steps, n, k, weightless, used)
+    plan.fits = False
+    plan.shed = [*SHED_STEPS]
+    return plan
+
+
+def format_plan(p: Plan) -> str:
+    """A human explanation of a plan: the parts, what fits, eviction order, the lower bound."""
+    mb = format_size
+    lines = [
+        f"budget {mb(p.budget_bytes)}; n_ctx {p.n_ctx}, k_max {p.k_max}",
+        "",
+        f"{'part':12s} {'weights':>11s} {'KV':>11s} {'logits':>11s} {'scratch':>11s}"
+        f" {'overhead':>11s} {'total':>11s}",
+    ]
+
+    def row(name: str, f: Footprint) -> str:
+        return (
+            f"{name:12s} {mb(f.weights):>11s} {mb(f.kv):>11s} {mb(f.candidates):>11s}"
+            f" {mb(f.scratch):>11s} {mb(f.overhead + f.runtime):>11s} {mb(f.total):>11s}"
+        )
+
+    lines.append(row("target", p.target))
+    for d in p.drafts:
+        if d.footprint is None:
+            lines.append(f"{d.id:12s} unavailable: {d.error}")
+        else:
+            lines.append(row(d.id, d.footprint))
+    lines += [
+        "",
+        f"everything resident: {mb(p.everything_bytes)}",
+        f"plain decoding (target only): {mb(p.target_only_bytes)}",
+    ]
+    if p.lower_bound_bytes is not None:
+        lines.append(
+            f"lower bound that still speculates: {mb(p.lower_bound_bytes)}"
+            f" (target at k=1 + {p.lower_bound_draft})"
+        )
+    lines.append(f"eviction order (lowest value per byte first): {', '.join(p.evict_order)}")
+    lines.append("")
+    if not p.fits:
+        lines.append(
+            f"does NOT fit: the target alone needs {mb(p.target_only_bytes)} at n_ctx {p.n_ctx}"
+            f" (and more than the budget even at n_ctx {MIN_N_CTX})"
+        )
+        return "\n".join(lines)
+    shed = ", then ".join(p.shed) if p.shed else "none (everything fits)"
+    lines += [
+        f"shed: {shed}",
+        f"resident: {', '.join(p.resident) or '(no draft)'}",
+        f"k {p.k}, n_ctx {p.planned_n_ctx}; uses {mb(p.used_bytes)}"
+        f" of {mb(p.budget_bytes)} ({mb(p.budget_bytes - p.used_bytes)} spare)",
+    ]
+    return "\n".join(lines)

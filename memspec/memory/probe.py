@@ -1,0 +1,123 @@
+"""Measure one real model load: memory before, after loading, after its largest batches.
+
+Run it in a fresh process (`python -m memspec.memory.probe FILE --n-ctx N --outputs R`, or
+`python -m memspec.memory.probe --draft ID --n-ctx N --resident TARGET.gguf`) so
+that allocator state left by earlier loads does not blur the delta. The model is loaded the
+way the daemon loads it (memspec's llama.cpp backend, mmap off: a real copy into process
+memory, not page cache), then driven like the engine drives it at its worst: the context is
+prefilled to the end in n_batch chunks with one output row, then a batch asks for `outputs`
+logit rows (k + 1 for a target, 1 for a draft). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from memspec.memory.measure import MemorySample, sample
+
+
+def measure_model(
+    path: Path,
+    n_ctx: int,
+    outputs: int = 1,
+    n_threads: int = 1,
+    resident: Path | None = None,
+) -> dict[str, Any]:
+    """Memory deltas of loading and running `path`; `resident` is loaded first and kept.
+
+    With the target as `resident` the draft is measured as the daemon loads it: beside a
+    resident model, with llama.cpp's code pages and one-time state already paid for.
+    One thread by default: llama.cpp's worker threads spin, which on a shared box only slows.
+    """
+    from memspec.backends.base import BackendOptions, load_backend
+
+    keep = None
+    if resident is not None:
+        keep = load_backend(resident, BackendOptions(n_ctx=256, n_threads=n_threads))
+        keep.eval([1, 2, 3, 4], all_logits=True)
+    else:
+        from memspec.backends.llama_cpp import LlamaCppBackend  # noqa: F401 - map libllama now
+    gc.collect()
+    before = sample()
+    be = load_backend(path, BackendOptions(n_ctx=n_ctx, n_threads=n_threads, use_mmap=False))
+    loaded = sample()
+    # Prefill to the end of the context (the largest attention the engine can ask for), leaving
+    # room for the final batch; token ids are arbitrary but valid.
+    tail = max(outputs, 1) + 1
+    prompt = [100 + (i * 37) % 5000 for i in range(be.n_ctx - tail)]
+    be.eval(prompt, all_logits=False)
+    be.eval([42] * max(outputs, 1), all_logits=True)
+    ran = sample()
+    be.close()
+    if keep is not None:
+        keep.close()
+    return {
+        "file": path.name,
+        "n_ctx": n_ctx,
+        "outputs": outputs,
+        "resident": resident.name if resident else None,
+        "at_load": loaded.delta(before),
+        "steady": ran.delta(before),
+        "baseline": _as_dict(before),
+    }
+
+
+def measure_draft(
+    draft_id: str,
+    n_ctx: int,
+    resident: Path | None = None,
+    manifest_dir: Path | None = None,
+    n_threads: int = 1,
+) -> dict[str, Any]:
+    """Measure a draft of the pool by id. Model drafts are driven like measure_model; other
+    kinds (prompt lookup, datastores) are measured right after loading, beside `resident`."""
+    from memspec.backends.base import BackendOptions, load_backend
+    from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
+    from memspec.drafts.registry import instantiate
+    from memspec.paths import models_dir
+
+    m = load_manifests(manifest_dir or DEFAULT_MANIFEST_DIR)[draft_id]
+    if m.kind == "model":
+        r = measure_model(m.model_path(models_dir()), n_ctx, 1, n_threads, resident)
+        return {"id": draft_id, "kind": m.kind, **r}
+    opts = BackendOptions(n_ctx=n_ctx, n_threads=n_threads)
+    keep = load_backend(resident, BackendOptions(n_ctx=256)) if resident else None
+    gc.collect()
+    before = sample()
+    draft = instantiate(m, opts, "llama_cpp")
+    loaded = sample()
+    draft.close()
+    if keep is not None:
+        keep.close()
+    d = loaded.delta(before)
+    return {"id": draft_id, "kind": m.kind, "n_ctx": n_ctx, "at_load": d, "steady": d}
+
+
+def _as_dict(s: MemorySample) -> dict[str, int | None]:
+    return {"rss": s.rss, "uss": s.uss, "nvmap_used": s.nvmap_used, "cuda_used": s.cuda_used}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m memspec.memory.probe", description=__doc__)
+    ap.add_argument("file", help="a GGUF file, or a draft id of the pool with --draft")
+    ap.add_argument("--draft", action="store_true", help="`file` is a draft id (drafts/*.toml)")
+    ap.add_argument("--n-ctx", type=int, default=2048)
+    ap.add_argument("--outputs", type=int, default=1, help="logit rows of the last batch")
+    ap.add_argument("--n-threads", type=int, default=1)
+    ap.add_argument("--resident", type=Path, help="model loaded first and kept (the target)")
+    args = ap.parse_args(argv)
+    if args.draft:
+        r = measure_draft(args.file, args.n_ctx, args.resident, n_threads=args.n_threads)
+    else:
+        r = measure_model(Path(args.file), args.n_ctx, args.outputs, args.n_threads, args.resident)
+    print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The memory model against measured process memory: every draft of the pool, real loads.
+
+Each measurement runs in its own process (python -m memspec.memory.probe), beside the resident
+target as in the daemon, with llama.cpp's mmap off: the weights are copied into process memory,
+so RSS grows by what the load really costs. A model draft is then driven to its worst case (the
+context prefilled to the end in n_batch chunks, then one step), which is what the budget
+charges for it. The estimate must be within ±15% of the RSS delta (and of the USS delta).
+On a Jetson the GPU's NvMap growth, on a CUDA box the device's, is added to the process's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
+from memspec.memory.footprint import draft_footprint, target_footprint
+from memspec.memory.measure import device_bytes
+from memspec.paths import models_dir
+
+TARGET_FILE = "smollm2-135m-f32.gguf"
+N_CTX = 512  # small enough to keep the worst-case prefill quick on 2 shared cores
+K_MAX = 8
+TOLERANCE = 0.15
+POOL = load_manifests(DEFAULT_MANIFEST_DIR)
+
+
+def probe(*args: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "memspec.memory.probe", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check(name: str, est_at_load: int, est_steady: int, r: dict) -> None:
+    for phase, est in (("at_load", est_at_load), ("steady", est_steady)):
+        d = r[phase]
+        for what, measured in (("rss", d["rss"]), ("uss", d["uss"]), ("device", device_bytes(d))):
+            if measured is None:
+                continue
+            err = est / measured - 1
+            print(
+                f"{name:14s} {phase:8s} {what:6s} model {est / 1e6:8.1f} MB"
+                f"  measured {measured / 1e6:8.1f} MB  {err:+.1%}"
+            )
+            assert abs(err) <= TOLERANCE, f"{name} {phase} {what}: model off by {err:+.1%}"
+
+
+@pytest.fixture(scope="module")
+def target_path():
+    path = models_dir() / TARGET_FILE
+    if not path.is_file():
+        pytest.fail(f"testbed missing in {models_dir()}: run scripts/setup.sh", pytrace=False)
+    return path
+
+
+def test_target_footprint_matches_measured(target_path):
+    """The target alone in a fresh process (it pays llama.cpp's one-time cost), k+1 rows."""
+    r = probe(str(target_path), "--n-ctx", str(N_CTX), "--outputs", str(K_MAX + 1))
+    fp = target_footprint(target_path, N_CTX, K_MAX)
+    check("target", fp.at_load, fp.total, r)
+
+
+@pytest.mark.parametrize("draft_id", sorted(POOL))
+def test_draft_footprint_matches_measured(target_path, draft_id):
+    m = POOL[draft_id]
+    path = m.model_path(models_dir()) if m.file else None
+    if path is not None and not path.is_file():
+        if m.kind == "model":
+            pytest.fail(f"draft {draft_id} not built ({path}): run scripts/setup.sh", pytrace=False)
+        pytest.skip(f"draft {draft_id} is not built ({path.name})")
+    fp = draft_footprint(m.kind, path, N_CTX, dict(m.params))
+    r = probe(draft_id, "--draft", "--n-ctx", str(N_CTX), "--resident", str(target_path))
+    if fp.total == 0:  # weightless (prompt lookup): nothing measurable may be allocated
+        assert r["steady"]["rss"] < 2_000_000, r
+        return
+    check(draft_id, fp.at_load, fp.total, r)

@@ -1,0 +1,118 @@
+"""The footprint model's inputs (GGUF hyper-parameters) and the budget plan."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from memspec.cli import main
+from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
+from memspec.errors import ModelLoadError
+from memspec.memory.footprint import draft_footprint, model_footprint, target_footprint
+from memspec.memory.gguf_info import read_shape
+from memspec.memory.plan import make_plan
+from memspec.paths import models_dir
+
+TARGET = "smollm2-135m-f32.gguf"
+
+
+@pytest.fixture(scope="module")
+def manifests():
+    return load_manifests(DEFAULT_MANIFEST_DIR)
+
+
+@pytest.fixture(scope="module")
+def target_path():
+    p = models_dir() / TARGET
+    if not p.is_file():
+        pytest.fail(f"testbed missing in {models_dir()}: run scripts/setup.sh", pytrace=False)
+    return p
+
+
+def test_gguf_shape_matches_what_llama_cpp_loads(small_backend, target_path):
+    s = read_shape(target_path)
+    assert (s.n_layers, s.n_head_kv, s.head_dim_k) == (
+        small_backend.n_layers,
+        small_backend.n_kv_heads,
+        small_backend.head_dim,
+    )
+    assert s.n_vocab == small_backend.n_vocab
+    assert s.kv_bytes_per_token == small_backend.kv_bytes_per_token()
+    # F32 weights: 4 bytes per parameter, and the file is weights + a header.
+    assert s.bytes_by_type == {"F32": s.weight_bytes}
+    assert 0 < s.file_bytes - s.weight_bytes < 4_000_000
+
+
+def test_footprint_parts_follow_n_ctx_and_k(target_path):
+    s = read_shape(target_path)
+    a, b = model_footprint(s, 512, 1), model_footprint(s, 1024, 1)
+    assert b.kv == 2 * a.kv and b.weights == a.weights
+    assert b.scratch > a.scratch  # attention over a longer context
+    k1, k8 = target_footprint(target_path, 1024, 1), target_footprint(target_path, 1024, 8)
+    assert k8.candidates - k1.candidates == 2 * 7 * s.n_vocab * 4  # (k+1) rows, twice
+    assert k8.total > k1.total and k8.at_load < k8.total
+
+
+def test_missing_or_garbage_files_are_load_errors(tmp_path):
+    with pytest.raises(ModelLoadError):
+        read_shape(tmp_path / "nope.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + bytes(range(256)) * 64)
+    with pytest.raises(ModelLoadError):
+        read_shape(bad)
+    with pytest.raises(ModelLoadError):
+        draft_footprint("model", tmp_path / "nope.gguf", 512)
+
+
+def test_plan_ladder(target_path, manifests):
+    def plan(budget: int, **kw):
+        return make_plan(budget, target_path, manifests, models_dir(), n_ctx=1024, **kw)
+
+    everything = plan(10**12)
+    assert everything.fits and everything.shed == [] and len(everything.resident) == 4
+    assert everything.evict_order[0] == "q8_0"  # equal priors: the largest goes first
+    # Room for the target and two drafts: the best value per byte are kept.
+    two = {d.id: d.bytes for d in everything.drafts}
+    budget = everything.target.total + two["q2_k"] + two["q4_0"] + 1_000_000
+    p = plan(budget)
+    assert p.shed == ["evict drafts"] and set(p.resident) == {"prompt-lookup", "q2_k", "q4_0"}
+    assert p.used_bytes <= budget
+    # At the lower bound exactly, it still speculates with the smallest model draft, at k=1.
+    lb = everything.lower_bound_bytes
+    assert everything.lower_bound_draft == "q2_k"
+    p = plan(lb)
+    assert p.fits and "q2_k" in p.resident and p.k == 1 and p.planned_n_ctx == 1024
+    assert p.shed == ["evict drafts", "shorten k"]
+    # A little less: a shorter context keeps a draft.
+    p = plan(lb - 20_000_000)
+    assert p.fits and "shorten n_ctx" in p.shed and p.planned_n_ctx < 1024
+    assert "q2_k" in p.resident and p.used_bytes <= lb - 20_000_000
+    # Target only: plain decoding (prompt lookup needs no memory).
+    p = plan(everything.target_only_bytes + 4_000_000)
+    assert p.fits and p.resident == ["prompt-lookup"] and "plain decoding" in p.shed
+    assert not plan(100_000_000).fits
+    # Values change what is kept: q8_0 valued highly enough wins its bytes back.
+    p = plan(budget, values={"q8_0": 10.0})
+    assert "q8_0" in p.resident
+
+
+def test_plan_cli_json_and_text(target_path):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["plan", "--budget", "1GB", "--n-ctx", "1024", "--json"])
+    data = json.loads(out.getvalue())
+    assert rc == 0 and data["fits"] and data["budget_bytes"] == 10**9
+    assert data["evict_order"] == ["q8_0", "q4_0", "q2_k"]
+    assert data["lower_bound_bytes"] < 10**9 and data["used_bytes"] <= 10**9
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["plan", "--budget", "100MB"])
+    assert rc == 1 and "does NOT fit" in out.getvalue()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["plan", "--budget", "900MB"])
+    text = out.getvalue()
+    assert "lower bound that still speculates" in text and "eviction order" in text
