@@ -246,6 +246,27 @@ def cmd_bench_reuse(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
+    from memspec.memory.plan import format_plan, make_plan
+    from memspec.paths import models_dir
+    from memspec.runtime import resolve_model_path
+    from memspec.units import parse_size
+
+    settings = _settings(args)
+    plan = make_plan(
+        parse_size(args.budget) if args.budget else settings.budget_bytes,
+        resolve_model_path(settings.target),
+        load_manifests(settings.manifest_dir or DEFAULT_MANIFEST_DIR),
+        models_dir(),
+        n_ctx=settings.n_ctx,
+        k_max=settings.k_max,
+        n_gpu_layers=settings.n_gpu_layers,
+    )
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0 if plan.fits else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -274,6 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls = dsub.add_parser("list", help="manifests and whether their files are built")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=cmd_drafts_list)
+
+    p = sub.add_parser(
+        "plan", help="memory plan: what fits in a budget, eviction order, the lower bound"
+    )
+    _model_flags(p)
+    p.add_argument("--budget", help="e.g. 1.5GiB, 900MB (default: the configured budget)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("calibrate", help="measure verify cost per batch and draft cost per token")
     _model_flags(p)
