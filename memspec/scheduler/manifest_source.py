@@ -1,0 +1,41 @@
+"""Drafts from the manifests in drafts/: ids, kinds, modelled bytes (the footprint model), loads."""
+
+from __future__ import annotations
+
+from memspec.backends.base import BackendOptions
+from memspec.drafts.base import Draft
+from memspec.drafts.manifest import DraftManifest
+from memspec.drafts.registry import instantiate
+from memspec.memory.footprint import Footprint, draft_footprint
+from memspec.paths import models_dir
+
+
+class ManifestSource:
+    """The DraftSource a Runtime gives its WorkingSet. Paths resolve at call time, so a
+    changed MEMSPEC_DATA_DIR or a rebuilt file is seen on the next load."""
+
+    def __init__(
+        self, manifests: dict[str, DraftManifest], options: BackendOptions, backend_kind: str
+    ):
+        self.manifests = manifests
+        self.options = options
+        self.backend_kind = backend_kind
+
+    def draft_ids(self) -> list[str]:
+        return list(self.manifests)
+
+    def draft_kind(self, draft_id: str) -> str:
+        return self.manifests[draft_id].kind
+
+    def footprint(self, draft_id: str) -> Footprint:
+        m = self.manifests[draft_id]
+        path = m.model_path(models_dir()) if m.file else None
+        return draft_footprint(
+            m.kind, path, self.options.n_ctx, dict(m.params), self.options.n_gpu_layers
+        )
+
+    def draft_bytes(self, draft_id: str) -> int:
+        return self.footprint(draft_id).total
+
+    def load_draft(self, draft_id: str) -> Draft:
+        return instantiate(self.manifests[draft_id], self.options, self.backend_kind)
