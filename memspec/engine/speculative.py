@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from memspec.backends.base import Backend
+from memspec.drafts.base import Proposal
 from memspec.engine.policy import RoundPolicy
 from memspec.engine.sampling import (
     SamplingParams,
@@ -44,6 +45,7 @@ class Generation:
     accepted: int = 0
     k_per_round: list[int] = field(default_factory=list)
     drafts_used: dict[str, int] = field(default_factory=dict)  # draft id -> rounds
+    per_draft: dict[str, dict[str, int]] = field(default_factory=dict)  # id -> proposed/accepted
     ttft_s: float = 0.0
     elapsed_s: float = 0.0
     target_s: float = 0.0  # time inside the target's forward passes
@@ -61,6 +63,36 @@ class Generation:
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def accept_prefix(
+    drafted: list[int],
+    logits: np.ndarray,
+    proposal: Proposal | None,
+    params: SamplingParams,
+    rng: np.random.Generator,
+) -> list[int]:
+    """The accepted draft tokens followed by one token from the target.
+
+    logits[i] is the target's distribution for position i (drafted[i]'s slot); there is one
+    more row than drafted tokens, for the bonus token when everything is accepted.
+    """
+    new: list[int] = []
+    for i, tok in enumerate(drafted):
+        if params.greedy:  # greedy: accept iff the draft token is the target's argmax
+            best = int(np.argmax(logits[i]))
+            if tok != best:
+                return new + [best]
+        else:  # sampling: accept with min(1, p/q), else draw from norm(max(p - q, 0))
+            p = probs_from_logits(logits[i], params)
+            q = proposal.probs[i] if proposal is not None and proposal.probs else None
+            if not accept_draft_token(tok, p, q, rng):
+                return new + [sample(residual(p, q, tok), rng)]
+        new.append(tok)
+    last = logits[len(drafted)]  # every proposal accepted: a bonus token
+    if params.greedy:
+        return new + [int(np.argmax(last))]
+    return new + [sample(probs_from_logits(last, params), rng)]
 
 
 def speculative_generate(
@@ -88,11 +120,6 @@ def speculative_generate(
         target.eval(prompt[gen.cached_tokens : -1], all_logits=False)
     ctx = list(prompt)
 
-    def pick(p_logits: np.ndarray) -> int:
-        if params.greedy:
-            return int(np.argmax(p_logits))
-        return sample(probs_from_logits(p_logits, params), rng)
-
     while True:
         room = min(params.max_tokens - len(gen.token_ids), target.n_ctx - len(ctx))
         if room <= 0 or (cancel is not None and cancel.is_set()):
@@ -113,23 +140,7 @@ def speculative_generate(
         gen.target_s += time.perf_counter() - t_verify
 
         # 3. Accept the longest agreeing prefix, then one token from the target.
-        new: list[int] = []
-        for i, tok in enumerate(drafted):
-            if params.greedy:
-                ok = tok == int(np.argmax(logits[i]))
-            else:
-                p = probs_from_logits(logits[i], params)
-                q = proposal.probs[i] if proposal and proposal.probs else None
-                ok = accept_draft_token(tok, p, q, rng)
-            if not ok:  # rejected: the target's token comes from the residual distribution
-                if params.greedy:
-                    new.append(int(np.argmax(logits[i])))
-                else:
-                    new.append(sample(residual(p, q, tok), rng))
-                break
-            new.append(tok)
-        else:  # every proposal accepted: a bonus token from the last distribution
-            new.append(pick(logits[len(drafted)]))
+        new = accept_prefix(drafted, logits, proposal, params, rng)
         n_accepted = len(new) - 1
         target.truncate(len(ctx) + n_accepted)  # drop rejected candidates from the KV cache
 
@@ -140,6 +151,9 @@ def speculative_generate(
             gen.proposed += len(drafted)
             gen.accepted += n_accepted
             gen.drafts_used[choice.draft.id] = gen.drafts_used.get(choice.draft.id, 0) + 1
+            per = gen.per_draft.setdefault(choice.draft.id, {"proposed": 0, "accepted": 0})
+            per["proposed"] += len(drafted)
+            per["accepted"] += n_accepted
             policy.observe(proposal.key, len(drafted), n_accepted, time.perf_counter() - t_draft)
 
         # 5. Emit in order; stop on EOS, a stop string, or max_tokens.
