@@ -32,14 +32,12 @@ def _workload_flags(p: argparse.ArgumentParser, per_category: int, offset: int) 
 
 def cmd_traces_collect(args: argparse.Namespace) -> int:
     from memspec.runtime import Runtime
-    from memspec.sim.traces import collect
+    from memspec.sim.traces import built_pool, collect
     from memspec.sim.workload import requests_for, select_questions
 
     settings = _settings(args)
-    if args.drafts is None:
-        from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
-
-        settings.drafts = list(load_manifests(settings.manifest_dir or DEFAULT_MANIFEST_DIR))
+    if args.drafts is None:  # the whole pool, as far as it is built
+        settings.drafts = built_pool(settings.manifest_dir)
     questions = select_questions(args.per_category, args.offset, args.categories)
     requests = requests_for(questions, args.turns)
     rt = Runtime(settings)
@@ -108,12 +106,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_sim_calibrate(args: argparse.Namespace) -> int:
     from memspec.sim.profile import calibrate_this_machine
+    from memspec.sim.traces import built_pool
 
     settings = _settings(args)
     if args.drafts is None:
-        from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
-
-        settings.drafts = list(load_manifests(settings.manifest_dir or DEFAULT_MANIFEST_DIR))
+        settings.drafts = built_pool(settings.manifest_dir)
     path = calibrate_this_machine(settings, Path(args.out) if args.out else None, args.load_reps)
     print(path)
     return 0
@@ -140,6 +137,7 @@ def cmd_bench_policies(args: argparse.Namespace) -> int:
         policies=args.policies,
         predictor=args.predictor,
         curve=not args.no_curve,
+        extra={"drafts_given": args.drafts is not None},
     )
     report = run_policy_bench(_settings(args), config, Path(args.out), args.plot)
     return 0 if report.get("all_identical", True) else 1
@@ -165,7 +163,7 @@ def register(sub: argparse._SubParsersAction, model_flags) -> None:
     t.add_argument("--traces", nargs="+", required=True, help="trace files (JSONL)")
     t.add_argument("--out", required=True, help="artifact, e.g. predictors/NAME.json")
     t.add_argument("--epochs", type=int, default=400)
-    t.add_argument("--l2", type=float, default=1e-3)
+    t.add_argument("--l2", type=float, default=1e-2)
     t.add_argument("--holdout", type=float, default=0.25, help="share of questions held out")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_predictor_train)

@@ -32,7 +32,7 @@ from memspec.sim.traces import Trace, TraceRequest, load_trace
 class TrainConfig:
     epochs: int = 400
     lr: float = 0.05
-    l2: float = 1e-3
+    l2: float = 1e-2
     holdout: float = 0.25  # share of questions held out for the reported metrics
     seed: int = 0
     decay: float = 0.97

@@ -36,6 +36,8 @@ PRIOR_ALPHA = {"model": 0.7, "prompt_lookup": 0.4}
 class Residency(Protocol):
     """What a policy needs from a working set, live or simulated."""
 
+    budget_bytes: int  # reserved_bytes (the target), if the set has it, is not draft room
+
     def resident_ids(self) -> set[str]: ...
 
     def prefetch(self, wanted: list[tuple[str, float]]) -> None: ...
@@ -342,17 +344,35 @@ class MemSpecPolicy(Policy):
         return (1 - p) / p
 
     def replan(self, position: int) -> None:
-        assert self.ws is not None
-        resident = self.ws.resident_ids()
-        wanted = []
+        """Tell the working set what to hold. Only one draft runs per round, so holding two is
+        worth about the better one: the draft with the most predicted value goes first (not the
+        densest, which could crowd it out of a one-draft budget), then the rest of the room is
+        filled by value per byte (drafts the next requests may want)."""
+        ws = self.ws
+        assert ws is not None
+        resident = ws.resident_ids()
+        cands = []
         for d in self.env.drafts.values():
             if d.always_resident:
                 continue
             v = self.value(d, position, resident)
             if v > 0:
-                wanted.append((d.id, v))
-        self.plan = dict(wanted)
-        self.ws.prefetch(wanted)
+                cands.append((d, v))
+        room = ws.budget_bytes - getattr(ws, "reserved_bytes", 0)
+        chosen: list[tuple[str, float]] = []
+        if cands:
+            fits = [c for c in cands if c[0].bytes <= room]
+            if fits:
+                top = max(fits, key=lambda c: c[1])
+                chosen.append((top[0].id, top[1]))
+                room -= top[0].bytes
+                rest = sorted((c for c in fits if c is not top), key=lambda c: -c[1] / c[0].bytes)
+                for d, v in rest:
+                    if d.bytes <= room:
+                        chosen.append((d.id, v))
+                        room -= d.bytes
+        self.plan = dict(chosen)
+        ws.prefetch(chosen)
 
     def begin(self, req, ws):
         self.req, self.ws = req, ws

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from memspec.drafts.base import Draft, Proposal
 from memspec.engine.policy import Choice
+from memspec.errors import MemSpecError
 from memspec.scheduler.policies import Policy, Request, Round
 
 
@@ -44,6 +45,10 @@ class PolicyRounds:
     def choose(self, context, k_room, params, rng) -> Choice:
         now = time.perf_counter()
         self._close(now)
+        # Round boundary: drafts leased last round may now be closed if they were evicted.
+        release = getattr(self.ws, "release_leases", None)
+        if release is not None:
+            release()
         position = len(context) - len(self.request.prompt)
         peeks: dict[str, tuple[str, int, Proposal | None, Draft | None]] = {}
         peek_s = 0.0
@@ -77,7 +82,10 @@ class PolicyRounds:
                 draft = self.ws.get(draft_id)
                 if draft is None and self.policy.reactive:
                     t = time.perf_counter()
-                    draft = self.ws.acquire(draft_id, wait=True)
+                    try:
+                        draft = self.ws.acquire(draft_id, wait=True)
+                    except MemSpecError:  # cannot fit beside pinned drafts: no draft this round
+                        draft = None
                     self.stats.stall_s += time.perf_counter() - t
                 if draft is not None:
                     choice = Choice(draft, k)
@@ -122,4 +130,7 @@ class PolicyRounds:
         t = time.perf_counter()
         self.policy.end()
         self.stats.policy_s += time.perf_counter() - t
+        release = getattr(self.ws, "release_leases", None)
+        if release is not None:
+            release()
         return self.stats

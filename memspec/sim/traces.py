@@ -263,6 +263,33 @@ def proposed_runs(draft: Draft, prompt: list[int], output: list[int], k_max: int
     return DraftPositions(length, run, keys if any(keys) else None)
 
 
+def built_pool(manifest_dir: Path | None = None) -> list[str]:
+    """Ids of the pool's drafts whose files exist (a manifest may describe an unbuilt draft)."""
+    from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
+    from memspec.paths import models_dir
+
+    out = []
+    for m in load_manifests(manifest_dir or DEFAULT_MANIFEST_DIR).values():
+        if m.file is None or m.model_path(models_dir()).is_file():
+            out.append(m.id)
+    return out
+
+
+def footprints(rt, draft_ids: list[str]) -> tuple[int, dict[str, int]]:
+    """Modelled resident bytes (SpecMemo footprint model) of the target and of each draft."""
+    from memspec.memory.footprint import draft_footprint, target_footprint
+    from memspec.paths import models_dir
+
+    s = rt.settings
+    target = target_footprint(rt.target.path, s.n_ctx, s.k_max, s.n_gpu_layers).total
+    sizes = {}
+    for d in draft_ids:
+        m = rt.manifest(d)
+        path = m.model_path(models_dir()) if m.file else None
+        sizes[d] = draft_footprint(m.kind, path, s.n_ctx, m.params, s.n_gpu_layers).total
+    return target, sizes
+
+
 def measure_loads(rt, draft_ids: list[str], reps: int) -> dict[str, list[float]]:
     """Seconds for real loads (into process memory, mmap off) of each model draft."""
     from memspec.drafts.registry import instantiate
@@ -335,7 +362,7 @@ def collect(
             "k_run": k_run,
         },
         "target": {
-            "bytes": rt.target.weight_bytes() + rt.target.kv_bytes_per_token() * rt.target.n_ctx,
+            "bytes": footprints(rt, [])[0],
             "weight_bytes": rt.target.weight_bytes(),
         },
         "drafts": {},
@@ -346,11 +373,12 @@ def collect(
         },
     }
     loads = measure_loads(rt, draft_ids, load_reps)
+    sizes = footprints(rt, draft_ids)[1]
     for d in draft_ids:
         draft = rt.drafts[d]
         header["drafts"][d] = {
             "kind": draft.kind,
-            "bytes": draft.memory_bytes(),
+            "bytes": sizes[d],
             "load_s": [round(x, 5) for x in loads[d]],
             "load_s_median": round(statistics.median(loads[d]), 5),
         }

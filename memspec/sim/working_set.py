@@ -23,6 +23,7 @@ class _Load:
 class SimWorkingSet:
     def __init__(self, budget_bytes: int, sizes: dict[str, int], load_s: dict[str, float]):
         self.budget_bytes = budget_bytes
+        self.reserved_bytes = 0  # the target lives beside this budget
         self.sizes = sizes
         self.load_times = load_s
         self.now = 0.0

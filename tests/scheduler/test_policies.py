@@ -144,16 +144,16 @@ def test_memspec_uses_lookup_when_it_has_a_long_match():
     assert memspec.choose(Round(10, 64, peek), ws)[0] == "lookup"
 
 
-def test_memspec_prefetches_by_value_per_byte():
-    # "big" is a bit better than "good" but three times the bytes: with room for one small
-    # draft, the working set loads "good"; with room for all, it holds both.
+def test_memspec_prefetches_by_predicted_value():
+    # "big" is a bit better than "good" but three times the bytes and slower to load: with room
+    # for one draft, the set holds "good" (more seconds saved, net of the load); with room for
+    # everything it holds both; a draft predicted not to pay is never loaded.
     pred = predictor_knowing({"good": 0.9, "bad": 0.05, "big": 0.92})
     memspec = make_policy("memspec", ENV, predictor=pred)
     ws = working_set(budget=300)
     memspec.begin(Request("r", PROMPT, max_tokens=256), ws)
     assert [ld.draft for ld in ws.queue] == ["good"]
-    assert memspec.plan["good"] / 100 > memspec.plan["big"] / 300 > 0
-    assert "bad" not in memspec.plan
+    assert set(memspec.plan) == {"good"}
     d, _ = memspec.choose(Round(0, 64, no_peek), ws)
     assert d is None, "decoding goes on without waiting for the load"
     ws.advance(1.0)
@@ -161,6 +161,13 @@ def test_memspec_prefetches_by_value_per_byte():
     wide = working_set(budget=1000)
     memspec.begin(Request("r2", PROMPT, max_tokens=256), wide)
     assert sorted(ld.draft for ld in wide.queue) == ["big", "good"]
+    assert "bad" not in memspec.plan
+    # A much better draft wins the one slot even though a smaller one is denser.
+    pred2 = predictor_knowing({"good": 0.55, "bad": 0.05, "big": 0.97})
+    memspec2 = make_policy("memspec", ENV, predictor=pred2)
+    ws2 = working_set(budget=300)
+    memspec2.begin(Request("r3", PROMPT, max_tokens=256), ws2)
+    assert [ld.draft for ld in ws2.queue] == ["big"], memspec2.plan
 
 
 def test_memspec_learns_online_when_the_prediction_is_wrong():
