@@ -4,7 +4,8 @@ Per draft and category: acceptance, mean accepted tokens per drafted round, draf
 token (calibrated), bytes resident, tokens/s and speedup over plain decoding measured in the
 same run (configurations interleaved per prompt, so machine noise hits all alike), and whether
 the output is identical to plain decoding. Each draft runs under the engine's decision rule
-(k chosen per round from its running α, "none" allowed), as the daemon would use it alone.
+(k chosen per round from its running α, "none" allowed), as the daemon would use it alone,
+with acceptance estimates that start from the priors for every request.
 
 Datastore drafts do not learn from outputs during the run: every configuration decodes the
 same prompt, so learning would hand later ones the answer.
@@ -86,7 +87,6 @@ def run_drafts_eval(
         if isinstance(d, DatastoreDraft):
             d.learn = False
     configs = ["none", *pool]
-    estimators = {name: rt.new_estimator() for name in configs}
     results: dict[str, list[dict]] = defaultdict(list)
     params = SamplingParams(max_tokens=max_tokens)
     try:
@@ -95,7 +95,9 @@ def run_drafts_eval(
             plain_ids: list[int] = []
             for name in configs:
                 rt.target.reset()  # no KV reuse across configurations
-                gen = rt.generate(prompt, params, draft=name, estimator=estimators[name])
+                # A fresh estimate per request: each starts from the priors, so one category's
+                # rejections do not switch a draft off for the categories that come after it.
+                gen = rt.generate(prompt, params, draft=name, estimator=rt.new_estimator())
                 if name == "none":
                     plain_ids = gen.token_ids
                 results[name].append(

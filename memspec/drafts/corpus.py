@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import hashlib
 import io
+import itertools
 import json
 import os
 import random
@@ -46,12 +47,13 @@ def select_seeds(
     if per_domain is None:
         return rows
     rng = random.Random(seed)
-    chosen: list[dict[str, str]] = []
+    groups = []
     for d in sorted({r["domain"] for r in rows}):
         group = [r for r in rows if r["domain"] == d]
         rng.shuffle(group)
-        chosen += group[:per_domain]
-    return chosen
+        groups.append(group[:per_domain])
+    # Round-robin over domains, so a size cap on the datastore keeps the domains balanced.
+    return [r for batch in itertools.zip_longest(*groups) for r in batch if r is not None]
 
 
 @dataclass
@@ -141,6 +143,8 @@ class BatchedGreedy:
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = seq
                 b.logits[i] = want
+            if not any(e[3] for e in chunk):
+                b.logits[len(chunk) - 1] = True  # llama.cpp wants at least one output
             rc = self._lc.llama_decode(self.ctx, b)
             if rc != 0:
                 raise RuntimeError(f"llama_decode failed with {rc}")
@@ -162,7 +166,9 @@ class BatchedGreedy:
         pending: list[tuple[int, int, int, bool]] = []  # next decode's entries
         owners: list[int] = []  # seq of each entry that wants logits, in order
         while queue or slots:
-            # Fill free slots with new prompts (their whole prompt goes in this decode).
+            # Fill free slots with new prompts. Each prompt is prefilled on its own, all but its
+            # last token, so every shared step holds exactly one token per sequence: llama.cpp
+            # splits a batch mixing lengths across sequences into many small ones.
             while free and queue:
                 row = queue.pop()
                 toks = self.chat_tokens(row["prompt"])
@@ -170,9 +176,14 @@ class BatchedGreedy:
                 toks = toks[-room:] if len(toks) > room else toks
                 seq = free.pop()
                 slots[seq] = _Slot(row, len(toks), [], seq, int(row.get("max_tokens", max_tokens)))
-                for i, t in enumerate(toks):
-                    pending.append((t, i, seq, i == len(toks) - 1))
+                if len(toks) > 1:
+                    self._decode([(t, i, seq, False) for i, t in enumerate(toks[:-1])])
+                pending.append((toks[-1], len(toks) - 1, seq, True))
                 owners.append(seq)
+            # Sequences in ascending id order: llama.cpp splits a batch whose sequence ids are
+            # out of order into one small batch per sequence (7x slower here).
+            pending.sort(key=lambda e: (e[2], e[1]))
+            owners = [e[2] for e in pending if e[3]]
             want_idx = [i for i, e in enumerate(pending) if e[3]]
             picks = self._decode(pending)
             pending = []

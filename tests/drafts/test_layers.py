@@ -64,7 +64,7 @@ def test_bad_keep_layers(tmp_path):
 def test_subset_draft_is_lossless(subset_file, small_backend):
     target = small_backend
     draft = ModelDraft("l6", load_backend(subset_file, BackendOptions(n_ctx=256, n_threads=1)))
-    params = SamplingParams(max_tokens=24)
+    params = SamplingParams(max_tokens=16)
     try:
         for text in ["Write a haiku about rain.", "List three primary colors."]:
             prompt = target.tokenize(
@@ -73,7 +73,7 @@ def test_subset_draft_is_lossless(subset_file, small_backend):
             target.reset()
             ref = speculative_generate(target, prompt, params, FixedPolicy(None, 0)).token_ids
             assert ref
-            for k in (1, 3, 8):
+            for k in (1, 4):
                 target.reset()
                 gen = speculative_generate(target, prompt, params, FixedPolicy(draft, k))
                 assert gen.token_ids == ref, f"k={k} diverged"
