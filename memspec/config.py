@@ -39,7 +39,8 @@ class Settings(BaseSettings):
     n_gpu_layers: int = 0
     # Speculation and memory
     k_max: int = 8
-    policy: str = "auto"
+    policy: str = "auto"  # auto, memspec, ucb, exp3, fixed:<id> (memspec.scheduler.serving)
+    predictor: Path | None = None  # acceptance predictor artifact; default predictors/*.json
     budget: str | int = "2GiB"  # bytes for target + resident drafts + KV (e.g. "1.5GiB")
     # Server
     host: str = "127.0.0.1"

@@ -215,3 +215,41 @@ def test_policy_decision_is_fast():
         d, k = memspec.choose(Round(pos, 64, lambda d: ("lookup/n2", 3)), ws)
         memspec.observe(d, d or "", pos, k, int(rng.integers(0, k + 1)), 0.05, 2)
     assert (time.perf_counter() - t) / 2000 < 1e-3
+
+
+def test_daemon_policies_are_lossless_and_report_a_broken_predictor(tmp_path):
+    """The real runtime: every registered policy reproduces plain decoding; a corrupt
+    predictor artifact is a status line, not an outage."""
+    from memspec.config import Settings
+    from memspec.engine.sampling import SamplingParams
+    from memspec.paths import models_dir
+    from memspec.runtime import Runtime
+
+    if not (models_dir() / "smollm2-135m-f32.gguf").is_file():
+        import pytest
+
+        pytest.fail("testbed missing: run scripts/setup.sh", pytrace=False)
+    bad = tmp_path / "broken.json"
+    bad.write_text('{"format": "memspec-predictor", "version": 1, "keys": {')
+    settings = Settings.load(
+        drafts=["prompt-lookup", "q4_0"], n_ctx=512, n_threads=1, budget="950MB", predictor=bad
+    )
+    rt = Runtime(settings)
+    try:
+        prompt = rt.prompt_tokens(
+            messages=[
+                {"role": "user", "content": "Extract the names: Alice met Bob, then Alice left."}
+            ]
+        )
+        params = SamplingParams(max_tokens=24)
+        ref = rt.generate(prompt, params, draft="none").token_ids
+        for name in ("memspec", "ucb", "exp3", "fixed:q2_k"):
+            gen = rt.generate(prompt, params, policy=name)
+            assert gen.token_ids == ref, name
+        status = rt.memory_status()
+        assert status["peak_bytes"] <= status["budget_bytes"]
+        pred = status["scheduling"]["predictor"]
+        assert pred["loaded"] is False and "broken.json" in pred["error"]
+        assert set(status["scheduling"]["policies"]) >= {"memspec", "ucb", "exp3"}
+    finally:
+        rt.close()
