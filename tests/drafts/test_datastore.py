@@ -167,3 +167,28 @@ def test_propose_is_fast_on_a_realistic_index():
         propose(d, c, 8)
     per_call = (time.perf_counter() - t) / len(ctxs)
     assert per_call < 2e-3, f"{per_call * 1e3:.2f} ms per proposal"  # typically ~0.2 ms
+
+
+def test_source_chosen_by_measured_quality_and_gated():
+    idx = build_index([[5, 6, 7, 8, 9]])
+    table = {"b": [0.0, 0.1, 0.2, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9], "c": [0.0] + [0.6] * 8}
+    d = DatastoreDraft("ds", idx, learn=False, meta={"alpha_by_match": table})
+    ctx = [5, 6, 7, 42, 6, 7, 5, 6, 7]  # context: "5 6 7" -> 42 (3); corpus: "5 6 7" -> 8 (3)
+    p = propose(d, ctx, 1)
+    assert p.key == "ds/c3" and p.tokens == [42]  # context matches of 3 are accepted more
+    gated = DatastoreDraft(
+        "ds", idx, learn=False, use_context=False, min_alpha=0.5, meta={"alpha_by_match": table}
+    )
+    assert propose(gated, [5, 6, 7]).tokens == []  # b3 accepted 30% < 50%: no proposal
+    assert propose(gated, [0, 5, 6, 7, 8]).tokens == [9]  # b4: 90%
+
+
+def test_calibrate_alpha_measures_acceptance_by_length():
+    from memspec.drafts.datastore import calibrate_alpha
+
+    rng = np.random.default_rng(0)
+    base = [int(t) for t in rng.integers(0, 30, size=400)]
+    docs = [base[i : i + 60] for i in range(0, 340, 20)]  # overlapping: lots of long matches
+    table = calibrate_alpha(build_index(docs[1:]), docs[:1])
+    assert set(table) == {"b", "c"} and len(table["b"]) == 9
+    assert table["b"][8] > 0.9  # the held-out answer is inside the corpus: long matches hit
