@@ -663,12 +663,17 @@ async def run_soak(
             with contextlib.suppress(httpx.HTTPError):
                 await http.get("/metrics")
 
-        actions = [session] * 4 + [completion] * 3 + [disconnect, bad, admin]
+        # A fixed cycle (4 sessions, 3 completions, a hang-up, a malformed request, a scrape),
+        # each client starting elsewhere in it, so even a short run has the whole mix.
+        cycle = [session, completion, disconnect, session, bad]
+        cycle += [completion, session, admin, completion, session]
 
         async def client(c: int) -> None:
             rng = random.Random(seed * 1000 + c)
+            i = 3 * c
             while time.monotonic() < deadline:
-                action = rng.choice(actions)
+                action = cycle[i % len(cycle)]
+                i += 1
                 counts[action.__name__] = counts.get(action.__name__, 0) + 1
                 await action(rng)
 

@@ -126,6 +126,7 @@ def status(ctx: ServerContext) -> dict[str, Any]:
             "restored_tokens": cache.stats.restored_tokens,
             "evictions": cache.stats.evictions,
         },
+        "working_set": _retry(rt.memory_status, None) if hasattr(rt, "memory_status") else None,
         "drafts": draft_rows(ctx),
     }
 
