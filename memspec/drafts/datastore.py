@@ -494,10 +494,9 @@ def build_datastore_file(recipe, src: Path, dst: Path, progress: bool = True) ->
         "seed_prompts": len(rows),
         "generated_tokens": n_generated,
         "package_tokens": sum(map(len, docs)) - n_generated,
-        "build_s": round(time.perf_counter() - t0, 1),
     }
-    save_index(dst, index, meta)
-    return meta
+    save_index(dst, index, meta)  # no timestamps in it: the same inputs give the same bytes
+    return {**meta, "build_s": round(time.perf_counter() - t0, 1)}
 
 
 def calibrate_alpha(
@@ -507,7 +506,7 @@ def calibrate_alpha(
 
     At each position of each held-out answer the index ("b") and the answer so far ("c") are
     asked for a continuation as the draft would be; an entry is the share of those whose first
-    token is the answer's next token. Unseen lengths borrow the next shorter length's value.
+    token is the answer's next token.
     """
     hits = {"b": np.zeros(9), "c": np.zeros(9)}
     seen = {"b": np.zeros(9), "c": np.zeros(9)}
@@ -526,11 +525,10 @@ def calibrate_alpha(
                 seen["c"][min(m, 8)] += 1
                 hits["c"][min(m, 8)] += bool(toks) and toks[0] == doc[i]
     out: dict[str, list[float]] = {}
-    for src in ("b", "c"):
-        table = [0.0]
-        for m in range(1, 9):
-            n = seen[src][m]
-            # Too few cases to trust: keep the shorter length's value (acceptance grows with m).
-            table.append(round(float(hits[src][m] / n), 3) if n >= 20 else table[-1])
-        out[src] = table
+    for src, default in (("b", DEFAULT_ALPHA[0]), ("c", DEFAULT_ALPHA[1])):
+        # Too few cases to trust (small builds): the default for that length.
+        out[src] = [
+            round(float(hits[src][m] / seen[src][m]), 3) if seen[src][m] >= 30 else default[m]
+            for m in range(9)
+        ]
     return out
