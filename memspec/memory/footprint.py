@@ -36,6 +36,7 @@ the numbers are what its verbose log prints and what USS grew by, SmolLM2-135M, 
 from __future__ import annotations
 
 import os
+import zipfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -155,8 +156,8 @@ def draft_footprint(
     """A draft's footprint by kind. Model drafts: from the GGUF (one logit row per step).
 
     Drafts without weights (prompt lookup) take nothing beyond the context. Other kinds (e.g. a
-    retrieval datastore) take `params.memory_bytes` when the manifest states it, else their
-    file's size: they are read into memory whole.
+    retrieval datastore) take `params.memory_bytes` when the manifest states it, else what their
+    file holds: they are read into memory whole (an .npz: its arrays, uncompressed).
     """
     params = params or {}
     if "memory_bytes" in params:
@@ -169,4 +170,7 @@ def draft_footprint(
         return Footprint()
     if not path.is_file():
         raise ModelLoadError(f"draft file not found: {path}", param="draft")
+    if zipfile.is_zipfile(path):  # .npz: arrays are held uncompressed once loaded
+        with zipfile.ZipFile(path) as z:
+            return Footprint(weights=sum(i.file_size for i in z.infolist()))
     return Footprint(weights=path.stat().st_size)

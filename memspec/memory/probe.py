@@ -87,6 +87,7 @@ def measure_draft(
         return {"id": draft_id, "kind": m.kind, **r}
     opts = BackendOptions(n_ctx=n_ctx, n_threads=n_threads)
     keep = load_backend(resident, BackendOptions(n_ctx=256)) if resident else None
+    instantiate(m, opts, "llama_cpp").close()  # the kind's code is imported once per process
     gc.collect()
     before = sample()
     draft = instantiate(m, opts, "llama_cpp")

@@ -25,6 +25,10 @@ TARGET_FILE = "smollm2-135m-f32.gguf"
 N_CTX = 512  # small enough to keep the worst-case prefill quick on 2 shared cores
 K_MAX = 8
 TOLERANCE = 0.15
+# Small drafts (a datastore of a few MB) also see the C allocator's own slack: glibc raises its
+# mmap threshold after a large free, so a load's temporaries can stay on the heap. 2 MB of
+# absolute slack covers that; model drafts (100+ MB) are held to the 15%.
+SLACK_BYTES = 2_000_000
 POOL = load_manifests(DEFAULT_MANIFEST_DIR)
 
 
@@ -50,7 +54,8 @@ def check(name: str, est_at_load: int, est_steady: int, r: dict) -> None:
                 f"{name:14s} {phase:8s} {what:6s} model {est / 1e6:8.1f} MB"
                 f"  measured {measured / 1e6:8.1f} MB  {err:+.1%}"
             )
-            assert abs(err) <= TOLERANCE, f"{name} {phase} {what}: model off by {err:+.1%}"
+            ok = abs(est - measured) <= max(TOLERANCE * measured, SLACK_BYTES)
+            assert ok, f"{name} {phase} {what}: model off by {err:+.1%}"
 
 
 @pytest.fixture(scope="module")

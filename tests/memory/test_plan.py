@@ -19,9 +19,12 @@ from memspec.paths import models_dir
 TARGET = "smollm2-135m-f32.gguf"
 
 
+BASE_POOL = {"prompt-lookup", "q8_0", "q4_0", "q2_k"}  # the testbed's pool; others may be added
+
+
 @pytest.fixture(scope="module")
 def manifests():
-    return load_manifests(DEFAULT_MANIFEST_DIR)
+    return {k: m for k, m in load_manifests(DEFAULT_MANIFEST_DIR).items() if k in BASE_POOL}
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +108,13 @@ def test_plan_cli_json_and_text(target_path):
         rc = main(["plan", "--budget", "1GB", "--n-ctx", "1024", "--json"])
     data = json.loads(out.getvalue())
     assert rc == 0 and data["fits"] and data["budget_bytes"] == 10**9
-    assert data["evict_order"] == ["q8_0", "q4_0", "q2_k"]
+    # Whatever the pool holds: evicted lowest value per byte first, q8_0 before q2_k.
+    rows = {d["id"]: d for d in data["drafts"]}
+    vpb = [rows[i]["value"] / rows[i]["bytes"] for i in data["evict_order"]]
+    assert vpb == sorted(vpb)
+    assert data["evict_order"].index("q8_0") < data["evict_order"].index("q2_k")
     assert data["lower_bound_bytes"] < 10**9 and data["used_bytes"] <= 10**9
+    assert set(data["resident"]) <= {i for i, d in rows.items() if d["footprint"]}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = main(["plan", "--budget", "100MB"])
