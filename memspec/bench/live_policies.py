@@ -41,26 +41,39 @@ class LiveTotals:
 
 
 def bench_trace(rt, cfg, out: Path) -> Trace:
-    """The trace the live run replays: --trace if it exists, else collected now."""
-    if cfg.trace and Path(cfg.trace).is_file():
-        return load_trace(cfg.trace)
-    path = Path(cfg.trace) if cfg.trace else out.with_suffix(".trace.jsonl")
+    """The trace the live run replays: the workload's requests from --trace if it has them
+    all, else a trace collected now (written beside the report)."""
     questions = select_questions(cfg.per_category, cfg.offset, cfg.categories)
-    return collect(
-        rt,
-        requests_for(questions, cfg.turns),
-        path,
-        max_tokens=cfg.max_tokens,
-        load_reps=1,
-        with_runs=False,
-    )
+    specs = requests_for(questions, cfg.turns)
+    if cfg.trace and Path(cfg.trace).is_file():
+        trace = load_trace(cfg.trace)
+        have = trace.by_id()
+        missing = [s.id for s in specs if s.id not in have]
+        if missing:
+            raise ValueError(f"{cfg.trace} lacks {len(missing)} workload requests: {missing[:4]}")
+        trace.requests = [have[s.id] for s in specs]
+        return trace
+    path = out.with_suffix(".trace.jsonl")
+    return collect(rt, specs, path, max_tokens=cfg.max_tokens, load_reps=1, with_runs=False)
 
 
 def draft_env(rt, trace: Trace) -> Env:
+    """Drafts as the trace measured them (sizes, real load times, catch-up rates)."""
+    import statistics
+
     infos = {}
     for d, h in trace.header["drafts"].items():
         infos[d] = DraftInfo(d, h["kind"], int(h["bytes"]), float(h.get("load_s_median", 0.0)))
-    return Env(infos, rt.costs, rt.settings.k_max)
+    env = Env(infos, rt.costs, rt.settings.k_max)
+    for d in infos:
+        xs = [
+            r.timing[f"prefill_s_per_token/{d}"]
+            for r in trace.requests
+            if f"prefill_s_per_token/{d}" in r.timing
+        ]
+        if xs:
+            env.prefill_s[d] = statistics.median(xs)
+    return env
 
 
 def pool_source(rt, sizes: dict[str, int]):

@@ -31,6 +31,9 @@ from memspec.predictor.model import AcceptancePredictor, RequestState
 
 # α before a draft has been seen, per kind (the same priors the engine's estimator uses).
 PRIOR_ALPHA = {"model": 0.7, "prompt_lookup": 0.4}
+# A batched catch-up token costs about this share of a single draft step (measured on the
+# x86 testbed: 12 ms vs 47 ms for the Q8_0 draft on one thread).
+CATCHUP_SHARE = 0.25
 
 
 class Residency(Protocol):
@@ -67,6 +70,14 @@ class Env:
     drafts: dict[str, DraftInfo]
     costs: CostModel
     k_max: int = 8
+    # Seconds per token for a model draft to catch up (batched) on context it has not seen:
+    # the whole prompt at its first use in a request. Unknown: CATCHUP_SHARE of a draft step.
+    prefill_s: dict[str, float] = field(default_factory=dict)
+
+    def catchup_s(self, draft: str) -> float:
+        if draft in self.prefill_s:
+            return self.prefill_s[draft]
+        return CATCHUP_SHARE * self.costs.draft_s.get(draft, 0.0)
 
 
 @dataclass
@@ -283,11 +294,14 @@ class MemSpecPolicy(Policy):
     """Predictor α + decision rule among resident drafts + proactive residency by value/byte.
 
     Value of holding draft d = seconds it is predicted to save on the rest of this request
-    (tokens left × (1/rate_none − 1/rate_d)), plus what it saved per request lately times the
-    number of further requests it is expected to stay the right choice (requests come in runs;
-    the run length is learnt from how often the best draft changed between requests), minus
-    its load time when it is not resident yet. The working set keeps the best value per byte
+    (tokens left × (1/rate_none − 1/rate_d), less the catch-up of its KV cache on the context
+    so far), plus what it saved per request lately times the number of further requests it is
+    expected to stay the right choice (requests come in runs; the run length is learnt from
+    how often the best draft changed between requests), minus its load time when it is not
+    resident yet. The working set keeps the most valuable draft, then the best value per byte
     that fits; loads run in the background while decoding goes on with what is resident.
+    Each round a model draft's rate is charged its catch-up (context it has not seen, e.g.
+    the whole prompt at first use) spread over the tokens still expected.
     """
 
     name = "memspec"
@@ -318,21 +332,32 @@ class MemSpecPolicy(Policy):
         self.recent: dict[str, float] = {}  # seconds saved per token on recent requests
         self.plan: dict[str, float] = {}
         self._drafts = [(d.id, d.peek, d.always_resident) for d in env.drafts.values()]
+        self.seen: dict[str, int] = {}  # context tokens each model draft's KV holds (this request)
+        self.mean_prompt = 0.0
 
     def _tokens_left(self, position: int) -> float:
         assert self.req is not None
         expect = self.mean_len or self.req.max_tokens * 0.75
         return max(min(expect, self.req.max_tokens) - position, 0.0)
 
+    def _gap(self, draft: str, position: int) -> int:
+        """Context tokens the draft would have to catch up on before proposing."""
+        assert self.req is not None
+        return len(self.req.prompt) + position - self.seen.get(draft, 0)
+
     def value(self, draft: DraftInfo, position: int, resident: set[str]) -> float:
-        """Predicted seconds saved by holding `draft` (net of its load if not resident)."""
-        assert self.state is not None
+        """Predicted seconds saved by holding `draft` (net of catch-up and of its load)."""
+        assert self.state is not None and self.req is not None
         alpha = self.predictor.alpha(self.state, draft.id, position)
         k, rate = self._best(draft.id, alpha, self.env.k_max)
         per_token = max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
-        now = per_token * self._tokens_left(position)
-        later = self.recent.get(draft.id, per_token) * (self.mean_len or 64.0) * self.horizon
-        v = now + later
+        catch = self.env.catchup_s(draft.id)
+        now = per_token * self._tokens_left(position) - catch * self._gap(draft.id, position)
+        per_request = per_token * (self.mean_len or 64.0) - catch * (
+            self.mean_prompt or len(self.req.prompt)
+        )
+        later = self.recent.get(draft.id, per_request) * self.horizon
+        v = max(now, 0.0) + max(later, 0.0)
         if draft.id not in resident:
             v -= draft.load_s
         return v
@@ -378,6 +403,9 @@ class MemSpecPolicy(Policy):
         self.req, self.ws = req, ws
         self.state = self.predictor.request(req.prompt, req.text, req.turns)
         self.rounds = self.position = 0
+        self.seen = {}
+        n = len(req.prompt)
+        self.mean_prompt = n if not self.mean_prompt else 0.8 * self.mean_prompt + 0.2 * n
         self.replan(0)
 
     def choose(self, rnd, ws):
@@ -388,6 +416,7 @@ class MemSpecPolicy(Policy):
         cap = min(self.env.k_max, rnd.k_room)
         best: tuple[str | None, int] = (None, 0)
         best_rate = self.r_none
+        left = max(self._tokens_left(pos), 1.0)
         for d, peek, always in self._drafts:
             if not always and d not in resident:
                 continue
@@ -399,13 +428,19 @@ class MemSpecPolicy(Policy):
             if limit <= 0:
                 continue
             k, rate = self._best(d, self.predictor.alpha(state, key, pos), limit)
+            if k > 0 and not peek:
+                gap = self._gap(d, pos)
+                if gap > 2:  # catching up is paid once, then spread over what is left
+                    rate = 1.0 / (1.0 / rate + self.env.catchup_s(d) * gap / left)
             if k > 0 and rate > best_rate:
                 best, best_rate = (d, k), rate
         return best
 
     def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
-        if draft is None or self.state is None:
+        if draft is None or self.state is None or self.req is None:
             return
+        if not self.env.drafts[draft].peek:  # its KV now holds the context up to here
+            self.seen[draft] = len(self.req.prompt) + position + min(accepted, proposed - 1)
         self.predictor.update(self.state, key, position, proposed, accepted)
         self.rounds += 1
         if self.rounds % self.replan_every == 0:
@@ -423,7 +458,9 @@ class MemSpecPolicy(Policy):
                 continue
             alpha = self.predictor.alpha(self.state, d.id, 0)
             k, rate = self._best(d.id, alpha, self.env.k_max)
-            saved = max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
+            per_token = max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
+            # Net seconds it would have saved on this request, catch-up of the prompt paid.
+            saved = per_token * n - self.env.catchup_s(d.id) * len(self.req.prompt)
             prev = self.recent.get(d.id, saved)
             self.recent[d.id] = self.recent_decay * prev + (1 - self.recent_decay) * saved
             if saved > best_saved:

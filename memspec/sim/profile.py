@@ -177,6 +177,41 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def measure_contention(rt, ctx: list[int], reps: int = 15) -> float:
+    """How much slower a decode step is while a draft loads in another thread (0.1 = 10%)."""
+    import threading
+
+    from memspec.drafts.registry import instantiate
+
+    models = [d for d in rt.manifests.values() if d.kind == "model" and d.id in rt.drafts]
+    if not models:
+        return 0.0
+    be = rt.target
+    be.reset()
+    be.eval(ctx[:128], all_logits=False)
+
+    def step() -> None:
+        be.eval([ctx[0]], all_logits=False)
+        be.truncate(128)
+
+    idle = _median_time(step, reps)
+    stop = threading.Event()
+
+    def loader() -> None:
+        while not stop.is_set():
+            instantiate(models[0], rt.options, rt.settings.backend).close()
+
+    th = threading.Thread(target=loader, daemon=True)
+    th.start()
+    try:
+        busy = _median_time(step, reps)
+    finally:
+        stop.set()
+        th.join()
+    be.reset()
+    return max(busy / idle - 1.0, 0.0)
+
+
 def measure_this_machine(settings, load_reps: int = 5) -> dict:
     """Measure what the simulator needs on this machine, on the real models."""
     import numpy as np
@@ -213,6 +248,7 @@ def measure_this_machine(settings, load_reps: int = 5) -> dict:
         )
         overhead = max(gen.elapsed_s - (rt.target.forward_s - f0), 0.0) / max(gen.rounds, 1)
         loads = measure_loads(rt, list(rt.drafts), load_reps)
+        contention = measure_contention(rt, ctx)
         drafts = {}
         for d, draft in rt.drafts.items():
             entry = {"bytes": draft.memory_bytes()}
@@ -229,7 +265,11 @@ def measure_this_machine(settings, load_reps: int = 5) -> dict:
         vm = psutil.virtual_memory()
         return {
             "memory": {"total_bytes": vm.total, "usable_bytes": vm.available},
-            "load": {"bandwidth_bytes_per_s": bandwidth, "overhead_s": 0.0, "contention": 0.0},
+            "load": {
+                "bandwidth_bytes_per_s": bandwidth,
+                "overhead_s": 0.0,
+                "contention": contention,
+            },
             "target": {
                 "bytes": rt.target.weight_bytes()
                 + rt.target.kv_bytes_per_token() * rt.target.n_ctx,
@@ -273,7 +313,8 @@ def write_this_machine(m: dict, out: Path) -> Path:
         f"bandwidth_bytes_per_s = {ld['bandwidth_bytes_per_s']:.0f}  "
         "# sum(draft bytes) / sum(median real load s), llama.cpp with mmap off",
         "overhead_s = 0.0  # folded into each draft's measured load_s below",
-        "contention = 0.0  # not measured here: background loads assumed not to slow decoding",
+        f"contention = {ld['contention']:.4g}  "
+        "# median decode step with a draft loading in another thread / without, - 1",
         "",
         "[target]",
         f"bytes = {t['bytes']}  # GGUF weights + f16 KV cache at n_ctx",
