@@ -103,13 +103,16 @@ while True:
 """ % ("1" * 4000 + "B")  # a longer file: a write takes longer, a kill lands inside more often
 
 
+KILLS = 30
+
+
 def test_kill_9_during_config_writes_never_tears_the_file(tmp_path):
     """A writer loop of the daemon's own save_state, killed with SIGKILL at random moments,
-    40 times: the file is always exactly the old or the new settings."""
+    30 times: the file is always exactly the old or the new settings."""
     path = tmp_path / "tuned.json"
     seen = set()
     rng = random.Random(5)
-    for _ in range(40):
+    for _ in range(KILLS):
         p = subprocess.Popen(
             [sys.executable, "-c", WRITER, str(path)],
             cwd=ROOT,
@@ -127,7 +130,11 @@ def test_kill_9_during_config_writes_never_tears_the_file(tmp_path):
         assert values == load_state(path)
         seen.add(values["k_max"])
     assert seen == {3, 7}, "the kills never landed between both states"
-    assert len(list(tmp_path.glob(".tuned.json.*.tmp"))) <= 40  # leftovers only, never read
+    # Kills that landed inside a write leave their temp file (never read): proof the torn
+    # window was hit, and the file above was whole all the same.
+    torn_windows = len(list(tmp_path.glob(".tuned.json.*.tmp")))
+    print(f"\n{KILLS} kills, {torn_windows} inside a write")
+    assert torn_windows >= 1
 
 
 @pytest.fixture(scope="module")
