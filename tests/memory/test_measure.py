@@ -1,0 +1,32 @@
+"""Measured-memory hooks: process RSS/USS always; NvMap and CUDA only where they exist."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from memspec.memory.measure import device_bytes, nvmap_used_bytes, sample
+
+
+def test_sample_sees_a_real_allocation():
+    before = sample()
+    block = np.ones(64 * 1024 * 1024 // 8)  # 64 MiB, every page touched
+    d = sample().delta(before)
+    assert 60e6 < d["rss"] < 90e6 and 60e6 < d["uss"] < 90e6
+    del block
+
+
+def test_gpu_sources_are_absent_or_numbers():
+    s = sample()
+    jetson = Path("/etc/nv_tegra_release").exists()
+    assert (s.nvmap_used is not None) == (jetson and nvmap_used_bytes() is not None)
+    assert s.cuda_used is None or s.cuda_used >= 0
+
+
+def test_device_bytes_counts_gpu_memory_once():
+    base = {"rss": 100, "uss": 90}
+    assert device_bytes({**base, "nvmap_used": None, "cuda_used": None}) == 90
+    assert device_bytes({**base, "nvmap_used": 50, "cuda_used": 50}) == 140  # Jetson: NvMap
+    assert device_bytes({**base, "nvmap_used": None, "cuda_used": 70}) == 160  # discrete GPU
+    assert device_bytes({"rss": 100, "uss": None, "nvmap_used": None, "cuda_used": None}) == 100
