@@ -223,7 +223,7 @@ def measure_this_machine(settings, load_reps: int = 5) -> dict:
     from memspec.engine.sampling import SamplingParams
     from memspec.engine.speculative import speculative_generate
     from memspec.runtime import Runtime
-    from memspec.sim.traces import measure_loads
+    from memspec.sim.traces import footprints, measure_loads
 
     rt = Runtime(settings, calibrate_costs=False)
     try:
@@ -249,9 +249,10 @@ def measure_this_machine(settings, load_reps: int = 5) -> dict:
         overhead = max(gen.elapsed_s - (rt.target.forward_s - f0), 0.0) / max(gen.rounds, 1)
         loads = measure_loads(rt, list(rt.drafts), load_reps)
         contention = measure_contention(rt, ctx)
+        target_bytes, sizes = footprints(rt, list(rt.drafts))
         drafts = {}
         for d, draft in rt.drafts.items():
-            entry = {"bytes": draft.memory_bytes()}
+            entry = {"bytes": sizes[d]}
             if isinstance(draft, ModelDraft):
                 entry["s_per_token"] = costs.draft_s[d]
                 entry["prefill_s_per_token"] = prefill(draft.backend)
@@ -271,8 +272,7 @@ def measure_this_machine(settings, load_reps: int = 5) -> dict:
                 "contention": contention,
             },
             "target": {
-                "bytes": rt.target.weight_bytes()
-                + rt.target.kv_bytes_per_token() * rt.target.n_ctx,
+                "bytes": target_bytes,
                 "prefill_s_per_token": target_prefill,
                 "verify_s": costs.verify_s,
                 "round_overhead_s": overhead,
@@ -317,7 +317,7 @@ def write_this_machine(m: dict, out: Path) -> Path:
         "# median decode step with a draft loading in another thread / without, - 1",
         "",
         "[target]",
-        f"bytes = {t['bytes']}  # GGUF weights + f16 KV cache at n_ctx",
+        f"bytes = {t['bytes']}  # footprint model: weights, KV, buffers, scratch",
         f"prefill_s_per_token = {t['prefill_s_per_token']:.6g}  # median, 3 prefills of 256 tokens",
         "verify_s = ["
         + ", ".join(f"{x:.6g}" for x in t["verify_s"])
@@ -331,7 +331,7 @@ def write_this_machine(m: dict, out: Path) -> Path:
         "overhead_s = 0.0",
     ]
     for d, e in m["drafts"].items():
-        lines += ["", f'[drafts."{d}"]', f"bytes = {e['bytes']}  # Draft.memory_bytes()"]
+        lines += ["", f'[drafts."{d}"]', f"bytes = {e['bytes']}  # footprint model (memspec plan)"]
         if "s_per_token" in e:
             lines += [
                 f"s_per_token = {e['s_per_token']:.6g}  # engine calibration, median of 7",
