@@ -142,7 +142,9 @@ def test_bad_input_errors(runtime, chat_prompts):
 
 
 def test_sampling_is_seeded(runtime, chat_prompts):
+    # A seed reproduces a sample given the same drafting decisions; the shared acceptance
+    # estimate moves between requests (and so would k), so each run starts from a fresh one.
     params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7)
-    a = runtime.generate(chat_prompts[2], params, draft="q4_0")
-    b = runtime.generate(chat_prompts[2], params, draft="q4_0")
+    a = runtime.generate(chat_prompts[2], params, draft="q4_0", estimator=runtime.new_estimator())
+    b = runtime.generate(chat_prompts[2], params, draft="q4_0", estimator=runtime.new_estimator())
     assert a.token_ids == b.token_ids and len(a.token_ids) == 12
