@@ -146,14 +146,13 @@ def budget_curve(setup, cfg: BenchConfig, run, names: list[str]) -> dict:
     target = setup.profile.target_bytes
     full = setup.all_drafts_bytes
     sizes = sorted({c.bytes for c in setup.dcost.values() if c.bytes})
-    # Points: evenly spaced draft memory, plus each single draft's size (where a draft fits).
-    shares = {round(i / (cfg.curve_points - 1), 3) for i in range(cfg.curve_points)}
-    shares |= {round(s / full, 3) for s in sizes} if full else set()
+    # Points: evenly spaced draft memory, plus exactly each single draft's size.
+    budgets = {target + full * i // (cfg.curve_points - 1) for i in range(cfg.curve_points)}
+    budgets |= {target + b for b in sizes}
     curve_policies = [p for p in ("memspec", "ucb", "oracle", "none") if p in names]
     points = []
-    for share in sorted(shares):
-        b = target + int(full * share)
-        row = {"budget_bytes": b, "drafts_share": share}
+    for b in sorted(budgets):
+        row = {"budget_bytes": b, "drafts_share": round((b - target) / full, 4) if full else 0.0}
         for p in curve_policies:
             row[p] = run(p, b)["tokens_per_s"]
         points.append(row)
@@ -169,8 +168,12 @@ def budget_curve(setup, cfg: BenchConfig, run, names: list[str]) -> dict:
         "all_drafts_bytes": full,
         "points": points,
         "smallest_budget_keeping_90pct": smallest,
+        # SpecMemo's measure: draft ("generation") memory given up, and the whole budget's.
         "generation_memory_saved_at_90pct": (
             round(1 - (smallest["budget_bytes"] - target) / full, 4) if smallest and full else None
+        ),
+        "total_budget_saved_at_90pct": (
+            round(1 - smallest["budget_bytes"] / (target + full), 4) if smallest else None
         ),
     }
 
