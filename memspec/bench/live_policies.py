@@ -163,7 +163,9 @@ def run_live(settings, cfg, out: Path) -> dict:
         totals = {n: LiveTotals() for n in names}
         # Counters from here on: the weightless drafts' set-up loads are not the policy's.
         base = {n: (ws.loads, ws.evictions) for n, ws in sets.items()}
-        for i, req in enumerate(workload):
+        from tqdm import tqdm
+
+        for i, req in enumerate(tqdm(workload, desc="bench policies (live)", unit="req")):
             order = names[i % len(names) :] + names[: i % len(names)]
             for n in order:
                 run_one(

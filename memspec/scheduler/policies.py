@@ -137,14 +137,22 @@ class Policy(ABC):
     def _best(self, draft: str, alpha: float, limit: int, force: bool = False):
         if limit <= 0:
             return 0, self.r_none
-        key = (draft, round(alpha, 3), limit, force)
+        c = self.env.costs  # a draft measured later (loaded after start-up) changes its cost
+        key = (
+            draft,
+            round(alpha, 3),
+            limit,
+            force,
+            c.draft_s.get(draft),
+            c.draft_overhead_s.get(draft),
+        )
         hit = self._memo.get(key)
         if hit is not None:
             return hit
         a = key[1]
-        k, rate = self.env.costs.best_k(draft, a, limit)
+        k, rate = c.best_k(draft, a, limit)
         if force and k == 0:
-            k, rate = 1, self.env.costs.rate(draft, a, 1)
+            k, rate = 1, c.rate(draft, a, 1)
         if len(self._memo) > 50_000:
             self._memo.clear()
         self._memo[key] = (k, rate)
