@@ -19,6 +19,7 @@ def test_drafts_eval_cli(tmp_path, settings):
         [
             "drafts", "eval", "--out", str(out), "--plot", str(png), "--per-category", "1",
             "--categories", "coding", "writing", "--max-tokens", "16", "--n-ctx", "1024",
+            "--n-threads", "1",
             "--only", f"prompt-lookup,{draft}",
         ]
     )  # fmt: skip

@@ -51,7 +51,7 @@ def small_backend_module():
     path = models_dir() / "smollm2-135m-f32.gguf"
     if not path.is_file():
         pytest.fail(f"testbed missing in {models_dir()}: run scripts/setup.sh", pytrace=False)
-    be = load_backend(path, BackendOptions(n_ctx=512))
+    be = load_backend(path, BackendOptions(n_ctx=512, n_threads=1))
     yield be
     be.close()
 
