@@ -205,6 +205,7 @@ def test_bounded_cpu_and_memory_then_exact(hardened, budget):
     proc = budget["proc"]
     cpu = sum(proc.cpu_times()[:2]) - budget["cpu0"]
     grown = proc.memory_info().rss - budget["rss0"]
+    print(f"\nhostile requests: daemon CPU {cpu:.2f}s, RSS growth {grown / 2**20:.1f} MiB")
     assert cpu < 60, f"hostile requests cost {cpu:.1f}s of CPU"
     assert grown < 128 << 20, f"RSS grew {grown >> 20} MiB"
     assert (
