@@ -17,7 +17,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import require_testbed  # tests/ is on sys.path (rootdir conftest)
+
+from memspec.paths import models_dir
+
+
+def require_testbed() -> None:
+    # Not imported from conftest: several conftest modules exist and "conftest" is ambiguous.
+    if not (models_dir() / "smollm2-135m-f32.gguf").is_file():
+        pytest.fail(f"testbed missing in {models_dir()}: run scripts/setup.sh", pytrace=False)
+
 
 KEY = "live-admin-key"
 pytestmark = pytest.mark.timeout(240)
