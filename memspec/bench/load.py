@@ -655,7 +655,10 @@ async def run_soak(
             except httpx.HTTPError:
                 bad_answers.append(0)
                 return
-            shaped = openai_error_shaped(r.json()) if r.content else False
+            try:
+                shaped = openai_error_shaped(r.json())
+            except ValueError:  # not JSON at all: counted as a malformed answer
+                shaped = False
             bad_answers.append(r.status_code if shaped else -r.status_code)
 
         async def admin(rng: random.Random) -> None:

@@ -296,9 +296,10 @@ class EngineWorker:
                 setattr(self.settings, key, getattr(self._fallback, key))
             rt = self._factory(self.settings)
             aside = reject_state(state_path(self.settings))
+            where = f"set aside as {aside}" if aside else "could not be set aside"
             self.warnings.append(
                 f"tuned settings {', '.join(tuned)} were not applied at start ({why}); "
-                f"running on the configured values; the tuned file was set aside as {aside}"
+                f"running on the configured values; the tuned file {where}"
             )
         self._check_policy(rt)
         return rt
