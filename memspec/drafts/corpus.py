@@ -43,15 +43,18 @@ def select_seeds(
     domains: list[str] | None, per_domain: int | None, seed: int, path: Path = SEEDS_FILE
 ) -> list[dict[str, str]]:
     """A deterministic subset: `per_domain` prompts of each domain, chosen with `seed`."""
-    rows = load_seeds(path, domains)
     if per_domain is None:
-        return rows
+        return load_seeds(path, domains)
+    rows = load_seeds(path)
     rng = random.Random(seed)
     groups = []
+    # Shuffle every domain, in a fixed order, whichever are asked for: a domain's choice must
+    # not depend on the others (drafts built from different domain sets share the answers).
     for d in sorted({r["domain"] for r in rows}):
         group = [r for r in rows if r["domain"] == d]
         rng.shuffle(group)
-        groups.append(group[:per_domain])
+        if not domains or d in domains:
+            groups.append(group[:per_domain])
     # Round-robin over domains, so a size cap on the datastore keeps the domains balanced.
     return [r for batch in itertools.zip_longest(*groups) for r in batch if r is not None]
 
