@@ -7,6 +7,9 @@ the output is identical to plain decoding. Each draft runs under the engine's de
 (k chosen per round from its running α, "none" allowed), as the daemon would use it alone,
 with acceptance estimates that start from the priors for every request.
 
+Lookup drafts (prompt lookup, datastores) are also replayed along the plain output, asked at
+every position: coverage and first-token acceptance independent of the decision rule.
+
 Datastore drafts do not learn from outputs during the run: every configuration decodes the
 same prompt, so learning would hand later ones the answer.
 """
@@ -38,6 +41,41 @@ def built_drafts(manifest_dir: Path | None = None) -> list[str]:
     return ids
 
 
+def replay_lookup(draft, prompt: list[int], output: list[int], k: int = 8) -> dict[str, int]:
+    """A lookup draft asked at every position of the target's output (no target calls).
+
+    Independent of the decision rule: how often the draft has something to propose
+    (`positions_proposed`), how often its first token is right, and the accepted run.
+    """
+    stats = {"positions": 0, "positions_proposed": 0, "first_ok": 0, "proposed": 0, "accepted": 0}
+    params = SamplingParams()
+    for i in range(len(output)):
+        tokens = draft.propose(prompt + output[:i], k, params, None).tokens
+        run = 0
+        while run < len(tokens) and i + run < len(output) and tokens[run] == output[i + run]:
+            run += 1
+        stats["positions"] += 1
+        stats["positions_proposed"] += bool(tokens)
+        stats["first_ok"] += run > 0
+        stats["proposed"] += len(tokens)
+        stats["accepted"] += run
+    return stats
+
+
+def _replay_summary(rows: list[dict]) -> dict | None:
+    reps = [r["replay"] for r in rows if r.get("replay")]
+    if not reps:
+        return None
+    tot = {key: sum(r[key] for r in reps) for key in reps[0]}
+    n = max(tot["positions"], 1)
+    return {
+        "coverage": round(tot["positions_proposed"] / n, 4),
+        "first_token_acceptance": round(tot["first_ok"] / max(tot["positions_proposed"], 1), 4),
+        "accepted_per_position": round(tot["accepted"] / n, 4),
+        "acceptance_k8": round(tot["accepted"] / max(tot["proposed"], 1), 4),
+    }
+
+
 def _summary(rows: list[dict], plain: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in rows)
     secs = sum(r["seconds"] for r in rows)
@@ -64,6 +102,7 @@ def _summary(rows: list[dict], plain: list[dict]) -> dict:
         "draft_s_per_token": round(sum(r["draft_s"] for r in rows) / max(proposed, 1), 6),
         "identical_to_plain": all(r["identical"] for r in rows),
         "prompts": len(rows),
+        "replay": _replay_summary(rows),
     }
 
 
@@ -77,6 +116,7 @@ def run_drafts_eval(
     drafts: list[str] | None = None,
 ) -> dict:
     from memspec.drafts.datastore import DatastoreDraft
+    from memspec.drafts.prompt_lookup import PromptLookupDraft
     from memspec.runtime import Runtime
 
     questions = select_questions(per_category, categories)
@@ -114,6 +154,10 @@ def run_drafts_eval(
                         "identical": gen.token_ids == plain_ids,
                     }
                 )
+            for name in pool:  # lookup drafts: also replayed along the plain output
+                draft = rt.drafts[name]
+                if isinstance(draft, PromptLookupDraft):
+                    results[name][-1]["replay"] = replay_lookup(draft, prompt, plain_ids)
         info = {
             d_id: {
                 "kind": rt.manifests[d_id].kind,
