@@ -106,6 +106,21 @@ def _summary(rows: list[dict], plain: list[dict]) -> dict:
     }
 
 
+def _generate(rt, prompt: list[int], params: SamplingParams, name: str):
+    """One request with one draft (or none) under the decision rule, on the engine directly:
+    the draft is held for the whole run, so residency management never decides for it."""
+    from memspec.engine.policy import DecisionRulePolicy, FixedPolicy
+    from memspec.engine.speculative import speculative_generate
+
+    if name == "none":
+        policy = FixedPolicy(None, 0)
+    else:
+        draft = rt.load_draft(name)
+        policy = DecisionRulePolicy([draft], rt.costs, rt.new_estimator(), rt.settings.k_max)
+    with rt.lock:
+        return speculative_generate(rt.target, prompt, params, policy)
+
+
 def run_drafts_eval(
     settings: Settings,
     out: str,
@@ -123,7 +138,8 @@ def run_drafts_eval(
     pool = drafts or built_drafts(settings.manifest_dir)
     settings.drafts = pool
     rt = Runtime(settings)
-    for d in rt.drafts.values():
+    drafts_live = {d_id: rt.load_draft(d_id) for d_id in pool}
+    for d in drafts_live.values():
         if isinstance(d, DatastoreDraft):
             d.learn = False
     configs = ["none", *pool]
@@ -137,7 +153,7 @@ def run_drafts_eval(
                 rt.target.reset()  # no KV reuse across configurations
                 # A fresh estimate per request: each starts from the priors, so one category's
                 # rejections do not switch a draft off for the categories that come after it.
-                gen = rt.generate(prompt, params, draft=name, estimator=rt.new_estimator())
+                gen = _generate(rt, prompt, params, name)
                 if name == "none":
                     plain_ids = gen.token_ids
                 results[name].append(
@@ -155,13 +171,13 @@ def run_drafts_eval(
                     }
                 )
             for name in pool:  # lookup drafts: also replayed along the plain output
-                draft = rt.drafts[name]
+                draft = drafts_live[name]
                 if isinstance(draft, PromptLookupDraft):
                     results[name][-1]["replay"] = replay_lookup(draft, prompt, plain_ids)
         info = {
             d_id: {
                 "kind": rt.manifests[d_id].kind,
-                "bytes": rt.drafts[d_id].memory_bytes(),
+                "bytes": drafts_live[d_id].memory_bytes(),
                 "file_bytes": rt.draft_bytes(d_id),
                 "tags": rt.manifests[d_id].tags,
                 "calibrated_draft_ms_per_token": round(rt.costs.draft_s.get(d_id, 0.0) * 1e3, 3),
