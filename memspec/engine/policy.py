@@ -59,8 +59,24 @@ class DecisionRulePolicy:
         self.costs = costs
         self.estimator = estimator
         self.k_max = k_max
+        # Free proposals peeked but not chosen: (context length, key, tokens). Scored against
+        # what the target then produced, so a lookup whose α estimate fell can earn its way
+        # back without ever being paid for.
+        self._shadow: list[tuple[int, str, list[int]]] = []
+
+    def _score_shadows(self, context: list[int]) -> None:
+        for start, key, tokens in self._shadow:
+            actual = context[start : start + len(tokens)]
+            if len(actual) < len(tokens):
+                continue  # not enough output yet to judge the whole proposal; drop it
+            matched = 0
+            while matched < len(tokens) and tokens[matched] == actual[matched]:
+                matched += 1
+            self.estimator.update(key, len(tokens), matched)
+        self._shadow = [s for s in self._shadow if len(context) < s[0] + len(s[2])]
 
     def choose(self, context, k_room, params, rng) -> Choice:
+        self._score_shadows(context)
         k_cap = min(self.k_max, k_room)
         best = Choice(None, 0)
         best_rate = self.costs.rate(None, 0.0, 0)
@@ -81,6 +97,8 @@ class DecisionRulePolicy:
                 if proposal is not None:
                     proposal.tokens = proposal.tokens[:k]
                 best, best_rate = Choice(draft, k, proposal), rate
+            elif proposal is not None:  # not worth verifying now: score it for free later
+                self._shadow.append((len(context), key, list(proposal.tokens)))
         return best
 
     def observe(self, key, proposed, accepted, seconds) -> None:
