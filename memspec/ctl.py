@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import math
 import os
-import socket
 import sys
 import time
 from typing import Any, NoReturn
@@ -34,6 +32,7 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
+from memspec.net import is_loopback
 from memspec.units import format_size, parse_size
 
 EXIT_OK = 0
@@ -386,18 +385,6 @@ def cmd_watch(client: Client, args: argparse.Namespace) -> int:
 # --- bench -------------------------------------------------------------------------------
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
-
-
 def percentile(values: list[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
     if not values:
@@ -595,7 +582,7 @@ def render_bench(rep: dict[str, Any]) -> str:
 
 def cmd_bench(client: Client, args: argparse.Namespace) -> int:
     host = urlsplit(client.url).hostname or ""
-    if not _is_loopback(host):
+    if not is_loopback(host):
         raise CtlError(
             f"bench runs only against a daemon on this machine (loopback), not {host!r}",
             EXIT_USAGE,

@@ -37,7 +37,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from memspec.ctl import _dist, _is_loopback
+from memspec.ctl import _dist
+from memspec.net import is_loopback
 from memspec.units import format_size, parse_size
 
 # Short prompts that make the 135M testbed model write (not stop at once); real questions for chat.
@@ -784,7 +785,7 @@ def register_bench(bsub: Any) -> None:
 
 def _check_url(url: str) -> None:
     host = urlsplit(url).hostname or ""
-    if not _is_loopback(host):
+    if not is_loopback(host):
         raise SystemExit(f"load and soak run only against a loopback daemon, not {host!r}")
 
 

@@ -7,7 +7,6 @@ by re-raising the signal, as uvicorn does by default); a failed model load exits
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
@@ -19,6 +18,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from memspec.config import Settings
+from memspec.net import is_loopback
 from memspec.server.app import Lifecycle, create_app
 from memspec.server.auth import configured
 from memspec.server.context import ServerContext
@@ -29,18 +29,6 @@ log = logging.getLogger("memspec.server")
 
 class BindRefused(ValueError):
     pass
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
 def check_bind(settings: Settings) -> None:
