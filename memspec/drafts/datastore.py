@@ -93,7 +93,9 @@ class SuffixIndex:
             tokens = np.concatenate((np.asarray(tokens, np.uint32), np.array([SEP], np.uint32)))
         self.tokens = np.ascontiguousarray(tokens, dtype=">u4")
         self.depth = depth
-        self.sa = build_suffix_array(self.tokens, depth) if sa is None else sa.astype(np.int32)
+        # copy=False: a loaded array is already int32; a second copy doubled the load's peak.
+        self.sa = build_suffix_array(self.tokens, depth) if sa is None else sa
+        self.sa = self.sa.astype(np.int32, copy=False)
         self._buf = memoryview(self.tokens.view(np.uint8))
         self._sa_mv = memoryview(self.sa)
 
