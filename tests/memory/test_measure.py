@@ -10,11 +10,18 @@ from memspec.memory.measure import device_bytes, nvmap_used_bytes, sample
 
 
 def test_sample_sees_a_real_allocation():
-    before = sample()
-    block = np.ones(64 * 1024 * 1024 // 8)  # 64 MiB, every page touched
-    d = sample().delta(before)
-    assert 60e6 < d["rss"] < 90e6 and 60e6 < d["uss"] < 90e6
-    del block
+    # In the full suite other threads (a working set's loader) may allocate or free at the same
+    # moment, so take the best of three tries; one clean reading shows the sampler works.
+    deltas = []
+    for _ in range(3):
+        before = sample()
+        block = np.ones(64 * 1024 * 1024 // 8)  # 64 MiB, every page touched
+        d = sample().delta(before)
+        del block
+        deltas.append(d)
+        if 60e6 < d["rss"] < 90e6 and 60e6 < d["uss"] < 90e6:
+            return
+    raise AssertionError(f"no reading saw the 64 MiB allocation: {deltas}")
 
 
 def test_gpu_sources_are_absent_or_numbers():
