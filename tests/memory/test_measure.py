@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
-
-import numpy as np
 
 from memspec.memory.measure import device_bytes, nvmap_used_bytes, sample
 
@@ -15,9 +14,13 @@ def test_sample_sees_a_real_allocation():
     deltas = []
     for _ in range(3):
         before = sample()
-        block = np.ones(64 * 1024 * 1024 // 8)  # 64 MiB, every page touched
+        # An anonymous mapping with every page written: fresh pages, whatever the allocator's
+        # free lists hold (a numpy array can reuse already-resident heap and show no growth).
+        block = mmap.mmap(-1, 64 * 1024 * 1024)
+        for off in range(0, len(block), 4096):
+            block[off] = 1
         d = sample().delta(before)
-        del block
+        block.close()
         deltas.append(d)
         if 60e6 < d["rss"] < 90e6 and 60e6 < d["uss"] < 90e6:
             return
