@@ -5,7 +5,10 @@ Recipes (from manifests under drafts/):
 - layers:   a GGUF with a subset of the transformer blocks, written with the `gguf` package.
 - datastore: a suffix-array token index (memspec.drafts.datastore) over the source target's
   greedy answers to seed prompts (drafts/seeds/prompts.jsonl) plus package text; the answers
-  are cached as they are generated, so an interrupted build resumes. `on_demand` recipes (the
+  are cached as they are generated, so an interrupted build resumes.
+- distill: a student of a few of the target's blocks trained with torch on the target's
+  distribution over the same corpus, exported to GGUF and quantized (memspec.drafts.distill);
+  it needs the torch extra and checkpoints as it trains. `on_demand` recipes (the
   full-size ones) are built only when named with --only.
 
 Deterministic and cached: each output records the SHA-256 of its source and its recipe in a
@@ -56,7 +59,7 @@ def _recipe_key(m: DraftManifest, source_sha: str) -> str:
     assert m.build is not None
     recipe = m.build.model_dump()
     parts: list = [recipe, source_sha]
-    if m.build.recipe == "datastore":  # its output also depends on the seed prompts
+    if m.build.recipe in ("datastore", "distill"):  # these also depend on the seed prompts
         from memspec.drafts.corpus import SEEDS_FILE
 
         parts.append(sha256_file(SEEDS_FILE))
@@ -117,12 +120,17 @@ def build_one(m: DraftManifest, directory: Path, force: bool = False) -> tuple[P
         if info.get("recipe_key") == key and info.get("sha256") == sha256_file(dst):
             return dst, False
     part = dst.with_name(dst.name + ".part")
+    report: dict = {}
     if m.build.recipe == "quantize":
         quantize(src, part, m.build.ftype)
     elif m.build.recipe == "datastore":
         from memspec.drafts.datastore import build_datastore_file
 
-        build_datastore_file(m.build, src, part)
+        report = build_datastore_file(m.build, src, part)
+    elif m.build.recipe == "distill":
+        from memspec.drafts.distill import build_distilled_file
+
+        report = build_distilled_file(m.build, src, part, key)
     else:
         from memspec.drafts.layers import write_layer_subset
 
@@ -137,6 +145,7 @@ def build_one(m: DraftManifest, directory: Path, force: bool = False) -> tuple[P
                 "recipe_key": key,
                 "sha256": sha256_file(dst),
                 "bytes": dst.stat().st_size,
+                "report": report,
             },
             indent=2,
         )

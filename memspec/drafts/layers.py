@@ -9,12 +9,21 @@ the starting point a distilled draft (memspec.drafts.distill) trains from.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
+
+import numpy as np
 
 BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def write_layer_subset(src: Path, dst: Path, keep_layers: list[int]) -> None:
+def write_layer_subset(
+    src: Path, dst: Path, keep_layers: list[int], overrides: Mapping[str, np.ndarray] | None = None
+) -> None:
+    """Write `keep_layers` of `src` to `dst`; `overrides` (by new name) replace tensors' data.
+
+    Overrides are F32 arrays of the source tensor's shape (a distilled student's weights).
+    """
     import gguf
 
     reader = gguf.GGUFReader(str(src))
@@ -50,11 +59,27 @@ def write_layer_subset(src: Path, dst: Path, keep_layers: list[int]) -> None:
             tensors.append((t.name, t))
         elif int(m.group(1)) in new_index:
             tensors.append((f"blk.{new_index[int(m.group(1))]}.{m.group(2)}", t))
+    overrides = overrides or {}
+    unknown = set(overrides) - {name for name, _ in tensors}
+    if unknown:
+        raise ValueError(f"overrides name tensors the output does not have: {sorted(unknown)}")
+    datas = []
     for name, t in tensors:
-        writer.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+        if name in overrides:
+            data = np.ascontiguousarray(overrides[name], dtype=np.float32)
+            want = tuple(int(x) for x in reversed(t.shape))  # GGUF dims are innermost first
+            if data.shape != want:
+                raise ValueError(f"override {name}: shape {data.shape}, tensor is {want}")
+            writer.add_tensor_info(
+                name, data.shape, data.dtype, data.nbytes, gguf.GGMLQuantizationType.F32
+            )
+        else:
+            data = t.data
+            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, t.tensor_type)
+        datas.append(data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for _, t in tensors:
-        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    for data in datas:
+        writer.write_tensor_data(data, tensor_endianess=reader.endianess)
     writer.close()

@@ -51,10 +51,10 @@ def check_file_name(name: str) -> str:
 
 
 class BuildRecipe(BaseModel, extra="forbid"):
-    recipe: Literal["quantize", "layers", "datastore"]
+    recipe: Literal["quantize", "layers", "datastore", "distill"]
     source: str  # file name in the models directory (the testbed GGUF or another built file)
     ftype: str = "F32"  # llama.cpp file type: F32, F16, Q8_0, Q4_0, Q4_1, Q2_K, ...
-    keep_layers: list[int] | None = None  # recipe "layers": indices of blocks to keep
+    keep_layers: list[int] | None = None  # recipes "layers", "distill": blocks to keep
     # recipe "datastore": the source GGUF (the target) answers seed prompts greedily; its
     # outputs plus package text (stdlib source, pydoc) are tokenized and indexed.
     domains: list[str] | None = None  # seed domains (drafts/seeds/prompts.jsonl); None: all
@@ -62,7 +62,16 @@ class BuildRecipe(BaseModel, extra="forbid"):
     gen_tokens: int = 96  # new tokens per seed prompt
     package_chars: int = 0  # characters of stdlib source + pydoc text to add
     max_tokens: int | None = None  # cap on the datastore's tokens
-    seed: int = 0  # which seed prompts / files are chosen
+    seed: int = 0  # which seed prompts / files are chosen (and, for "distill", the batches)
+    # recipe "distill" (memspec.drafts.distill): the same corpus, a student trained with torch
+    # for `steps` batches of `batch_size` sequences of at most `seq_len` tokens; `ftype` is the
+    # quantization of the exported GGUF.
+    steps: int = 100
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 3e-4
+    ckpt_every: int = 20  # steps between checkpoints (an interrupted build resumes there)
+    eval_seqs: int = 64  # held-out sequences for the agreement report
     # On-demand recipes are built only when named (`--only ID`): the full-size datastores
     # take tens of minutes of target decoding, more than a default build should.
     on_demand: bool = False
