@@ -63,8 +63,19 @@ def cmd_drafts_build(args: argparse.Namespace) -> int:
 
 
 def cmd_drafts_eval(args: argparse.Namespace) -> int:
-    from memspec.bench.drafts_eval import run_drafts_eval
+    from memspec.bench.drafts_eval import run_drafts_eval, run_drafts_replay
 
+    only = [d for d in args.only.split(",") if d] if args.only else None
+    if args.replay_only:
+        run_drafts_replay(
+            _settings(args),
+            out=args.out,
+            per_category=args.per_category,
+            max_tokens=args.max_tokens,
+            categories=args.categories,
+            drafts=only,
+        )
+        return 0
     run_drafts_eval(
         _settings(args),
         out=args.out,
@@ -72,7 +83,7 @@ def cmd_drafts_eval(args: argparse.Namespace) -> int:
         per_category=args.per_category,
         max_tokens=args.max_tokens,
         categories=args.categories,
-        drafts=[d for d in args.only.split(",") if d] if args.only else None,
+        drafts=only,
     )
     return 0
 
@@ -291,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--categories", nargs="*", help="only these MT-Bench categories")
     ev.add_argument("--max-tokens", type=int, default=96)
     ev.add_argument("--only", help="comma-separated draft ids (default: every built draft)")
+    ev.add_argument(
+        "--replay-only",
+        action="store_true",
+        help="no timed decoding: replay every draft along the target's greedy answers "
+        "(first-token acceptance per category; fast, deterministic)",
+    )
     ev.set_defaults(func=cmd_drafts_eval)
     ls = dsub.add_parser("list", help="manifests and whether their files are built")
     ls.add_argument("--json", action="store_true")

@@ -10,6 +10,11 @@ with acceptance estimates that start from the priors for every request.
 Lookup drafts (prompt lookup, datastores) are also replayed along the plain output, asked at
 every position: coverage and first-token acceptance independent of the decision rule.
 
+`--replay-only` skips the timed decoding: the target's greedy answers to every chosen question
+are made in one batched pass, and every draft, model drafts included (teacher-forced: the
+draft's argmax at each position of the answer), is replayed along them. That is the cheap,
+deterministic comparison of drafts' accuracy per category (domain variants against each other).
+
 Datastore drafts do not learn from outputs during the run: every configuration decodes the
 same prompt, so learning would hand later ones the answer.
 """
@@ -60,6 +65,109 @@ def replay_lookup(draft, prompt: list[int], output: list[int], k: int = 8) -> di
         stats["proposed"] += len(tokens)
         stats["accepted"] += run
     return stats
+
+
+def replay_model(draft, prompt: list[int], output: list[int]) -> dict[str, int]:
+    """A model draft teacher-forced along the target's output: is its argmax the next token?"""
+    be = draft.backend
+    be.reset()
+    logits = be.eval(prompt + output, all_logits=True)
+    be.reset()
+    guess = logits[len(prompt) - 1 : len(prompt) + len(output) - 1].argmax(axis=-1)
+    ok = int(sum(int(g) == t for g, t in zip(guess, output, strict=True)))
+    n = len(output)
+    return {"positions": n, "positions_proposed": n, "first_ok": ok, "proposed": 0, "accepted": 0}
+
+
+def run_drafts_replay(
+    settings: Settings,
+    out: str,
+    per_category: int = 10,
+    max_tokens: int = 96,
+    categories: list[str] | None = None,
+    drafts: list[str] | None = None,
+) -> dict:
+    """First-token acceptance of every draft along the target's greedy answers, per category."""
+    from memspec.drafts.corpus import BatchedGreedy
+    from memspec.drafts.datastore import DatastoreDraft
+    from memspec.drafts.model import ModelDraft
+    from memspec.runtime import Runtime
+
+    questions = select_questions(per_category, categories)
+    pool = drafts or built_drafts(settings.manifest_dir)
+    settings.drafts = pool
+    rt = Runtime(settings, calibrate_costs=False)
+    try:
+        prompts = [
+            rt.prompt_tokens(messages=[{"role": "user", "content": q["turns"][0]}])
+            for q in questions
+        ]
+        target_path = Path(rt.target.path)
+    finally:
+        rt.close()
+    # One batched greedy pass for all answers (a near-tie may resolve differently from
+    # single-sequence decoding; every draft is replayed along the same answers either way).
+    gen = BatchedGreedy(
+        target_path,
+        batch=min(48, len(questions)),
+        n_ctx_per_seq=max(map(len, prompts)) + max_tokens + 8,
+        n_threads=settings.n_threads or 1,
+    )
+    try:
+        rows = [{"i": str(i), "prompt": q["turns"][0]} for i, q in enumerate(questions)]
+        answers = {
+            int(r["i"]): toks
+            for r, toks in tqdm(
+                gen.run(rows, max_tokens), total=len(rows), desc="target answers", unit="prompt"
+            )
+        }
+        assert all(gen.chat_tokens(r["prompt"]) == prompts[int(r["i"])] for r in rows)
+    finally:
+        gen.close()
+
+    rt = Runtime(settings, calibrate_costs=False)
+    report: dict = {
+        "benchmark": "drafts-replay",
+        "target": settings.target,
+        "max_tokens": max_tokens,
+        "prompts": len(questions),
+        "drafts": {},
+    }
+    try:
+        for d_id in tqdm(pool, desc="replay", unit="draft"):
+            draft = rt.load_draft(d_id)
+            if isinstance(draft, DatastoreDraft):
+                draft.learn = False
+            rows_d = []
+            for i, q in enumerate(questions):
+                if isinstance(draft, ModelDraft):
+                    rep = replay_model(draft, prompts[i], answers[i])
+                else:
+                    rep = replay_lookup(draft, prompts[i], answers[i])
+                rows_d.append({"category": q["category"], "replay": rep})
+            cats = sorted({q["category"] for q in questions})
+            report["drafts"][d_id] = {
+                "kind": rt.manifests[d_id].kind,
+                "bytes": rt.draft_bytes(d_id),
+                "overall": _replay_summary(rows_d),
+                "per_category": {
+                    c: _replay_summary([r for r in rows_d if r["category"] == c]) for c in cats
+                },
+            }
+    finally:
+        rt.close()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2))
+    cats = sorted({q["category"] for q in questions})
+    print(f"{'draft':20s} {'MB':>7s} {'overall':>8s} " + " ".join(f"{c[:9]:>9s}" for c in cats))
+    for name, e in report["drafts"].items():
+        cells = " ".join(
+            f"{_pct(e['per_category'][c]['first_token_acceptance']):>9s}" for c in cats
+        )
+        overall = _pct(e["overall"]["first_token_acceptance"])
+        print(f"{name:20s} {e['bytes'] / 1e6:7.1f} {overall:>8s} {cells}")
+    print("cells: first-token acceptance % along the target's greedy answers (where proposed)")
+    return report
 
 
 def _replay_summary(rows: list[dict]) -> dict | None:
