@@ -18,6 +18,7 @@ from pathlib import Path
 from memspec.backends.base import Backend, BackendOptions, load_backend
 from memspec.config import Settings
 from memspec.drafts.base import Draft
+from memspec.drafts.datastore import DatastoreDraft
 from memspec.drafts.manifest import (
     DEFAULT_MANIFEST_DIR,
     DraftManifest,
@@ -367,6 +368,10 @@ class Runtime:
             finish = getattr(rp, "finish", None)
             if finish is not None:
                 finish()
+            # Learning datastores file this output now, not when the next request starts.
+            for d in ws.lease_resident():
+                if isinstance(d, DatastoreDraft) and d.learn:
+                    d.finish_request(gen.token_ids)
         gen.stall_s = ws.thread_stall_s() - stall0
         for draft_id in gen.drafts_used:
             self.requests_per_draft[draft_id] = self.requests_per_draft.get(draft_id, 0) + 1

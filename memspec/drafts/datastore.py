@@ -308,9 +308,15 @@ class DatastoreDraft(PromptLookupDraft):
         self._req_prompt = list(context)
         self._req_ctx = context
 
-    def finish_request(self) -> None:
-        """Remember the current request's output now (the daemon may call this at its end)."""
-        if self._req_prompt is not None and self._req_ctx is not None:
+    def finish_request(self, output: list[int] | None = None) -> None:
+        """Remember a finished request's output now (the runtime calls this at its end).
+
+        `output` is the whole generated text; without it, what the last proposal saw.
+        """
+        if output is not None:
+            if self.learn and output:
+                self.remember(list(output))
+        elif self._req_prompt is not None and self._req_ctx is not None:
             self.remember(self._req_ctx[len(self._req_prompt) :])
         self._req_prompt = self._req_ctx = None
 

@@ -26,11 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from memspec.drafts.registry import PRIOR_ALPHA  # the priors the engine's estimator uses
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.predictor.model import AcceptancePredictor, RequestState
 
-# α before a draft has been seen, per kind (the same priors the engine's estimator uses).
-PRIOR_ALPHA = {"model": 0.7, "prompt_lookup": 0.4}
 # A batched catch-up token costs about this share of a single draft step (measured on the
 # x86 testbed: 12 ms vs 47 ms for the Q8_0 draft on one thread).
 CATCHUP_SHARE = 0.25

@@ -91,3 +91,41 @@ def test_every_built_datastore_is_lossless(small_backend_module, cases, draft_id
     draft = instantiate(m, BackendOptions(), "llama_cpp")
     draft.learn = False
     check_lossless(small_backend_module, draft, cases)
+
+
+def test_runtime_files_each_output_in_a_learning_datastore_at_once(tmp_path):
+    """A learning datastore holds a request's whole output when the request returns, and the
+    same prompt again is then drafted from it, still identical to the target's output."""
+    from memspec.config import Settings
+    from memspec.runtime import Runtime
+
+    real = models_dir()
+    (tmp_path / "learner.toml").write_text(
+        'id = "learner"\nkind = "datastore"\nfile = "datastore-ci.npz"\n'
+        "[params]\nuse_context = 0\nlearn = 1\n"
+    )
+    if not (real / "datastore-ci.npz").is_file():
+        pytest.fail("datastore-ci missing: run `memspec drafts build`", pytrace=False)
+    s = Settings.load(
+        target=str(real / "smollm2-135m-f32.gguf"),
+        drafts=["learner"],
+        manifest_dir=str(tmp_path),
+        n_ctx=512,
+        n_threads=1,
+        budget="4GiB",
+    )
+    rt = Runtime(s, calibrate_costs=False)
+    try:
+        rt.working_set.wait_idle(60)
+        prompt = rt.prompt_tokens(messages=[{"role": "user", "content": PROMPTS[1]}])
+        params = SamplingParams(max_tokens=MAX_TOKENS)
+        first = rt.generate(prompt, params, draft="learner")
+        learner = rt.working_set.get("learner")
+        assert learner.recent_tokens == len(first.token_ids)
+        second = rt.generate(prompt, params, draft="learner", k=8)
+        assert second.token_ids == first.token_ids
+        # Drafted from the filed output (its first tokens have no two-token match yet).
+        assert second.accepted > first.accepted
+        assert second.accepted >= 0.75 * len(first.token_ids)
+    finally:
+        rt.close()
