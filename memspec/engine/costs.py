@@ -1,8 +1,14 @@
 """The decision rule: which (draft, k) — none included — gives the most tokens per second now.
 
-tokens_per_round(α, k) = (1 − α^(k+1)) / (1 − α)
-seconds_per_round      = draft_cost(k) + verify_cost(k+1)
+tokens_per_round(α₁, α_c, k) = 1 + α₁ · (1 − α_c^k) / (1 − α_c)
+seconds_per_round            = draft_cost(k) + verify_cost(k+1)
 choose argmax tokens_per_round / seconds_per_round; plain decoding is k = 0
+
+α₁ is the first drafted token's acceptance and α_c a later token's, given the one before it
+was accepted. With α_c = α₁ this is the i.i.d. formula (1 − α^(k+1)) / (1 − α). Lookup
+drafts need both: whether a retrieved continuation starts right is a coin flip, but once it
+does it tends to run on (measured on MT-Bench replays: α₁ ≈ 0.45, α_c ≈ 0.8), and one
+i.i.d. α fitted to that mix under-drafts the runs and over-drafts the misses.
 """
 
 from __future__ import annotations
@@ -10,11 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Expected tokens per round (accepted prefix + the target's own token)."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def expected_tokens(alpha: float, k: int, alpha_cont: float | None = None) -> float:
+    """Expected tokens per round (accepted prefix + the target's own token).
+
+    `alpha` is the first drafted token's acceptance, `alpha_cont` each later one's given the
+    previous was accepted (default: `alpha`, i.e. i.i.d. tokens).
+    """
+    c = alpha if alpha_cont is None else alpha_cont
+    if k <= 0:
+        return 1.0
+    run = float(k) if c >= 1.0 else (1.0 - c**k) / (1.0 - c)
+    return 1.0 + alpha * run
 
 
 @dataclass
@@ -46,28 +58,39 @@ class CostModel:
             + load_s
         )
 
-    def rate(self, draft_id: str | None, alpha: float, k: int, load_s: float = 0.0) -> float:
+    def rate(
+        self,
+        draft_id: str | None,
+        alpha: float,
+        k: int,
+        load_s: float = 0.0,
+        alpha_cont: float | None = None,
+    ) -> float:
         """Expected tokens per second of one round."""
         if draft_id is None or k == 0:
             return 1.0 / self.verify(1)
-        return expected_tokens(alpha, k) / self.round_seconds(draft_id, k, load_s)
+        return expected_tokens(alpha, k, alpha_cont) / self.round_seconds(draft_id, k, load_s)
 
-    def best_k(self, draft_id: str, alpha: float, k_max: int) -> tuple[int, float]:
+    def best_k(
+        self, draft_id: str, alpha: float, k_max: int, alpha_cont: float | None = None
+    ) -> tuple[int, float]:
         """The k (0 = don't draft) maximising tokens/s for this draft at acceptance alpha."""
         best_k, best_rate = 0, self.rate(None, alpha, 0)
         for k in range(1, k_max + 1):
-            r = self.rate(draft_id, alpha, k)
+            r = self.rate(draft_id, alpha, k, alpha_cont=alpha_cont)
             if r > best_rate:
                 best_k, best_rate = k, r
         return best_k, best_rate
 
 
 class AcceptanceEstimator:
-    """Running per-token acceptance α per statistic key (a draft, or a draft in a state).
+    """Running acceptance per statistic key (a draft, or a draft in a state): α₁ of a round's
+    first drafted token and α_c of each later one given the one before was accepted.
 
-    Each verified round adds its comparisons: n accepted tokens and, if the round stopped on a
-    rejection, one rejected. A Beta prior keeps unseen keys at a sane value; the counts decay
-    so α follows the current context rather than the whole history.
+    Each verified round adds its comparisons: the first token, accepted or not; then, if it
+    was, the accepted continuation and, if the round stopped on a rejection, one rejected. A
+    Beta prior keeps unseen keys at a sane value; the counts decay so the estimates follow the
+    current context rather than the whole history.
     """
 
     def __init__(self, prior_alpha: float = 0.5, prior_weight: float = 2.0, decay: float = 0.95):
@@ -76,24 +99,40 @@ class AcceptanceEstimator:
         self.decay = decay
         self._acc: dict[str, float] = {}
         self._seen: dict[str, float] = {}
+        self._cont_acc: dict[str, float] = {}
+        self._cont_seen: dict[str, float] = {}
         self._priors: dict[str, float] = {}
 
     def set_prior(self, key: str, alpha: float) -> None:
         self._priors[key] = alpha
 
-    def alpha(self, key: str) -> float:
+    def _prior(self, key: str) -> float:
         # "draft/state" keys fall back to the draft's prior.
-        prior = self._priors.get(key, self._priors.get(key.split("/")[0], self.prior_alpha))
-        acc = self._acc.get(key, 0.0) + prior * self.prior_weight
+        return self._priors.get(key, self._priors.get(key.split("/")[0], self.prior_alpha))
+
+    def alpha(self, key: str) -> float:
+        """α₁: acceptance of a round's first drafted token."""
+        acc = self._acc.get(key, 0.0) + self._prior(key) * self.prior_weight
         seen = self._seen.get(key, 0.0) + self.prior_weight
+        return min(acc / seen, 0.995)
+
+    def alpha_cont(self, key: str) -> float:
+        """α_c: acceptance of a later drafted token, given the one before it was accepted."""
+        acc = self._cont_acc.get(key, 0.0) + self._prior(key) * self.prior_weight
+        seen = self._cont_seen.get(key, 0.0) + self.prior_weight
         return min(acc / seen, 0.995)
 
     def update(self, key: str, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
-        compared = accepted + (1 if accepted < proposed else 0)
-        self._acc[key] = self._acc.get(key, 0.0) * self.decay + accepted
-        self._seen[key] = self._seen.get(key, 0.0) * self.decay + compared
+        d = self.decay
+        self._acc[key] = self._acc.get(key, 0.0) * d + (1.0 if accepted > 0 else 0.0)
+        self._seen[key] = self._seen.get(key, 0.0) * d + 1.0
+        if accepted > 0 and proposed > 1:
+            compared = (accepted - 1) + (1 if accepted < proposed else 0)
+            if compared:
+                self._cont_acc[key] = self._cont_acc.get(key, 0.0) * d + (accepted - 1)
+                self._cont_seen[key] = self._cont_seen.get(key, 0.0) * d + compared
 
     def snapshot(self) -> dict[str, float]:
         return {key: round(self.alpha(key), 4) for key in sorted(self._seen)}

@@ -59,10 +59,12 @@ class DecisionRulePolicy:
         self.costs = costs
         self.estimator = estimator
         self.k_max = k_max
-        # Free proposals peeked but not chosen: (context length, key, tokens). Scored against
-        # what the target then produced, so a lookup whose α estimate fell can earn its way
-        # back without ever being paid for.
+        # Free (lookup) proposals, whole, chosen or not: (context length, key, tokens). Each
+        # is scored against what the target then produced, so the estimate sees every run to
+        # its end (a chosen proposal is verified only up to k), and a lookup whose estimate
+        # fell can earn its way back without ever being paid for.
         self._shadow: list[tuple[int, str, list[int]]] = []
+        self._free_keys: set[str] = set()
 
     def _score_shadows(self, context: list[int]) -> None:
         for start, key, tokens in self._shadow:
@@ -90,16 +92,18 @@ class DecisionRulePolicy:
                 if not proposal.tokens:
                     continue
                 key, limit = proposal.key, len(proposal.tokens)
+                self._shadow.append((len(context), key, list(proposal.tokens)))
+                self._free_keys.add(key)
             else:
                 key = draft.id
-            k, rate = self.costs.best_k(draft.id, self.estimator.alpha(key), limit)
+            alpha, cont = self.estimator.alpha(key), self.estimator.alpha_cont(key)
+            k, rate = self.costs.best_k(draft.id, alpha, limit, cont)
             if k > 0 and rate > best_rate:
                 if proposal is not None:
                     proposal.tokens = proposal.tokens[:k]
                 best, best_rate = Choice(draft, k, proposal), rate
-            elif proposal is not None:  # not worth verifying now: score it for free later
-                self._shadow.append((len(context), key, list(proposal.tokens)))
         return best
 
     def observe(self, key, proposed, accepted, seconds) -> None:
-        self.estimator.update(key, proposed, accepted)
+        if key not in self._free_keys:  # free proposals are scored whole, as shadows
+            self.estimator.update(key, proposed, accepted)

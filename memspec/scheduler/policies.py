@@ -133,13 +133,21 @@ class Policy(ABC):
     # The decision rule over one draft: the k with the most expected tokens/s (k ≥ 1 if forced).
     # α is rounded to 1e-3 for a memo: the rule is smooth in α, and a round then costs a dict
     # lookup instead of k_max rate evaluations.
-    def _best(self, draft: str, alpha: float, limit: int, force: bool = False):
+    def _best(
+        self,
+        draft: str,
+        alpha: float,
+        limit: int,
+        force: bool = False,
+        alpha_cont: float | None = None,
+    ):
         if limit <= 0:
             return 0, self.r_none
         c = self.env.costs  # a draft measured later (loaded after start-up) changes its cost
         key = (
             draft,
             round(alpha, 3),
+            None if alpha_cont is None else round(alpha_cont, 3),
             limit,
             force,
             c.draft_s.get(draft),
@@ -148,10 +156,10 @@ class Policy(ABC):
         hit = self._memo.get(key)
         if hit is not None:
             return hit
-        a = key[1]
-        k, rate = c.best_k(draft, a, limit)
+        a, ac = key[1], key[2]
+        k, rate = c.best_k(draft, a, limit, ac)
         if force and k == 0:
-            k, rate = 1, c.rate(draft, a, 1)
+            k, rate = 1, c.rate(draft, a, 1, alpha_cont=ac)
         if len(self._memo) > 50_000:
             self._memo.clear()
         self._memo[key] = (k, rate)
@@ -195,7 +203,8 @@ class FixedPolicy(Policy):
 
     def choose(self, rnd, ws):
         key, limit = _limit(self.info, rnd, self.env.k_max)
-        k, _ = self._best(self.info.id, self.est.alpha(key), limit, force=True)
+        a, ac = self.est.alpha(key), self.est.alpha_cont(key)
+        k, _ = self._best(self.info.id, a, limit, force=True, alpha_cont=ac)
         return (self.info.id, k) if k > 0 else (None, 0)
 
     def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
@@ -231,7 +240,8 @@ class _Bandit(Policy):
         if draft is None:
             return None, 0
         key, limit = _limit(self.env.drafts[draft], rnd, self.env.k_max)
-        k, _ = self._best(draft, self.est.alpha(key), limit, force=True)
+        a, ac = self.est.alpha(key), self.est.alpha_cont(key)
+        k, _ = self._best(draft, a, limit, force=True, alpha_cont=ac)
         return (draft, k) if k > 0 else (None, 0)
 
     def observe(self, draft, key, position, proposed, accepted, seconds, tokens):

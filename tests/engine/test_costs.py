@@ -28,3 +28,26 @@ def test_estimator_moves_toward_observations():
     assert est.alpha("a") > 0.9 and est.alpha("b") < 0.1
     est.set_prior("c", 0.8)
     assert abs(est.alpha("c/n2") - 0.8) < 1e-9
+
+
+def test_expected_tokens_with_a_continuation_acceptance():
+    # i.i.d. is the special case alpha_cont == alpha.
+    assert abs(expected_tokens(0.5, 3, 0.5) - expected_tokens(0.5, 3)) < 1e-12
+    # A lookup-like draft: a coin flip to start, then long runs.
+    assert abs(expected_tokens(0.5, 4, 1.0) - 3.0) < 1e-12
+    assert abs(expected_tokens(0.45, 2, 0.8) - (1 + 0.45 * 1.8)) < 1e-12
+    assert expected_tokens(0.9, 0, 0.9) == 1.0
+
+
+def test_estimator_separates_first_token_and_continuation():
+    est = AcceptanceEstimator(prior_alpha=0.5, decay=1.0)
+    for _ in range(50):
+        est.update("runs", proposed=6, accepted=6)  # right from the start, to the end
+        est.update("runs", proposed=6, accepted=0)  # wrong from the start
+    assert abs(est.alpha("runs") - 0.5) < 0.02
+    assert est.alpha_cont("runs") > 0.98  # once started, never wrong
+    # The i.i.d. fit of the same rounds (300 accepted of 350 compared) would say 0.86 for
+    # every token: it overrates a round's start and underrates a run's length.
+    costs = CostModel(verify_s=[0.020, 0.026, 0.030, 0.031, 0.032, 0.036, 0.038, 0.040, 0.042])
+    k_two, _ = costs.best_k("d", est.alpha("runs"), 8, est.alpha_cont("runs"))
+    assert k_two >= 5  # a started run is worth verifying long
