@@ -290,8 +290,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("drafts", help="draft pool: build, list and evaluate")
     dsub = p.add_subparsers(dest="action", required=True)
-    b = dsub.add_parser("build", help="build the model family from the manifests in drafts/")
-    b.add_argument("--only", nargs="*", help="ids to build (default: all)")
+    b = dsub.add_parser(
+        "build",
+        help="build drafts from the manifests in drafts/ (recipes: quantize, layers, "
+        "datastore, distill)",
+    )
+    b.add_argument(
+        "--only",
+        nargs="*",
+        help="ids to build, on-demand ones included (default: every manifest not marked "
+        "on_demand); MEMSPEC_BUILD_THREADS sets the threads (default 1)",
+    )
     b.add_argument("--force", action="store_true", help="rebuild even if up to date")
     b.set_defaults(func=cmd_drafts_build)
     ev = dsub.add_parser("eval", help="each built draft vs the target on MT-Bench first turns")
