@@ -200,6 +200,7 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]
         "seed": body.seed,
         "stop": body.stop_list(),
         "draft": body.draft,
+        "policy": body.policy,
         "stream": body.stream,
     }
 

@@ -54,6 +54,14 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     user: Annotated[str | None, Field(max_length=256)] = None
     draft: DraftField = "auto"
+    policy: Annotated[
+        str | None,
+        Field(
+            max_length=64,
+            description='MemSpec: the policy for this request when draft is "auto" '
+            "(memspec, ucb, exp3, fixed:<id>, ...); default: the daemon's",
+        ),
+    ] = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

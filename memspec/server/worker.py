@@ -90,6 +90,7 @@ class GenerateRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     draft: str = "auto"
+    policy: str | None = None  # None: the daemon's (settings.policy)
     stream: bool = False
 
 
@@ -402,6 +403,11 @@ class EngineWorker:
             )
         if req.draft not in ("auto", "none"):
             rt.manifest(req.draft)  # unknown or invalid id: 404 before anything runs
+        if req.policy is not None and req.policy not in rt.policies:
+            raise InvalidRequest(
+                f"unknown policy {req.policy!r}; known: {', '.join(sorted(rt.policies))}",
+                param="policy",
+            )
         params = SamplingParams(
             max_tokens=min(max_tokens, n_ctx - len(prompt)),
             temperature=req.temperature,
@@ -418,7 +424,13 @@ class EngineWorker:
 
         est = _RecordingEstimator(rt.estimator)
         gen = rt.generate(
-            prompt, params, draft=req.draft, on_token=on_token, cancel=job.cancel, estimator=est
+            prompt,
+            params,
+            draft=req.draft,
+            on_token=on_token,
+            cancel=job.cancel,
+            estimator=est,
+            policy=req.policy,
         )
         queued_s = (job.started_at or job.enqueued_at) - job.enqueued_at
         self.requests_served += 1

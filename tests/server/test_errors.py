@@ -99,6 +99,13 @@ def test_unknown_draft(http):
         assert_openai_error(r, 404, "draft_not_found")  # before the stream starts
 
 
+def test_unknown_policy(http):
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 2}
+    for stream in (False, True):
+        r = http.post(CHAT, json=body | {"policy": "no-such-policy", "stream": stream})
+        assert_openai_error(r, 400, param="policy")  # before any stream starts
+
+
 def test_prompt_over_context(client, http):
     long = "word " * (N_CTX + 100)
     assert_openai_error(

@@ -50,6 +50,18 @@ def test_chat_greedy_matches_plain_decoding(client, reference):
             assert ms["proposed"] == 0 and ms["drafts_used"] == {}
 
 
+def test_per_request_policy(client, reference):
+    for policy in ("ucb", "memspec", "fixed:prompt-lookup"):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"policy": policy},
+        )
+        assert r.choices[0].message.content == reference["chat"], policy
+
+
 def test_completion_greedy_matches_plain_decoding(client, reference):
     r = client.completions.create(
         model=MODEL, prompt="The three primary colors are", max_tokens=MAX_TOKENS, temperature=0
