@@ -10,7 +10,7 @@ import pytest
 from memspec.backends.base import BackendOptions, load_backend
 from memspec.drafts import distill
 from memspec.drafts.build import build_all
-from memspec.drafts.manifest import BuildRecipe
+from memspec.drafts.manifest import BuildRecipe, load_manifests
 from memspec.drafts.model import ModelDraft
 from memspec.engine.policy import FixedPolicy
 from memspec.engine.sampling import SamplingParams
@@ -123,14 +123,26 @@ def test_ci_draft_trained_and_reports(distill_ci):
     )
 
 
-def test_ci_draft_is_lossless(distill_ci, target_path):
+def built_distilled() -> list[str]:
+    """distill-ci (built by its fixture) and every other distilled draft built here."""
+    ids = {"distill-ci"}
+    for m in load_manifests().values():
+        if m.build is not None and m.build.recipe == "distill":
+            if m.model_path(models_dir()).is_file():
+                ids.add(m.id)
+    return sorted(ids)
+
+
+@pytest.mark.parametrize("draft_id", built_distilled())
+def test_every_built_distilled_draft_is_lossless(draft_id, target_path, request):
+    m = load_manifests()[draft_id]
+    path = request.getfixturevalue("distill_ci") if draft_id == "distill-ci" else None
+    path = path or m.model_path(models_dir())
     target = load_backend(target_path, BackendOptions(n_ctx=256, n_threads=1))
-    draft = ModelDraft(
-        "distill-ci", load_backend(distill_ci, BackendOptions(n_ctx=256, n_threads=1))
-    )
+    draft = ModelDraft(draft_id, load_backend(path, BackendOptions(n_ctx=256, n_threads=1)))
     params = SamplingParams(max_tokens=24)
     try:
-        assert draft.backend.n_layers == 2
+        assert draft.backend.n_layers == len(m.build.keep_layers)
         for text in ["Write a Python function that reverses a list.", "Name three rivers."]:
             prompt = target.tokenize(
                 target.chat_prompt([{"role": "user", "content": text}]), special=True
