@@ -108,7 +108,10 @@ def test_simulator_ranks_policies_like_the_live_runner(live):
     clear = 0
     for a, b in itertools.combinations(POLICIES, 2):
         ratio = sim_tps[a] / sim_tps[b]
-        if abs(ratio - 1) < 0.15:  # too close to call on a shared, noisy machine
+        # Too close to call: four 32-token requests on a shared 2-core box. In CI a policy's live
+        # rate has come out 10-20% under its own replay of the same trace (plain decoding 16.8
+        # vs 18.6 tokens/s, the oracle 18.3 vs 22.9), so only a gap of 25% or more is a ranking.
+        if abs(ratio - 1) < 0.25:
             continue
         clear += 1
         assert (live_tps[a] > live_tps[b]) == (ratio > 1), (a, b, live_tps, sim_tps)
