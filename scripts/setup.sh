@@ -13,6 +13,36 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 PY=.venv/bin/python
+
+# llama-cpp-python without llamafile: its sgemm gives a position different last bits in a batch
+# than alone, so verifying k tokens could flip a near-tie that plain decoding resolves the other
+# way. Without it every CPU matmul is batch-invariant and greedy output is bit-for-bit the
+# target's own. Built once per CMAKE_ARGS into a wheel cache outside the checkout.
+LLAMA_VERSION=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+llama_ok() {
+  $PY - "$LLAMA_VERSION" <<'PYEOF' 2>/dev/null
+import sys
+import llama_cpp
+info = llama_cpp.llama_print_system_info().decode(errors="replace")
+sys.exit(llama_cpp.__version__ != sys.argv[1] or "LLAMAFILE = 1" in info)
+PYEOF
+}
+if ! llama_ok; then
+  cmake_args="-DGGML_LLAMAFILE=OFF ${CMAKE_ARGS:-}"
+  key=$(printf '%s %s %s' "$LLAMA_VERSION" "$cmake_args" "$($PY -V)" | sha256sum | cut -c1-12)
+  wheels="${XDG_CACHE_HOME:-$HOME/.cache}/memspec/wheels/$key"
+  if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    echo "[setup] building llama-cpp-python $LLAMA_VERSION without llamafile (~5 min on 2 cores)"
+    rm -rf "$wheels.part" && mkdir -p "$wheels.part"
+    CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+      $PY -m pip wheel --quiet --no-deps --no-cache-dir --no-binary llama-cpp-python \
+      -w "$wheels.part" "llama-cpp-python==$LLAMA_VERSION"
+    rm -rf "$wheels" && mv "$wheels.part" "$wheels"
+  fi
+  $PY -m pip install --quiet --force-reinstall --no-deps "$wheels"/llama_cpp_python-*.whl
+  llama_ok || { echo "[setup] llama-cpp-python still has llamafile; see above" >&2; exit 1; }
+fi
+
 stamp=.venv/.memspec-installed
 hash="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 # Skip the install when the same files were installed with at least the extras wanted now.
@@ -23,7 +53,7 @@ if [ -f "$stamp" ] && [ "$(sed -n 1p "$stamp")" = "$hash" ]; then
   for e in ${EXTRAS//,/ }; do case "$have" in *",$e,"*) ;; *) need_install=1 ;; esac; done
 fi
 if [ "$need_install" = 1 ]; then
-  echo "[setup] installing memspec[$EXTRAS] (llama-cpp-python builds from source once: ~5 min on 2 cores)"
+  echo "[setup] installing memspec[$EXTRAS]"
   $PY -m pip install --quiet --upgrade pip
   # torch first and pinned, so nothing pulls a multi-GB CUDA build.
   case ",$EXTRAS," in *,torch,*) $PY -m pip install --quiet "torch==2.13.0" ;; esac

@@ -130,7 +130,9 @@ class Backend(ABC):
         """Free the model and its KV cache."""
 
     def describe(self) -> dict[str, object]:
-        """What determines this backend's speed (calibration cache key)."""
+        """What determines this backend's speed (calibration cache key). Backends add
+        `batch_invariant`: whether a position's logits are bit-identical in any batch shape,
+        which makes greedy speculative output bit-for-bit plain decoding's."""
         return {"backend": type(self).__name__, "file": self.path.name}
 
     # --- memory -------------------------------------------------------------------------

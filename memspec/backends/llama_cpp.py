@@ -3,6 +3,12 @@
 We drive llama.cpp's context directly (one sequence, our own batches) and use `Llama` only to
 load the model, its tokenizer and its metadata. Logits are requested per token in the batch,
 so a prefill pays for one row and a verification for k+1.
+
+Lossless needs batch invariance: a position's logits must not depend on how many tokens share
+its batch, or a verification of k+1 tokens can flip a near-tie that single-token decoding
+resolves the other way. llama.cpp's CPU matmuls are invariant (one dot product per output, the
+same order for any batch) except its llamafile sgemm path, which `scripts/setup.sh` builds out
+(`-DGGML_LLAMAFILE=OFF`). `batch_invariant()` says whether the loaded library has it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,13 @@ import numpy as np
 from memspec.backends.base import Backend, BackendOptions, KVSnapshot
 from memspec.backends.chat import render_chat
 from memspec.errors import ModelLoadError
+
+
+def batch_invariant() -> bool:
+    """Whether llama.cpp's CPU kernels give a position the same logits in any batch shape."""
+    import llama_cpp
+
+    return "LLAMAFILE = 1" not in llama_cpp.llama_print_system_info().decode(errors="replace")
 
 
 class LlamaCppBackend(Backend):
@@ -165,6 +178,8 @@ class LlamaCppBackend(Backend):
             **super().describe(),
             "n_threads": self.n_threads,
             "n_gpu_layers": self.options.n_gpu_layers,
+            # Offloaded layers run GPU kernels, whose invariance this does not establish.
+            "batch_invariant": batch_invariant() and self.options.n_gpu_layers == 0,
         }
 
     # --- memory -------------------------------------------------------------------------

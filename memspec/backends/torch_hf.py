@@ -324,6 +324,9 @@ class TorchBackend(Backend):
             "device": self.device,
             "dtype": str(self._dtype).removeprefix("torch."),
             "n_threads": torch.get_num_threads(),
+            # Measured: a position's logits move by ~4e-5 with the batch on CPU (oneDNN/MKL
+            # pick kernels by shape), so a near-tie can flip; the daemon warns.
+            "batch_invariant": False,
         }
 
     # --- memory -------------------------------------------------------------------------

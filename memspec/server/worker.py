@@ -303,7 +303,22 @@ class EngineWorker:
                 f"running on the configured values; the tuned file {where}"
             )
         self._check_policy(rt)
+        self._check_batch_invariance(rt)
         return rt
+
+    def _check_batch_invariance(self, rt: Any) -> None:
+        """Say so when the target's kernels depend on the batch shape: greedy output can then
+        differ from plain decoding at a near-tie (see memspec/backends/llama_cpp.py)."""
+        target = getattr(rt, "target", None)
+        if target is None or target.describe().get("batch_invariant", True):
+            return
+        msg = (
+            "the target's kernels are not known to be batch-invariant (llama.cpp built with "
+            "llamafile, or layers on a GPU): at a floating-point near-tie, speculative output "
+            "can differ from plain decoding; scripts/setup.sh builds llama.cpp without llamafile"
+        )
+        log.warning(msg)
+        self.warnings.append(msg)
 
     def _check_policy(self, rt: Any) -> None:
         """An unknown policy name would fail every request: run on a known one, and say so."""

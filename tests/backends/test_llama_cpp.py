@@ -17,9 +17,10 @@ def test_batch_logits_match_single_steps(small_backend):
     assert batch.shape == (len(toks), be.n_vocab) and be.tokens == toks
     be.reset()
     singles = np.stack([be.eval([t])[0] for t in toks])
-    assert np.argmax(batch, axis=1).tolist() == np.argmax(singles, axis=1).tolist()
-    # Batched and single-token kernels differ only in the last bits (F32 target).
-    assert float(np.abs(batch - singles).max()) < 0.05
+    # Bit for bit: llama.cpp is built without llamafile (scripts/setup.sh), whose sgemm gave a
+    # position different last bits in a batch than alone (up to 0.025 in a logit here).
+    assert be.describe()["batch_invariant"], "llama-cpp-python has llamafile: run setup.sh"
+    assert np.array_equal(batch, singles)
 
 
 def test_truncate_then_reeval_is_exact(small_backend):

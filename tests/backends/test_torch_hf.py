@@ -279,3 +279,17 @@ def test_load_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "accelerate", None)
     with pytest.raises(ModelLoadError, match="accelerate"):
         load_backend(model_path(TARGET_FILE), OPTIONS, kind="torch")
+
+
+def test_says_it_is_not_batch_invariant(target):
+    """The flag the daemon warns on is true to the kernels: batched logits differ in the last
+    bits from single steps (argmax the same here; a near-tie could still flip)."""
+    toks = target.tokenize("The quick brown fox jumps over", add_bos=True)
+    target.reset()
+    batch = target.eval(toks)
+    target.reset()
+    singles = np.stack([target.eval([t])[0] for t in toks])
+    target.reset()
+    assert target.describe()["batch_invariant"] is False
+    assert not np.array_equal(batch, singles)
+    assert float(np.abs(batch - singles).max()) < 1e-3

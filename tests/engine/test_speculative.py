@@ -43,6 +43,29 @@ def test_greedy_identical_adaptive(runtime, chat_prompts, references):
     assert used, "the adaptive engine never drafted"
 
 
+def test_greedy_identical_at_a_near_tie(runtime):
+    """MT-Bench question 122 holds a near-tie (top-2 logits 0.0007 apart at token 34): with
+    batch-dependent kernels some k flipped it. Every k must give the plain output."""
+    import numpy as np
+
+    from memspec.testbed import load_mtbench
+
+    q = next(q for q in load_mtbench() if q["question_id"] == 122)
+    prompt = runtime.prompt_tokens(messages=[{"role": "user", "content": q["turns"][0]}])
+    params = SamplingParams(max_tokens=48)
+    ref = runtime.generate(prompt, params, draft="none").token_ids
+    be = runtime.target
+    be.reset()
+    logits = be.eval(prompt + ref[:-1])[len(prompt) - 1 :]
+    be.reset()
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    assert float((top2[:, 1] - top2[:, 0]).min()) < 0.01, "no near-tie left in this prompt"
+    for draft in ["prompt-lookup", "datastore-ci", "q8_0"]:
+        for k in range(1, 9):
+            gen = runtime.generate(prompt, params, draft=draft, k=k)
+            assert gen.token_ids == ref, f"{draft} k={k} diverged at a near-tie"
+
+
 class WrongThenRight(Draft):
     """Fault injected on purpose: proposes the right token, then a wrong one (rejection)."""
 
