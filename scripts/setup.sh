@@ -2,6 +2,7 @@
 # Idempotent set-up: .venv/, the project and its dependencies, the testbed model and data.
 #   MEMSPEC_EXTRAS   pip extras to install (default "torch,test"; "" for the llama.cpp path only)
 #   MEMSPEC_DATA_DIR where models and data live (default ./data)
+#   MEMSPEC_BATCH_INVARIANT  1 (default): llama.cpp without llamafile; 0: pip's default build
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -27,9 +28,12 @@ info = llama_cpp.llama_print_system_info().decode(errors="replace")
 sys.exit(llama_cpp.__version__ != sys.argv[1] or "LLAMAFILE = 1" in info)
 PYEOF
 }
-if ! llama_ok; then
+if [ "${MEMSPEC_BATCH_INVARIANT:-1}" = 1 ] && ! llama_ok; then
   cmake_args="-DGGML_LLAMAFILE=OFF ${CMAKE_ARGS:-}"
-  key=$(printf '%s %s %s' "$LLAMA_VERSION" "$cmake_args" "$($PY -V)" | sha256sum | cut -c1-12)
+  # GGML_NATIVE builds for this CPU: its flags are part of the key.
+  cpu=$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || true)
+  key=$(printf '%s|%s|%s|%s|%s' "$LLAMA_VERSION" "$cmake_args" "$($PY -V)" "$(uname -m)" "$cpu" \
+    | sha256sum | cut -c1-12)
   wheels="${XDG_CACHE_HOME:-$HOME/.cache}/memspec/wheels/$key"
   if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     echo "[setup] building llama-cpp-python $LLAMA_VERSION without llamafile (~5 min on 2 cores)"
@@ -39,7 +43,9 @@ if ! llama_ok; then
       -w "$wheels.part" "llama-cpp-python==$LLAMA_VERSION"
     rm -rf "$wheels" && mv "$wheels.part" "$wheels"
   fi
-  $PY -m pip install --quiet --force-reinstall --no-deps "$wheels"/llama_cpp_python-*.whl
+  whl=$(ls "$wheels"/llama_cpp_python-*.whl | head -1)
+  $PY -m pip install --quiet --force-reinstall --no-deps "$whl"
+  $PY -m pip install --quiet "$whl"  # its dependencies, in a fresh .venv
   llama_ok || { echo "[setup] llama-cpp-python still has llamafile; see above" >&2; exit 1; }
 fi
 
