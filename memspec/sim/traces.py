@@ -208,7 +208,10 @@ class RecordingPolicy:
 def teacher_forced_runs(
     draft: ModelDraft, prompt: list[int], output: list[int], k_max: int, timing: dict | None = None
 ):
-    """Accepted run from each output position, from one batched pass of the draft."""
+    """Accepted run from each output position, teacher-forced one token at a time: the way the
+    live draft runs. Not one batch: a draft's kernels may depend on the batch shape (Q2_K's do
+    from 8 tokens on, by up to 1.9 in a logit), and a flipped near-tie would make the replay
+    differ from what the live draft proposes."""
     n = len(output)
     if n == 0:
         return DraftPositions([], [])
@@ -221,7 +224,7 @@ def teacher_forced_runs(
             timing[f"prefill_s_per_token/{draft.id}"] = (time.perf_counter() - t) / (
                 len(prompt) - 1
             )
-    logits = be.eval([prompt[-1]] + output[:-1], all_logits=True)
+    logits = np.concatenate([be.eval([t]) for t in [prompt[-1], *output[:-1]]])
     be.reset()
     top = np.argmax(logits, axis=1)
     match = top == np.asarray(output)
