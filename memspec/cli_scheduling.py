@@ -33,7 +33,8 @@ def _workload_flags(p: argparse.ArgumentParser, per_category: int, offset: int) 
 def cmd_traces_collect(args: argparse.Namespace) -> int:
     from memspec.runtime import Runtime
     from memspec.sim.traces import built_pool, collect
-    from memspec.sim.workload import requests_for, select_questions
+    from memspec.sim.workload import requests_for
+    from memspec.testbed import select_questions
 
     settings = _settings(args)
     if args.drafts is None:  # the whole pool, as far as it is built

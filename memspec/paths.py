@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# The acceptance predictor shipped in the checkout (settings.predictor overrides it).
+DEFAULT_PREDICTOR = Path(__file__).resolve().parent.parent / "predictors" / "smollm2-mtbench.json"
+
 
 def data_dir() -> Path:
     env = os.environ.get("MEMSPEC_DATA_DIR")

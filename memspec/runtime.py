@@ -195,11 +195,6 @@ class Runtime:
             return {}
         return {d.id: d for d in ws.lease_resident()}
 
-    @property
-    def pinned(self) -> set[str]:
-        ws = self.working_set
-        return {r["id"] for r in ws.status() if r["pinned"]} if ws is not None else set()
-
     def load_draft(self, draft_id: str) -> Draft:
         """Load now (evicting lower-value drafts if the budget needs it); retries a failed
         draft. ModelLoadError on a bad file, BudgetExceeded if pinned drafts block it."""

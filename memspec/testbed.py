@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,3 +114,19 @@ def load_mtbench(path: Path | None = None) -> list[dict]:
         raise FileNotFoundError(f"{path} missing: run `memspec testbed fetch`")
     with path.open() as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def select_questions(
+    per_category: int, offset: int = 0, categories: list[str] | None = None
+) -> list[dict]:
+    """The questions [offset, offset + per_category) of each category, in file order."""
+    seen: dict[str, int] = defaultdict(int)
+    chosen = []
+    for q in load_mtbench():
+        cat = q["category"]
+        if categories and cat not in categories:
+            continue
+        if offset <= seen[cat] < offset + per_category:
+            chosen.append(q)
+        seen[cat] += 1
+    return chosen

@@ -30,11 +30,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from memspec.bench.engine import select_questions
 from memspec.config import Settings
 from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
 from memspec.engine.sampling import SamplingParams
 from memspec.paths import models_dir
+from memspec.testbed import select_questions
 
 
 def built_drafts(manifest_dir: Path | None = None) -> list[str]:
@@ -93,7 +93,7 @@ def run_drafts_replay(
     from memspec.drafts.model import ModelDraft
     from memspec.runtime import Runtime
 
-    questions = select_questions(per_category, categories)
+    questions = select_questions(per_category, categories=categories)
     pool = drafts or built_drafts(settings.manifest_dir)
     settings.drafts = pool
     rt = Runtime(settings, calibrate_costs=False)
@@ -242,7 +242,7 @@ def run_drafts_eval(
     from memspec.drafts.prompt_lookup import PromptLookupDraft
     from memspec.runtime import Runtime
 
-    questions = select_questions(per_category, categories)
+    questions = select_questions(per_category, categories=categories)
     pool = drafts or built_drafts(settings.manifest_dir)
     settings.drafts = pool
     rt = Runtime(settings)

@@ -16,12 +16,14 @@ from pathlib import Path
 from memspec.drafts.model import ModelDraft
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import speculative_generate
+from memspec.paths import DEFAULT_PREDICTOR
 from memspec.predictor.model import load_or_fallback
 from memspec.scheduler.policies import DraftInfo, Env, Policy, Request, make_policy
 from memspec.scheduler.rounds import PolicyRounds
-from memspec.sim.simulator import DEFAULT_PREDICTOR, oracle_table, sim_workload
+from memspec.sim.simulator import oracle_table, sim_workload
 from memspec.sim.traces import Trace, TraceRequest, collect, load_trace
-from memspec.sim.workload import requests_for, select_questions
+from memspec.sim.workload import requests_for
+from memspec.testbed import select_questions
 from memspec.units import parse_size
 
 

@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memspec.paths import DEFAULT_PREDICTOR
 from memspec.predictor.model import load_or_fallback
 from memspec.sim.profile import profile_for
 from memspec.sim.simulator import (
-    DEFAULT_PREDICTOR,
     build_setup,
     oracle_table,
     policy_for,

@@ -16,13 +16,13 @@ import re
 import weakref
 from pathlib import Path
 
+from memspec.paths import DEFAULT_PREDICTOR
 from memspec.predictor.model import AcceptancePredictor, load_or_fallback
 from memspec.scheduler.policies import DraftInfo, Env, Policy, Request, make_policy
 from memspec.scheduler.rounds import PolicyRounds
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREDICTOR = Path(__file__).resolve().parents[2] / "predictors" / "smollm2-mtbench.json"
 DAEMON_POLICIES = ("memspec", "ucb", "exp3")
 # Without a measured load yet, assume this many bytes per second (a conservative disk read).
 FALLBACK_LOAD_BANDWIDTH = 500e6

@@ -243,31 +243,6 @@ class ChatCompletion(BaseModel):
     memspec: MemSpecStats
 
 
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    finish_reason: FinishReason | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One SSE event of a streamed chat completion (then `data: [DONE]`)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    memspec: MemSpecStats | None = None
-
-
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str

@@ -87,10 +87,6 @@ def save_state(path: Path, values: dict[str, Any]) -> None:
         ) from e
 
 
-def current_values(settings: Settings) -> dict[str, Any]:
-    return {k: getattr(settings, k) for k in TUNABLE}
-
-
 def reject_state(path: Path, keys: list[str] | None = None) -> Path | None:
     """Set aside tuned values the daemon could not start with, so the next start (and the next
     tune, which merges into the file) does not trip on them again: all of them (keys None) or

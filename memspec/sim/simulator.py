@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from memspec.paths import DEFAULT_PREDICTOR
 from memspec.predictor.model import AcceptancePredictor, load_or_fallback
 from memspec.scheduler.policies import (
     DraftInfo,
@@ -33,8 +34,6 @@ from memspec.sim.profile import DraftCost, Profile
 from memspec.sim.traces import Trace, TraceRequest
 from memspec.sim.working_set import SimWorkingSet
 from memspec.units import parse_size
-
-DEFAULT_PREDICTOR = Path(__file__).resolve().parents[2] / "predictors" / "smollm2-mtbench.json"
 
 
 @dataclass

@@ -22,7 +22,6 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -451,9 +450,3 @@ def collect_one(
         text=spec.turns[spec.turn - 1],
         timing={k: round(v, 7) for k, v in timing.items()},
     )
-
-
-def iter_rounds(req: TraceRequest) -> Iterator[RoundRecord]:
-    yield from req.plain.rounds
-    for r in req.runs.values():
-        yield from r.rounds

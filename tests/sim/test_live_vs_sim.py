@@ -13,7 +13,8 @@ from memspec.scheduler.policies import Policy
 from memspec.sim.profile import profile_from_trace
 from memspec.sim.simulator import build_setup, simulate
 from memspec.sim.traces import collect
-from memspec.sim.workload import RequestSpec, select_questions
+from memspec.sim.workload import RequestSpec
+from memspec.testbed import select_questions
 
 POLICIES = ["none", "fixed:prompt-lookup", "fixed:q8_0", "ucb", "memspec", "oracle"]
 
