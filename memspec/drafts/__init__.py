@@ -1,5 +1,5 @@
 """Drafts: anything that proposes the next tokens cheaply (model drafts, prompt lookup, ...)."""
 
-from memspec.drafts.base import Draft, Proposal
+from memspec.engine.types import Draft, Proposal
 
 __all__ = ["Draft", "Proposal"]

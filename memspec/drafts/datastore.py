@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from memspec.drafts.base import Proposal
 from memspec.drafts.prompt_lookup import PromptLookupDraft
 from memspec.engine.sampling import SamplingParams
+from memspec.engine.types import Proposal
 from memspec.errors import ModelLoadError
 
 SEP = 0xFFFFFFFF  # document separator: larger than any token, never part of a pattern

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from memspec.backends.base import Backend
-from memspec.drafts.base import Draft, Proposal
 from memspec.engine.sampling import SamplingParams, probs_from_logits, sample
+from memspec.engine.types import Draft, Proposal
 
 
 class ModelDraft(Draft):

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from memspec.drafts.base import Draft, Proposal
 from memspec.engine.sampling import SamplingParams
+from memspec.engine.types import Draft, Proposal
 
 
 class PromptLookupDraft(Draft):
     kind = "prompt_lookup"
+    free = True  # proposing is a lookup in the context: the rule may peek it
 
     def __init__(self, id: str = "prompt-lookup", max_ngram: int = 3, min_ngram: int = 1):
         self.id = id

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from memspec.backends.base import BackendOptions, load_backend
-from memspec.drafts.base import Draft
 from memspec.drafts.manifest import DraftManifest
 from memspec.drafts.model import ModelDraft
 from memspec.drafts.prompt_lookup import PromptLookupDraft
+from memspec.engine.types import Draft
 from memspec.paths import models_dir
 
 # α before any round has been seen, per kind (the estimator moves off it within a request).

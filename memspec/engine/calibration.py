@@ -17,10 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from memspec.backends.base import Backend
-from memspec.drafts.base import Draft
-from memspec.drafts.model import ModelDraft
 from memspec.engine.costs import CostModel
-from memspec.engine.sampling import SamplingParams
+from memspec.engine.types import Draft, ModelBacked, SamplingParams
 from memspec.paths import cache_dir
 
 CONTEXT_TOKENS = 128  # a typical context length at which the costs are measured
@@ -50,7 +48,7 @@ def cache_key(target: Backend, drafts: list[Draft], k_max: int, extra: str = "")
         platform.processor(),
         k_max,
         extra,
-        sorted((d.id, _file_key(d.backend.path)) for d in drafts if isinstance(d, ModelDraft)),
+        sorted((d.id, _file_key(d.backend.path)) for d in drafts if isinstance(d, ModelBacked)),
     ]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
@@ -81,7 +79,7 @@ def measure_draft(d: Draft, costs: CostModel, k_max: int) -> None:
     """Add one draft's cost to `costs`: seconds per token (models) or per round (lookups)."""
     rng = np.random.default_rng(0)
     warm = [int(t) for t in rng.integers(100, 10000, size=CONTEXT_TOKENS)]
-    if isinstance(d, ModelDraft):
+    if isinstance(d, ModelBacked):
         be = d.backend
         be.reset()
         be.eval(warm, all_logits=False)

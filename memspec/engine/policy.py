@@ -2,30 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
-import numpy as np
-
-from memspec.drafts.base import Draft, Proposal
-from memspec.drafts.prompt_lookup import PromptLookupDraft
 from memspec.engine.costs import AcceptanceEstimator, CostModel
-from memspec.engine.sampling import SamplingParams
+from memspec.engine.types import Choice, Draft, RoundPolicy
 
-
-@dataclass
-class Choice:
-    draft: Draft | None
-    k: int
-    proposal: Proposal | None = None  # already made while choosing (free drafts)
-
-
-class RoundPolicy(Protocol):
-    def choose(
-        self, context: list[int], k_room: int, params: SamplingParams, rng: np.random.Generator
-    ) -> Choice: ...
-
-    def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None: ...
+__all__ = ["Choice", "DecisionRulePolicy", "FixedPolicy", "RoundPolicy"]
 
 
 class FixedPolicy:
@@ -87,7 +67,7 @@ class DecisionRulePolicy:
         for draft in self.drafts:
             proposal = None
             limit = k_cap
-            if isinstance(draft, PromptLookupDraft):
+            if draft.free:
                 proposal = draft.propose(context, k_cap, params, rng)
                 if not proposal.tokens:
                     continue

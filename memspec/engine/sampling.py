@@ -7,22 +7,11 @@ draw from the residual norm(max(p - q, 0)), which makes the output exactly distr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
+from memspec.engine.types import SamplingParams
 
-@dataclass
-class SamplingParams:
-    max_tokens: int = 128
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
+__all__ = ["SamplingParams", "accept_draft_token", "probs_from_logits", "residual", "sample"]
 
 
 def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from memspec.backends.base import Backend
-from memspec.drafts.base import Proposal
-from memspec.engine.policy import RoundPolicy
 from memspec.engine.sampling import (
     SamplingParams,
     accept_draft_token,
@@ -26,6 +24,7 @@ from memspec.engine.sampling import (
     sample,
 )
 from memspec.engine.text import TextAssembler
+from memspec.engine.types import Proposal, RoundPolicy
 from memspec.errors import ContextOverflow, InvalidRequest
 
 # on_token(text_delta, token_id): once per accepted token, in order; a last call with

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from memspec.backends.base import BackendOptions
-from memspec.drafts.base import Draft
 from memspec.drafts.manifest import DraftManifest
 from memspec.drafts.registry import instantiate
+from memspec.engine.types import Draft
 from memspec.memory.footprint import Footprint, draft_footprint
 from memspec.paths import models_dir
 

@@ -36,7 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import psutil
 
-from memspec.drafts.base import Draft
+from memspec.engine.types import Draft
 from memspec.errors import BudgetExceeded, InvalidRequest, ModelLoadError, UnknownDraft
 from memspec.units import format_size
 

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from memspec.backends.base import Backend, BackendOptions, load_backend
-from memspec.drafts.base import Draft, Proposal
 from memspec.drafts.model import ModelDraft
 from memspec.drafts.prompt_lookup import PromptLookupDraft
 from memspec.engine.policy import FixedPolicy
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import Generation, speculative_generate
+from memspec.engine.types import Draft, Proposal
 from memspec.errors import ModelLoadError
 from memspec.paths import models_dir
 

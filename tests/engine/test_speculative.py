@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-from memspec.drafts.base import Draft, Proposal
 from memspec.engine.policy import FixedPolicy
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import speculative_generate
+from memspec.engine.types import Draft, Proposal
 from memspec.errors import ContextOverflow, InvalidRequest, UnknownDraft
 
 MAX_TOKENS = 40

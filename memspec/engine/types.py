@@ -1,0 +1,86 @@
+"""The interfaces the engine consumes; drafts and the scheduler implement them.
+
+The engine owns these so that it imports only backends: a draft is anything that proposes
+tokens, a round policy anything that picks (draft, k) each round.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from memspec.backends.base import Backend
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class Proposal:
+    tokens: list[int] = field(default_factory=list)
+    # Draft distribution q for each proposed token (sampling only); None: a deterministic
+    # proposal, i.e. q is a point mass on the token (prompt lookup, greedy drafts).
+    probs: list[np.ndarray] | None = None
+    # Which acceptance statistic this proposal belongs to (e.g. prompt lookup per n-gram size),
+    # so the acceptance estimate is conditioned on what the draft knew when it proposed.
+    key: str = ""
+
+
+class Draft(ABC):
+    id: str
+    kind: str
+    # Proposals cost nothing, so the decision rule may peek them before choosing (lookups).
+    free: bool = False
+    # Seconds per proposed token on this device (calibrated); prompt lookup is ~0.
+    cost_per_token_s: float = 0.0
+
+    @abstractmethod
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Proposal:
+        """Propose at most k tokens continuing `context`; fewer (or none) is allowed."""
+
+    def memory_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release whatever the draft holds."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id}>"
+
+
+@runtime_checkable
+class ModelBacked(Protocol):
+    """A draft that runs a model: calibration times its backend per token."""
+
+    id: str
+    backend: Backend
+
+
+@dataclass
+class Choice:
+    draft: Draft | None
+    k: int
+    proposal: Proposal | None = None  # already made while choosing (free drafts)
+
+
+class RoundPolicy(Protocol):
+    def choose(
+        self, context: list[int], k_room: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Choice: ...
+
+    def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None: ...

@@ -1,0 +1,73 @@
+"""The package layering: who may import whom, read from the source (every import, lazy ones too)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import memspec
+
+ROOT = Path(memspec.__file__).parent
+CORE = {"engine", "scheduler", "predictor", "memory", "drafts", "backends"}
+
+
+def _part(module: str) -> str | None:
+    """The package (or top-level module) of memspec a dotted name belongs to."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "memspec" and len(parts) > 1 else None
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            # `from memspec import drafts` names the package in the alias, not the module.
+            if node.module == "memspec":
+                names.update(f"memspec.{alias.name}" for alias in node.names)
+    return names
+
+
+def _graph() -> dict[str, set[str]]:
+    """part → the other parts it imports."""
+    graph: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        src = _part("memspec." + ".".join(path.relative_to(ROOT).with_suffix("").parts))
+        if src is None:
+            continue
+        targets = {_part(name) for name in _imports(path)} - {None, src}
+        graph.setdefault(src, set()).update(t for t in targets if t)
+    return graph
+
+
+def test_engine_imports_only_backends_and_leaves():
+    assert _graph()["engine"] <= {"backends", "errors", "paths", "units"}
+
+
+def test_drafts_and_backends_do_not_import_the_scheduler_or_server():
+    graph = _graph()
+    for part in ("drafts", "backends"):
+        assert not graph[part] & {"scheduler", "server"}, part
+
+
+def test_no_cycle_among_the_core_packages():
+    graph = {p: targets & CORE for p, targets in _graph().items() if p in CORE}
+    # Depth-first search with colours: reaching a grey node again closes a cycle.
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "grey"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "grey":
+                stack = path + [node]
+                cycle = stack[stack.index(nxt) :] + [nxt]
+                raise AssertionError("import cycle: " + " → ".join(cycle))
+            if nxt not in state:
+                visit(nxt, path + [node])
+        state[node] = "black"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
