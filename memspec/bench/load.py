@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from memspec.ctl import _dist
+from memspec.ctl.client import async_client, bearer, delta_text, dist, stream_completion
 from memspec.net import is_loopback
 from memspec.units import format_size, parse_size
 
@@ -89,27 +89,13 @@ def openai_error_shaped(body: Any) -> bool:
     )
 
 
-def _delta_text(obj: dict[str, Any]) -> tuple[str, str | None]:
-    text, finish = "", None
-    for c in obj.get("choices") or []:
-        if "delta" in c:
-            text += (c.get("delta") or {}).get("content") or ""
-        elif "message" in c:
-            text += (c.get("message") or {}).get("content") or ""
-        else:
-            text += c.get("text") or ""
-        finish = c.get("finish_reason") or finish
-    return text, finish
-
-
-async def _error_outcome(resp: httpx.Response, t0: float) -> Outcome:
-    raw = await resp.aread()
+def _error_outcome(resp: httpx.Response, t0: float) -> Outcome:
     try:
-        body = json.loads(raw)
+        body = json.loads(resp.content)
     except ValueError:
         body = None
     shaped = openai_error_shaped(body)
-    msg = body["error"]["message"] if shaped else raw[:200].decode(errors="replace")
+    msg = body["error"]["message"] if shaped else resp.content[:200].decode(errors="replace")
     code = resp.status_code
     status = "rejected" if code == 429 else "server_error" if code >= 500 else "client_error"
     retry = resp.headers.get("retry-after")
@@ -126,57 +112,51 @@ async def _error_outcome(resp: httpx.Response, t0: float) -> Outcome:
 async def _request(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Outcome:
     """One completion; a stream must end with a finish_reason and [DONE] to be complete."""
     t0 = time.perf_counter()
-    out = Outcome("incomplete")
     try:
-        if not body.get("stream"):
-            resp = await http.post(path, json=body)
-            if resp.status_code != 200:
-                return await _error_outcome(resp, t0)
-            obj = resp.json()
-            out.text, out.finish_reason = _delta_text(obj)
-            out.tokens = int((obj.get("usage") or {}).get("completion_tokens") or 0)
-            out.latency_s = time.perf_counter() - t0
-            out.ttft_s = (obj.get("memspec") or {}).get("ttft_s")
-            out.status = "ok" if out.finish_reason else "incomplete"
-            return out
-        async with http.stream("POST", path, json=body) as resp:
-            if resp.status_code != 200:
-                return await _error_outcome(resp, t0)
-            done = False
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    done = True
-                    break
-                obj = json.loads(data)
-                if "error" in obj:  # an engine error mid-stream: a 5xx in all but status
-                    out.status, out.error = "server_error", f"in stream: {obj['error']}"
-                    out.error_shaped = openai_error_shaped(obj)
-                    out.http_status = 200
-                    return out
-                text, finish = _delta_text(obj)
-                if text and out.ttft_s is None:
-                    out.ttft_s = time.perf_counter() - t0
-                out.text += text
-                out.finish_reason = finish or out.finish_reason
-                usage = obj.get("usage")
-                if isinstance(usage, dict):
-                    out.tokens = int(usage.get("completion_tokens") or 0)
-        out.http_status = 200
-        out.latency_s = time.perf_counter() - t0
-        if done and out.finish_reason:
-            out.status = "ok"
+        if body.get("stream"):
+            resp, s = await stream_completion(http, path, body)
         else:
-            out.error = f"stream ended without {'[DONE]' if not done else 'finish_reason'}"
-        return out
+            resp, s = await http.post(path, json=body), None
+        if resp.status_code != 200:
+            return _error_outcome(resp, t0)
+        if s is None:  # a whole answer
+            obj = resp.json()
+            text, finish = delta_text(obj)
+            return Outcome(
+                "ok" if finish else "incomplete",
+                text=text,
+                finish_reason=finish,
+                tokens=int((obj.get("usage") or {}).get("completion_tokens") or 0),
+                ttft_s=(obj.get("memspec") or {}).get("ttft_s"),
+                latency_s=time.perf_counter() - t0,
+            )
     except httpx.TimeoutException:
         return Outcome("timeout", error="timed out", latency_s=time.perf_counter() - t0)
     except (httpx.HTTPError, ValueError) as e:
         return Outcome(
             "transport", error=f"{type(e).__name__}: {e}", latency_s=time.perf_counter() - t0
         )
+    if s.error is not None:  # an engine error mid-stream: a 5xx in all but status
+        return Outcome(
+            "server_error",
+            200,
+            text=s.text,
+            ttft_s=s.ttft_s,
+            error=f"in stream: {s.error['error']}",
+            error_shaped=openai_error_shaped(s.error),
+        )
+    complete = bool(s.done and s.finish_reason)
+    missing = "finish_reason" if s.done else "[DONE]"
+    return Outcome(
+        "ok" if complete else "incomplete",
+        200,
+        text=s.text,
+        finish_reason=s.finish_reason,
+        tokens=s.usage_tokens or 0,
+        ttft_s=s.ttft_s,
+        latency_s=s.latency_s,
+        error=None if complete else f"stream ended without {missing}",
+    )
 
 
 async def _bounded(coro: Any, seconds: float) -> Outcome:
@@ -355,17 +335,6 @@ async def _served_model(http: httpx.AsyncClient) -> str:
     return str(r.json()["data"][0]["id"])
 
 
-def _client(url: str, api_key: str | None, clients: int, timeout: float) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    return httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, limits=limits)
-
-
-def _admin_headers(admin_key: str | None, api_key: str | None) -> dict[str, str]:
-    key = admin_key or api_key
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
 def _memory_report(samples: list[MemSample], budget: int | None) -> dict[str, Any]:
     def peak(attr: str) -> int | None:
         vals = [getattr(s, attr) for s in samples if getattr(s, attr) is not None]
@@ -401,8 +370,8 @@ async def run_load(
     """N streaming clients for `seconds`; see the module docstring for what is checked."""
     drafts = drafts or DRAFTS
     rng = random.Random(seed)
-    async with _client(url, api_key, clients, request_timeout) as http:
-        daemon = Daemon(http, _admin_headers(admin_key, api_key))
+    async with async_client(url, api_key, request_timeout, clients + 4) as http:
+        daemon = Daemon(http, bearer(admin_key or api_key))
         await daemon.attach()
         model = await _served_model(http)
         templates = load_templates(model, max_tokens)
@@ -489,7 +458,7 @@ async def run_load(
         "answered": answered,
         "ok": tally.count("ok"),
         "rejected_429": tally.count("rejected"),
-        "retry_after_s": _dist(retry_after),
+        "retry_after_s": dist(retry_after),
         "client_errors_4xx": tally.count("client_error"),
         "server_errors_5xx": tally.count("server_error"),
         "hung": tally.count("timeout"),
@@ -499,8 +468,8 @@ async def run_load(
         "ok_per_draft": tally.per_draft,
         "tokens": tally.tokens,
         "tokens_per_s": round(tally.tokens / wall, 2) if wall > 0 else None,
-        "ttft_s": _dist(tally.ttft),
-        "latency_s": _dist(tally.latency),
+        "ttft_s": dist(tally.ttft),
+        "latency_s": dist(tally.latency),
         "memory": memory,
         "status_error": daemon.status_error,
         "failures": tally.samples,
@@ -586,8 +555,8 @@ async def run_soak(
     """A mixed workload for `minutes`; memory sampled throughout (see the module docstring)."""
     seconds = minutes * 60.0
     warmup = warmup_s if warmup_s is not None else min(300.0, max(15.0, seconds * 0.1))
-    async with _client(url, api_key, clients, request_timeout) as http:
-        daemon = Daemon(http, _admin_headers(admin_key, api_key))
+    async with async_client(url, api_key, request_timeout, clients + 4) as http:
+        daemon = Daemon(http, bearer(admin_key or api_key))
         await daemon.attach()
         model = await _served_model(http)
         templates = [t for t in load_templates(model, max_tokens) if t.greedy]
@@ -733,8 +702,8 @@ async def run_soak(
         "distinct_greedy_requests": len(memo.first),
         "malformed_answers": sorted(set(bad_answers)),
         "tokens": tally.tokens,
-        "ttft_s": _dist(tally.ttft),
-        "latency_s": _dist(tally.latency),
+        "ttft_s": dist(tally.ttft),
+        "latency_s": dist(tally.latency),
         "memory": memory,
         "growth": growth,
         "series": [
