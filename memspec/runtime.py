@@ -1,42 +1,43 @@
-"""Assemble a target, its drafts, measured costs and acceptance estimates from settings.
+"""The composition root: a target, its drafts, measured costs and the scheduler, from settings.
 
 Drafts live in a WorkingSet (memspec.scheduler.working_set): resident under the memory budget
 (settings.budget: target + its KV and buffers, charged first, then drafts), loaded and evicted
-by one background thread. Generation with draft="auto" uses what is resident now; a named
-draft that is not resident is loaded reactively and the wait is reported as stall.
+by one background thread. The Scheduler (memspec.scheduler.rounds) decides every round over
+it. A client's request is checked once, by `request()`, into a GenerationRequest whose fields
+`generate()` decodes (tools that hold token ids call `generate()` directly).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import jinja2
 
 from memspec.backends.base import Backend, BackendOptions, load_backend
 from memspec.config import Settings
-from memspec.drafts.base import Draft
 from memspec.drafts.datastore import DatastoreDraft
-from memspec.drafts.manifest import (
-    DEFAULT_MANIFEST_DIR,
-    DraftManifest,
-    check_id,
-    load_manifests,
-)
+from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, DraftManifest, check_id, load_manifests
 from memspec.drafts.registry import PRIOR_ALPHA
 from memspec.engine.calibration import calibrate, measure_draft
 from memspec.engine.costs import AcceptanceEstimator, CostModel
-from memspec.engine.policy import DecisionRulePolicy, FixedPolicy, RoundPolicy
-from memspec.engine.sampling import SamplingParams
+from memspec.engine.prefix_cache import PrefixCache
 from memspec.engine.speculative import Generation, TokenCallback, speculative_generate
-from memspec.errors import BudgetExceeded, InvalidRequest, ModelLoadError, UnknownDraft
+from memspec.engine.types import Draft, ModelBacked, SamplingParams
+from memspec.errors import (
+    BudgetExceeded,
+    ContextOverflow,
+    InvalidRequest,
+    ModelLoadError,
+    UnknownDraft,
+)
 from memspec.memory.footprint import Footprint, target_footprint
-from memspec.paths import models_dir
+from memspec.paths import DEFAULT_PREDICTOR, models_dir
+from memspec.predictor.model import load_or_fallback
 from memspec.scheduler.manifest_source import ManifestSource
-from memspec.scheduler.resident import ResidentRounds, RoundLeases
-from memspec.scheduler.serving import register_policies, scheduling_status
+from memspec.scheduler.rounds import Scheduler
 from memspec.scheduler.working_set import WorkingSet
 from memspec.units import format_size
 
@@ -51,31 +52,29 @@ def resolve_model_path(name: str) -> Path:
 
 
 @dataclass
-class PolicyRequest:
-    """What a policy factory gets for one generation."""
+class ClientRequest:
+    """A generation as a client asks for it, before it is checked against the runtime."""
+
+    prompt: str | list[int] | None = None  # text, or token ids (completions)
+    messages: list[dict[str, str]] | None = None  # chat
+    max_tokens: int | None = None  # None: settings.default_max_tokens
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    draft: str = "auto"  # "auto", "none" or a draft id
+    policy: str | None = None  # for draft "auto"; None: settings.policy
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A generation this runtime can run as it is (Runtime.request checks a ClientRequest)."""
 
     prompt: list[int]
     params: SamplingParams
-    k: int | None  # a fixed k asked by the request (None: chosen per round)
-    estimator: AcceptanceEstimator
-
-
-# name -> factory(runtime, request) -> RoundPolicy. Drafts must come from
-# runtime.working_set (get / acquire / lease_resident), which leases them to the engine's
-# thread; the Runtime wraps every policy so the leases drop at each round boundary.
-PolicyFactory = Callable[["Runtime", PolicyRequest], RoundPolicy]
-
-
-def auto_policy(rt: Runtime, req: PolicyRequest) -> RoundPolicy:
-    """Today's default: the decision rule over the drafts resident now (k fixed if asked)."""
-    k_max = rt.settings.k_max
-
-    def build(drafts: list[Draft]) -> RoundPolicy:
-        if req.k is not None:
-            return FixedPolicy(drafts[0] if drafts else None, min(req.k, k_max))
-        return DecisionRulePolicy(drafts, rt.costs, req.estimator, k_max)
-
-    return ResidentRounds(rt.working_set, build)
+    draft: str = "auto"
+    policy: str | None = None  # None: settings.policy
+    messages: list[dict[str, str]] | None = None  # chat: what the scheduler's predictor reads
 
 
 class Runtime:
@@ -91,11 +90,11 @@ class Runtime:
             settings.manifest_dir or DEFAULT_MANIFEST_DIR
         )
         self.calibrate_costs = calibrate_costs
+        self.costs = CostModel(verify_s=[1.0] * (settings.k_max + 1))  # until calibrated
+        self._measure_loads = False  # drafts loaded after calibration get their cost measured
         self.requests_per_draft: dict[str, int] = {}
         self.estimator = self.new_estimator()
         self.lock = threading.Lock()  # one decode loop at a time owns the models
-        self.policies: dict[str, PolicyFactory] = {"auto": auto_policy}
-        register_policies(self)  # memspec, ucb, exp3, fixed:<id>: memspec.scheduler.serving
         target_path = resolve_model_path(settings.target)
         # The target and its KV cache and buffers are charged to the budget first.
         self.target_footprint: Footprint = target_footprint(
@@ -115,15 +114,23 @@ class Runtime:
             # Only settings.drafts are preloaded, weightless ones included: "auto" then uses
             # exactly what the configuration names until something else is loaded.
             self.working_set = WorkingSet(
-                self, settings.budget_bytes, on_loaded=self._on_draft_loaded, autoload_free=False
+                self.draft_source,
+                settings.budget_bytes,
+                self.target_footprint.total,
+                on_loaded=self._on_draft_loaded,
+                autoload_free=False,
             )
-            self._preload(settings.drafts)
+            self._preload(self.working_set, settings.drafts)
             resident = list(self.drafts.values())
             self.working_set.release_leases()
-            self.costs: CostModel = (
-                calibrate(self.target, resident, settings.k_max)
-                if calibrate_costs
-                else CostModel(verify_s=[1.0] * (settings.k_max + 1))
+            if calibrate_costs:
+                self.costs = calibrate(self.target, resident, settings.k_max)
+                self._measure_loads = True
+            predictor = load_or_fallback(settings.predictor or DEFAULT_PREDICTOR)
+            if predictor.error:
+                log.warning("predictor: %s; using per-kind priors", predictor.error)
+            self.scheduler = Scheduler(
+                self.working_set, self.costs, self.estimator, settings.k_max, predictor
             )
         except Exception:
             self.close()
@@ -133,23 +140,29 @@ class Runtime:
     def reserved_bytes(self) -> int:
         return self.target_footprint.total
 
-    def _preload(self, draft_ids: list[str]) -> None:
+    @property
+    def _ws(self) -> WorkingSet:
+        if self.working_set is None:
+            raise RuntimeError("the runtime is closed")
+        return self.working_set
+
+    def _preload(self, ws: WorkingSet, draft_ids: list[str]) -> None:
         """Settings.drafts, in order, as far as the budget allows (never evicting)."""
         for draft_id in draft_ids:
             self.manifest(draft_id)
             try:
-                self.working_set.load(draft_id, evict=False)  # type: ignore[union-attr]
+                ws.load(draft_id, evict=False)
             except BudgetExceeded as e:
                 log.warning("not preloading %s: %s", draft_id, e.message)
             except ModelLoadError as e:
                 log.warning("draft %s failed to load: %s", draft_id, e.message)
-        self.working_set.wait_idle(timeout=30.0)  # type: ignore[union-attr]
+        ws.wait_idle(timeout=30.0)
 
     def _on_draft_loaded(self, draft: Draft) -> None:
         """Loader thread: a draft loaded after calibration gets its cost measured once."""
-        costs = getattr(self, "costs", None)
-        if not self.calibrate_costs or costs is None:
+        if not self._measure_loads:
             return
+        costs = self.costs
         if draft.id not in costs.draft_s | costs.draft_overhead_s:
             measure_draft(draft, costs, self.settings.k_max)
         else:
@@ -173,7 +186,7 @@ class Runtime:
                 f"({format_size(self.reserved_bytes)})",
                 param="budget",
             )
-        self.working_set.budget_bytes = budget_bytes  # type: ignore[union-attr]
+        self._ws.budget_bytes = budget_bytes
         self.settings.budget = budget_bytes
 
     # --- drafts -------------------------------------------------------------------------
@@ -200,18 +213,25 @@ class Runtime:
         draft. ModelLoadError on a bad file, BudgetExceeded if pinned drafts block it."""
         self.manifest(draft_id)
         self._sync_budget()
-        return self.working_set.load(draft_id)  # type: ignore[union-attr]
+        return self._ws.load(draft_id)
 
     def evict_draft(self, draft_id: str) -> None:
         self.manifest(draft_id)
-        self.working_set.evict(draft_id)  # type: ignore[union-attr]
+        self._ws.evict(draft_id)
 
     def pin(self, draft_id: str, pinned: bool = True) -> None:
         self.manifest(draft_id)
         if pinned:
-            self.working_set.pin(draft_id)  # type: ignore[union-attr]
+            self._ws.pin(draft_id)
         else:
-            self.working_set.unpin(draft_id)  # type: ignore[union-attr]
+            self._ws.unpin(draft_id)
+
+    def unload_draft(self, draft_id: str) -> None:
+        """Evict even if pinned."""
+        ws = self.working_set
+        if ws is not None:
+            ws.unpin(draft_id)
+            ws.evict(draft_id)
 
     def draft_bytes(self, draft_id: str) -> int:
         """Modelled bytes the draft takes when resident (memspec.memory.footprint)."""
@@ -257,13 +277,10 @@ class Runtime:
         ws = self.working_set
         out = ws.summary() if ws is not None else {"budget_bytes": self.settings.budget_bytes}
         out["target"] = self.target_footprint.to_dict()
-        absent = [
-            r["id"]
-            for r in self.draft_status()
-            if r["state"] in ("absent", "failed") and r["bytes"] > 0
-        ]
-        resident_models = [r for r in self.draft_status() if r["resident"] and r["bytes"] > 0]
-        out["scheduling"] = scheduling_status(self)  # policy state, predictor (or why not)
+        rows = self.draft_status()
+        absent = [r["id"] for r in rows if r["state"] in ("absent", "failed") and r["bytes"] > 0]
+        resident_models = [r for r in rows if r["resident"] and r["bytes"] > 0]
+        out["scheduling"] = self.scheduler.status()  # policy state, predictor (or why not)
         if not absent:
             out["shedding"] = "none"
         elif resident_models:
@@ -279,58 +296,85 @@ class Runtime:
             est.set_prior(m.id, PRIOR_ALPHA.get(m.kind, 0.5))
         return est
 
-    def unload_draft(self, draft_id: str) -> None:
-        """Evict even if pinned."""
-        ws = self.working_set
-        if ws is not None:
-            ws.unpin(draft_id)
-            ws.evict(draft_id)
+    @property
+    def policies(self) -> tuple[str, ...]:
+        """The policy names a request (or settings.policy) may use."""
+        return self.scheduler.names
 
-    # --- generation ---------------------------------------------------------------------
-    def policy(
-        self,
-        draft: str = "auto",
-        k: int | None = None,
-        estimator: AcceptanceEstimator | None = None,
-        prompt: list[int] | None = None,
-        params: SamplingParams | None = None,
-        policy: str | None = None,
-    ) -> RoundPolicy:
-        """The RoundPolicy for one request: "none", "auto" (the named policy, default
-        settings.policy), or a draft id (used while resident; see generate())."""
-        k_max = self.settings.k_max
-        if draft == "none":
-            return FixedPolicy(None, 0)
-        est = estimator or self.estimator
-        if draft == "auto":
-            name = policy or self.settings.policy
-            factory = self.policies.get(name)
-            if factory is None:
-                raise InvalidRequest(
-                    f"unknown policy {name!r}; known: {', '.join(sorted(self.policies))}",
-                    param="policy",
-                )
-            req = PolicyRequest(prompt or [], params or SamplingParams(), k, est)
-            inner = factory(self, req)
-            return inner if isinstance(inner, RoundLeases) else RoundLeases(self.working_set, inner)
-        self.manifest(draft)
-
-        def build(drafts: list[Draft]) -> RoundPolicy:
-            if k is not None:
-                return FixedPolicy(drafts[0] if drafts else None, min(k, k_max))
-            return DecisionRulePolicy(drafts, self.costs, est, k_max)
-
-        return ResidentRounds(self.working_set, build, ids=[draft])
-
+    # --- requests -----------------------------------------------------------------------
     def prompt_tokens(
-        self, prompt: str | None = None, messages: list[dict] | None = None
+        self, prompt: str | None = None, messages: list[dict[str, str]] | None = None
     ) -> list[int]:
         if messages is not None:
-            return self.target.tokenize(
-                self.target.chat_prompt(messages), add_bos=True, special=True
-            )
+            try:
+                text = self.target.chat_prompt(messages)
+            except jinja2.TemplateError as e:  # the model's template refuses these messages
+                raise InvalidRequest(
+                    f"the model's chat template cannot render these messages: {e}",
+                    param="messages",
+                ) from None
+            return self.target.tokenize(text, add_bos=True, special=True)
         return self.target.tokenize(prompt or "", add_bos=True)
 
+    def request(self, ask: ClientRequest) -> GenerationRequest:
+        """Check a client's request against this runtime, once: its tokens, the context,
+        the draft and the policy it names. Raises the error the client gets."""
+        if ask.messages is not None:
+            prompt = self.prompt_tokens(messages=ask.messages)
+        elif isinstance(ask.prompt, list):
+            n_vocab = self.target.n_vocab
+            bad = next((t for t in ask.prompt if not 0 <= t < n_vocab), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"token id {bad} is outside the vocabulary (0..{n_vocab - 1})", param="prompt"
+                )
+            prompt = list(ask.prompt)
+        else:
+            prompt = self.prompt_tokens(prompt=ask.prompt or "")
+        n_ctx = self.target.n_ctx
+        if not prompt:
+            raise InvalidRequest("prompt is empty", param="prompt")
+        if len(prompt) >= n_ctx:
+            raise ContextOverflow(
+                f"This model's maximum context length is {n_ctx} tokens; the prompt has "
+                f"{len(prompt)}. Shorten the prompt or the conversation.",
+                param="messages" if ask.messages is not None else "prompt",
+            )
+        if ask.max_tokens is not None and ask.max_tokens > n_ctx:
+            raise ContextOverflow(
+                f"max_tokens {ask.max_tokens} exceeds the context of {n_ctx} tokens",
+                param="max_tokens",
+            )
+        if ask.draft not in ("auto", "none"):
+            self.manifest(ask.draft)  # unknown or invalid id: 404 before anything runs
+        if ask.policy is not None and ask.policy not in self.policies:
+            raise InvalidRequest(
+                f"unknown policy {ask.policy!r}; known: {', '.join(sorted(self.policies))}",
+                param="policy",
+            )
+        max_tokens = ask.max_tokens or self.settings.default_max_tokens
+        params = SamplingParams(
+            max_tokens=min(max_tokens, n_ctx - len(prompt)),
+            temperature=ask.temperature,
+            top_p=ask.top_p,
+            seed=None if ask.seed is None else ask.seed % 2**64,
+            stop=ask.stop,
+        )
+        return GenerationRequest(prompt, params, ask.draft, ask.policy, ask.messages)
+
+    def prepare_prefix(self, cache: PrefixCache, prompt: list[int], use_drafts: bool) -> int:
+        """Ready the target's (and, when drafting, each model draft's) KV cache for `prompt`
+        from `cache`. Returns the prompt tokens a restored target snapshot covers (0: none)."""
+        with self.lock:  # a background scheduler may load/evict drafts
+            drafts = [d.backend for d in self.drafts.values() if isinstance(d, ModelBacked)]
+            cache.forget([self.target, *drafts])
+            restored = cache.prepare(self.target, prompt)
+            if use_drafts:
+                for be in drafts:
+                    cache.prepare(be, prompt)
+        return restored
+
+    # --- generation ---------------------------------------------------------------------
     def generate(
         self,
         prompt: list[int],
@@ -341,32 +385,37 @@ class Runtime:
         cancel: threading.Event | None = None,
         estimator: AcceptanceEstimator | None = None,
         policy: str | None = None,
+        messages: list[dict[str, str]] | None = None,
     ) -> Generation:
-        """Generate; a named draft that is not resident is loaded first (counted as stall).
+        """Decode (the fields of a GenerationRequest, or a tool's own); a named draft that is
+        not resident is loaded first (counted as stall).
 
         If that load fails the request decodes without it (output identical: the target
         decides every token) and the draft's status says why.
         """
-        ws = self.working_set
-        assert ws is not None
+        ws = self._ws
         self._sync_budget()
         stall0 = ws.thread_stall_s()
-        with contextlib.ExitStack() as stack:
-            stack.callback(ws.release_leases)
-            if draft not in ("auto", "none"):
-                self.manifest(draft)
-                stack.enter_context(ws.holding(draft))  # not a victim while we use it
-                ws.acquire(draft, wait=True)
-            rp = self.policy(draft, k, estimator, prompt, params, policy)
+        sched = self.scheduler
+        try:
+            sched.begin(
+                prompt,
+                params,
+                draft=draft,
+                k=k,
+                policy=policy or self.settings.policy,
+                messages=messages,
+                estimator=estimator,
+            )
             with self.lock:
-                gen = speculative_generate(self.target, prompt, params, rp, on_token, cancel)
-            finish = getattr(rp, "finish", None)
-            if finish is not None:
-                finish()
+                gen = speculative_generate(self.target, prompt, params, sched, on_token, cancel)
+            sched.finish()
             # Learning datastores file this output now, not when the next request starts.
             for d in ws.lease_resident():
                 if isinstance(d, DatastoreDraft) and d.learn:
                     d.finish_request(gen.token_ids)
+        finally:
+            sched.abort()
         gen.stall_s = ws.thread_stall_s() - stall0
         for draft_id in gen.drafts_used:
             self.requests_per_draft[draft_id] = self.requests_per_draft.get(draft_id, 0) + 1
@@ -376,6 +425,4 @@ class Runtime:
         ws, self.working_set = self.working_set, None
         if ws is not None:
             ws.close()
-        target = getattr(self, "target", None)
-        if target is not None:
-            target.close()
+        self.target.close()

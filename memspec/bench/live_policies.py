@@ -19,7 +19,7 @@ from memspec.engine.speculative import speculative_generate
 from memspec.paths import DEFAULT_PREDICTOR
 from memspec.predictor.model import load_or_fallback
 from memspec.scheduler.policies import DraftInfo, Env, Policy, Request, make_policy
-from memspec.scheduler.rounds import PolicyRounds
+from memspec.scheduler.rounds import Scheduler
 from memspec.sim.simulator import oracle_table, sim_workload
 from memspec.sim.traces import Trace, TraceRequest, collect, load_trace
 from memspec.sim.workload import requests_for
@@ -117,9 +117,8 @@ def run_one(rt, ws, policy: Policy, req: TraceRequest, max_tokens: int, tot: Liv
     rt.target.reset()
     params = SamplingParams(max_tokens=max_tokens)
     t = time.perf_counter()
-    rounds = PolicyRounds(
-        policy, ws, Request(req.id, req.prompt, req.text, req.turn, max_tokens), rt.settings.k_max
-    )
+    rounds = Scheduler(ws, rt.costs, rt.estimator, rt.settings.k_max)
+    rounds.begin_policy(policy, Request(req.id, req.prompt, req.text, req.turn, max_tokens))
     with rt.lock:
         gen = speculative_generate(rt.target, req.prompt, params, rounds)
     stats = rounds.finish()

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from memspec.config import Settings
+from memspec.engine.prefix_cache import PrefixCache
 from memspec.engine.sampling import SamplingParams
-from memspec.server.prefix_cache import PrefixCache, prepare_runtime
 from memspec.testbed import load_mtbench
 from memspec.units import parse_size
 
@@ -92,12 +92,12 @@ def run_reuse_bench(
         # turn (restored from it).
         rt.target.reset()
         for turn1_tokens, _ in convs:
-            prepare_runtime(cache, rt, turn1_tokens, use_drafts=False)
+            rt.prepare_prefix(cache, turn1_tokens, use_drafts=False)
             rt.generate(turn1_tokens, probe, draft="none")
         peak = cache.nbytes
         for row, (_, p2) in zip(rows, convs, strict=True):
             t0 = time.perf_counter()
-            restored = prepare_runtime(cache, rt, p2, use_drafts=False)
+            restored = rt.prepare_prefix(cache, p2, use_drafts=False)
             restore_s = time.perf_counter() - t0
             gen = rt.generate(p2, probe, draft="none")
             peak = max(peak, cache.nbytes)

@@ -19,7 +19,7 @@ Draft objects are not reference counted by Python alone: closing a llama.cpp dra
 engine is inside its propose() would free memory under it. So every draft handed out by
 `get`, `acquire`, `lease_resident` or `using` is *leased* to the calling thread, and an
 evicted draft is closed only once no thread holds it. The engine releases its leases at
-each round boundary (memspec.scheduler.resident.RoundLeases) and at the end of a request.
+each round boundary and at the end of a request (memspec.scheduler.rounds.Scheduler).
 """
 
 from __future__ import annotations
@@ -116,8 +116,7 @@ class _Slot:
 class WorkingSet:
     """Resident drafts under a byte budget; loads and evicts in one background thread.
 
-    `source`: a Runtime (its `draft_source` and `reserved_bytes` are used), a DraftSource, or
-    a factory `id -> Draft` together with `sizes={id: bytes}`.
+    `source`: where drafts come from (ids, kinds, modelled bytes, loads).
     `budget_bytes`: the whole budget, `reserved_bytes` (target + KV + buffers) included.
     `on_loaded(draft)`: runs on the loader thread after a load, before the draft is resident
     (e.g. measure its cost); if it raises, the draft is closed and marked failed.
@@ -127,26 +126,15 @@ class WorkingSet:
 
     def __init__(
         self,
-        source: Any,
+        source: DraftSource,
         budget_bytes: int,
-        reserved_bytes: int | None = None,
+        reserved_bytes: int = 0,
         *,
-        sizes: dict[str, int] | None = None,
-        kinds: dict[str, str] | None = None,
         on_loaded: Callable[[Draft], None] | None = None,
         autoload_free: bool = True,
     ):
-        if hasattr(source, "draft_source"):  # a Runtime
-            self.source: DraftSource = source.draft_source
-            if reserved_bytes is None:
-                reserved_bytes = int(source.reserved_bytes)
-        elif isinstance(source, DraftSource):
-            self.source = source
-        elif callable(source) and sizes is not None:
-            self.source = FactorySource(source, sizes, kinds)
-        else:
-            raise TypeError("WorkingSet needs a Runtime, a DraftSource, or a factory with sizes")
-        self.reserved_bytes = int(reserved_bytes or 0)
+        self.source = source
+        self.reserved_bytes = int(reserved_bytes)
         if self.reserved_bytes > budget_bytes:
             raise BudgetExceeded(
                 f"budget {format_size(budget_bytes)} is below what the target alone needs "

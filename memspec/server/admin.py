@@ -126,7 +126,7 @@ def status(ctx: ServerContext) -> dict[str, Any]:
             "restored_tokens": cache.stats.restored_tokens,
             "evictions": cache.stats.evictions,
         },
-        "working_set": _retry(rt.memory_status, None) if hasattr(rt, "memory_status") else None,
+        "working_set": _retry(rt.memory_status, None) if rt is not None else None,
         "drafts": draft_rows(ctx),
     }
 
@@ -170,10 +170,9 @@ def check_tune(worker: EngineWorker, changes: dict[str, Any]) -> None:
     would break every request, or keep the daemon from starting again after a restart."""
     rt = worker.runtime
     if "policy" in changes:
-        known = getattr(rt, "policies", None)
-        if known is not None and changes["policy"] not in known:
+        if rt is not None and changes["policy"] not in rt.policies:
             raise InvalidRequest(
-                f"unknown policy {changes['policy']!r}; known: {', '.join(sorted(known))}",
+                f"unknown policy {changes['policy']!r}; known: {', '.join(sorted(rt.policies))}",
                 param="policy",
                 code="invalid_value",
             )
@@ -187,8 +186,8 @@ def check_tune(worker: EngineWorker, changes: dict[str, Any]) -> None:
                 param="budget",
                 code="invalid_value",
             )
-        reserved = getattr(rt, "reserved_bytes", None)
-        if reserved is not None and "n_ctx" not in changes and budget < reserved:
+        reserved = rt.reserved_bytes if rt is not None else 0
+        if "n_ctx" not in changes and budget < reserved:
             raise InvalidRequest(
                 f"budget {format_size(budget)} is below what the target needs at n_ctx "
                 f"{worker.settings.n_ctx} ({format_size(reserved)}); see `memspec plan`",
@@ -219,9 +218,8 @@ async def tune(body: Annotated[TuneRequest, Body()], ctx: Ctx) -> dict[str, Any]
         budget_applied = False
         try:
             rt = worker.runtime
-            set_budget = getattr(rt, "set_budget", None)
-            if "budget" in changes and set_budget is not None:
-                set_budget(parse_size(changes["budget"]))  # evicts to fit; raises if pinned block
+            if "budget" in changes and rt is not None:  # evicts to fit; raises if pinned block
+                rt.set_budget(parse_size(changes["budget"]))
                 budget_applied = True
             for key in ("budget", "policy", "k_max"):
                 if key in changes:

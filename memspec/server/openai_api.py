@@ -1,10 +1,11 @@
 """The OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
 
-A request is validated here, queued for the engine thread, and answered once the engine has
-produced its first event, so errors found before any token (unknown draft, prompt over the
-context) get their own status even for a stream. Streams are SSE: `data: {chunk}` per text
-delta, a last chunk with finish_reason (and `memspec`), a usage chunk when asked for, then
-`data: [DONE]`. A client that disconnects, queued or streaming, cancels its generation.
+HTTP-level checks run here (model, fields, text, size); the engine thread checks the request
+against the models once (Runtime.request) and answers once it has produced its first event,
+so errors found before any token (unknown draft, prompt over the context) get their own
+status even for a stream. Streams are SSE: `data: {chunk}` per text delta, a last chunk with
+finish_reason (and `memspec`), a usage chunk when asked for, then `data: [DONE]`. A client
+that disconnects, queued or streaming, cancels its generation.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 import memspec
 from memspec.engine.speculative import Generation
 from memspec.errors import InvalidRequest
+from memspec.runtime import ClientRequest
 from memspec.server.auth import require_api_key
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.errors import UnknownModel, as_memspec_error, error_json
@@ -35,7 +37,7 @@ from memspec.server.openai_schema import (
     ModelCard,
     ModelList,
 )
-from memspec.server.worker import Done, Event, Failed, GenerateJob, GenerateRequest, Token
+from memspec.server.worker import Done, Event, Failed, GenerateJob, Token
 
 router = APIRouter(
     prefix="/v1",
@@ -139,14 +141,15 @@ def sse(obj: dict[str, Any] | str) -> str:
 async def run_request(
     request: Request,
     ctx: ServerContext,
-    req: GenerateRequest,
+    req: ClientRequest,
+    stream: bool,
     include_usage: bool,
     chunk: Callable[[str | None, str | None], dict[str, Any]],
     final: Callable[[Generation], dict[str, Any]],
     preamble: dict[str, Any] | None = None,
 ) -> Response | dict[str, Any]:
     """Queue the generation; answer JSON (final(gen)) or an SSE stream of chunk(...)s."""
-    job = GenerateJob(asyncio.get_running_loop(), req)
+    job = GenerateJob(asyncio.get_running_loop(), req, stream)
     ctx.worker.submit(job)
     try:
         first = await next_event(request, job)
@@ -154,7 +157,7 @@ async def run_request(
         return Response(status_code=499)
     if isinstance(first, Failed):
         raise as_memspec_error(first.error)
-    if not req.stream:
+    if not stream:
         assert isinstance(first, Done)
         return final(first.result)
 
@@ -201,7 +204,6 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]
         "stop": body.stop_list(),
         "draft": body.draft,
         "policy": body.policy,
-        "stream": body.stream,
     }
 
 
@@ -227,7 +229,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
     check_text("messages", *(m["content"] for m in messages))
     check_text("stop", *body.stop_list())
     check_prompt_size(ctx, sum(len(m["content"]) for m in messages))
-    req = GenerateRequest(messages=messages, max_tokens=body.token_limit(), **_sampling(body))
+    req = ClientRequest(messages=messages, max_tokens=body.token_limit(), **_sampling(body))
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model
 
     def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
@@ -269,7 +271,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
     preamble = chunk(None, None)
     preamble["choices"][0]["delta"] = {"role": "assistant", "content": ""}
     return await run_request(
-        request, ctx, req, body.include_usage(), chunk, final, preamble=preamble
+        request, ctx, req, body.stream, body.include_usage(), chunk, final, preamble=preamble
     )
 
 
@@ -282,7 +284,7 @@ async def completions(request: Request, body: CompletionRequest, ctx: Ctx) -> An
         check_text("prompt", prompt)
     check_text("stop", *body.stop_list())
     check_prompt_size(ctx, len(prompt) if isinstance(prompt, str) else len(prompt) * 4)
-    req = GenerateRequest(prompt=prompt, max_tokens=body.max_tokens, **_sampling(body))
+    req = ClientRequest(prompt=prompt, max_tokens=body.max_tokens, **_sampling(body))
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model
 
     def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
@@ -303,4 +305,4 @@ async def completions(request: Request, body: CompletionRequest, ctx: Ctx) -> An
         out["memspec"] = memspec_stats(gen)
         return out
 
-    return await run_request(request, ctx, req, body.include_usage(), chunk, final)
+    return await run_request(request, ctx, req, body.stream, body.include_usage(), chunk, final)

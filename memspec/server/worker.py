@@ -18,18 +18,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import jinja2
-
 from memspec.config import Settings
-from memspec.engine.sampling import SamplingParams
-from memspec.engine.speculative import Generation
-from memspec.errors import ContextOverflow, InvalidRequest, MemSpecError
+from memspec.engine.prefix_cache import PrefixCache
+from memspec.errors import MemSpecError
+from memspec.runtime import ClientRequest, Runtime
 from memspec.server.errors import NotReady, QueueFull
 from memspec.server.metrics import Metrics
-from memspec.server.prefix_cache import PrefixCache, prepare_runtime
 from memspec.server.state import TUNABLE, reject_state, state_path
 from memspec.units import parse_size
 
@@ -80,24 +77,11 @@ class Job:
         return await self._events.get()
 
 
-@dataclass
-class GenerateRequest:
-    prompt: str | list[int] | None = None  # text, or token ids (completions)
-    messages: list[dict[str, str]] | None = None  # chat
-    max_tokens: int | None = None  # None: settings.default_max_tokens
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    draft: str = "auto"
-    policy: str | None = None  # None: the daemon's (settings.policy)
-    stream: bool = False
-
-
 class GenerateJob(Job):
-    def __init__(self, loop: asyncio.AbstractEventLoop, request: GenerateRequest):
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: ClientRequest, stream: bool):
         super().__init__(loop)
         self.request = request
+        self.stream = stream  # post a Token per text delta
 
 
 class ControlJob(Job):
@@ -107,35 +91,6 @@ class ControlJob(Job):
         self.name = name
 
 
-class _RecordingEstimator:
-    """The runtime's acceptance estimator, also counting proposed/accepted per draft."""
-
-    def __init__(self, base: Any):
-        self._base = base
-        self.per_draft: dict[str, list[int]] = {}
-
-    def update(self, key: str, proposed: int, accepted: int) -> None:
-        row = self.per_draft.setdefault(key.split("/")[0], [0, 0])
-        row[0] += proposed
-        row[1] += accepted
-        self._base.update(key, proposed, accepted)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._base, name)
-
-
-def per_draft_counts(gen: Generation, recorded: dict[str, list[int]]) -> dict[str, tuple]:
-    """(proposed, accepted) per draft: as recorded, else split by rounds drafted."""
-    if sum(p for p, _ in recorded.values()) == gen.proposed:
-        return {d: (p, a) for d, (p, a) in recorded.items()}
-    rounds = sum(gen.drafts_used.values())
-    out: dict[str, tuple] = {}
-    for d, r in gen.drafts_used.items():
-        share = r / rounds if rounds else 0.0
-        out[d] = (round(gen.proposed * share), round(gen.accepted * share))
-    return out
-
-
 class EngineWorker:
     """Owns the Runtime on one thread; everything that touches models runs here."""
 
@@ -143,7 +98,7 @@ class EngineWorker:
         self,
         settings: Settings,
         metrics: Metrics | None = None,
-        runtime_factory: Callable[[Settings], Any] | None = None,
+        runtime_factory: Callable[[Settings], Runtime] | None = None,
         on_ready: Callable[[], None] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         fallback: Settings | None = None,
@@ -152,10 +107,10 @@ class EngineWorker:
         self._fallback = fallback  # the configured settings, without the tuned state
         self.warnings: list[str] = []  # what the daemon runs without, and why (status)
         self.metrics = metrics
-        self._factory = runtime_factory or _default_factory
+        self._factory = runtime_factory or Runtime
         self._on_ready = on_ready
         self._on_fatal = on_fatal
-        self.runtime: Any = None
+        self.runtime: Runtime | None = None
         self.state = "starting"  # loading | ready | reloading | failed | stopping | stopped
         self.error: str | None = None
         self._cond = threading.Condition()
@@ -279,7 +234,7 @@ class EngineWorker:
             finally:
                 self.state = "stopped"
 
-    def _first_load(self) -> Any:
+    def _first_load(self) -> Runtime:
         """Load with the tuned settings; if they cannot load (a budget below the target, an
         n_ctx that does not fit), with the configured ones, and set the tuned values aside:
         a bad tune must not keep the daemon from starting on every restart."""
@@ -306,11 +261,10 @@ class EngineWorker:
         self._check_batch_invariance(rt)
         return rt
 
-    def _check_batch_invariance(self, rt: Any) -> None:
+    def _check_batch_invariance(self, rt: Runtime) -> None:
         """Say so when the target's kernels depend on the batch shape: greedy output can then
         differ from plain decoding at a near-tie (see memspec/backends/llama_cpp.py)."""
-        target = getattr(rt, "target", None)
-        if target is None or target.describe().get("batch_invariant", True):
+        if rt.target.describe().get("batch_invariant", True):
             return
         msg = (
             "the target's kernels are not known to be batch-invariant (llama.cpp built with "
@@ -320,11 +274,11 @@ class EngineWorker:
         log.warning(msg)
         self.warnings.append(msg)
 
-    def _check_policy(self, rt: Any) -> None:
+    def _check_policy(self, rt: Runtime) -> None:
         """An unknown policy name would fail every request: run on a known one, and say so."""
-        known = getattr(rt, "policies", None)
+        known = rt.policies
         name = self.settings.policy
-        if known is None or name in known:
+        if name in known:
             return
         fb = self._fallback.policy if self._fallback is not None else None
         use = fb if fb in known else "auto" if "auto" in known else None
@@ -379,79 +333,32 @@ class EngineWorker:
             self.metrics.observe_residency(self.runtime.draft_status())
 
     # --- generation -----------------------------------------------------------------------
-    def _prompt_tokens(self, rt: Any, req: GenerateRequest) -> list[int]:
-        if req.messages is not None:
-            try:
-                return rt.prompt_tokens(messages=req.messages)
-            except jinja2.TemplateError as e:  # the model's template refuses these messages
-                raise InvalidRequest(
-                    f"the model's chat template cannot render these messages: {e}",
-                    param="messages",
-                ) from None
-        if isinstance(req.prompt, list):
-            n_vocab = rt.target.n_vocab
-            bad = next((t for t in req.prompt if not 0 <= t < n_vocab), None)
-            if bad is not None:
-                raise InvalidRequest(
-                    f"token id {bad} is outside the vocabulary (0..{n_vocab - 1})", param="prompt"
-                )
-            return list(req.prompt)
-        return rt.prompt_tokens(prompt=req.prompt or "")
-
     def _generate(self, job: GenerateJob) -> None:
-        rt, req = self.runtime, job.request
-        prompt = self._prompt_tokens(rt, req)
-        n_ctx = rt.target.n_ctx
-        if not prompt:
-            raise InvalidRequest("prompt is empty", param="prompt")
-        if len(prompt) >= n_ctx:
-            raise ContextOverflow(
-                f"This model's maximum context length is {n_ctx} tokens; the prompt has "
-                f"{len(prompt)}. Shorten the prompt or the conversation.",
-                param="messages" if req.messages is not None else "prompt",
-            )
-        max_tokens = req.max_tokens or self.settings.default_max_tokens
-        if req.max_tokens is not None and req.max_tokens > n_ctx:
-            raise ContextOverflow(
-                f"max_tokens {req.max_tokens} exceeds the context of {n_ctx} tokens",
-                param="max_tokens",
-            )
-        if req.draft not in ("auto", "none"):
-            rt.manifest(req.draft)  # unknown or invalid id: 404 before anything runs
-        if req.policy is not None and req.policy not in rt.policies:
-            raise InvalidRequest(
-                f"unknown policy {req.policy!r}; known: {', '.join(sorted(rt.policies))}",
-                param="policy",
-            )
-        params = SamplingParams(
-            max_tokens=min(max_tokens, n_ctx - len(prompt)),
-            temperature=req.temperature,
-            top_p=req.top_p,
-            seed=None if req.seed is None else req.seed % 2**64,
-            stop=req.stop,
-        )
-        prepare_runtime(self.prefix_cache, rt, prompt, use_drafts=req.draft != "none")
+        rt = self.runtime
+        assert rt is not None
+        req = rt.request(job.request)  # the one check: a clean 4xx before anything runs
+        rt.prepare_prefix(self.prefix_cache, req.prompt, use_drafts=req.draft != "none")
 
         def on_token(delta: str, _token: int | None) -> None:
             self.heartbeat = time.monotonic()
-            if req.stream and delta:
+            if job.stream and delta:
                 job.post(Token(delta))
 
-        est = _RecordingEstimator(rt.estimator)
         gen = rt.generate(
-            prompt,
-            params,
+            req.prompt,
+            req.params,
             draft=req.draft,
+            policy=req.policy,
+            messages=req.messages,
             on_token=on_token,
             cancel=job.cancel,
-            estimator=est,
-            policy=req.policy,
         )
         queued_s = (job.started_at or job.enqueued_at) - job.enqueued_at
         self.requests_served += 1
         self._recent.append((time.monotonic(), gen.completion_tokens, gen.elapsed_s))
         if self.metrics is not None:
-            self.metrics.observe_generation(gen, per_draft_counts(gen, est.per_draft), queued_s)
+            per_draft = {d: (c["proposed"], c["accepted"]) for d, c in gen.per_draft.items()}
+            self.metrics.observe_generation(gen, per_draft, queued_s)
         job.post(Done(gen))
 
     def reload_runtime(self, n_ctx: int) -> None:
@@ -461,6 +368,7 @@ class EngineWorker:
         loaded again and the error raised; if even that fails the daemon reports it and exits.
         """
         rt = self.runtime
+        assert rt is not None
         rows = rt.draft_status()
         resident = [r["id"] for r in rows if r["resident"]]
         pinned = [r["id"] for r in rows if r["pinned"]]
@@ -485,9 +393,9 @@ class EngineWorker:
             raise
 
     def _load(self, pinned: list[str]) -> None:
-        self.runtime = self._factory(self.settings)
+        rt = self.runtime = self._factory(self.settings)
         for draft_id in pinned:
-            self.runtime.pin(draft_id, True)
+            rt.pin(draft_id, True)
         self.state = "ready"
         self.heartbeat = time.monotonic()
 
@@ -515,9 +423,3 @@ class EngineWorker:
         rows = [(t, n, s) for t, n, s in list(self._recent) if now - t <= window_s]
         tokens, seconds = sum(n for _, n, _ in rows), sum(s for _, _, s in rows)
         return round(tokens / seconds, 2) if seconds > 0 else 0.0
-
-
-def _default_factory(settings: Settings) -> Any:
-    from memspec.runtime import Runtime
-
-    return Runtime(settings)

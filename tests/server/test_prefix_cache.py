@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from memspec.backends.base import BackendOptions, load_backend
+from memspec.engine.prefix_cache import MIN_SAVE_TOKENS, PrefixCache
 from memspec.paths import models_dir
-from memspec.server.prefix_cache import MIN_SAVE_TOKENS, PrefixCache
 
 A = "The quick brown fox jumps over the lazy dog while the farmer watches from the gate. " * 2
 B = "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen in leaves. " * 2

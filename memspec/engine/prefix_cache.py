@@ -9,23 +9,21 @@ rest. Snapshots are counted in bytes, bounded by `prefix_cache` and by what the 
 leaves after the models, and the least recently used go first.
 
 Only backends with `supports_kv_snapshot` take part; everything else keeps plain prefix reuse.
-Called on the engine thread only, between generations.
+Called on the engine thread only, between generations (Runtime.prepare_prefix).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from memspec.backends.base import Backend, KVSnapshot
 
-log = logging.getLogger("memspec.server")
+log = logging.getLogger(__name__)
 
 MIN_SAVE_TOKENS = 16  # a live cache losing fewer tokens than this is not worth a snapshot
 MIN_GAIN_TOKENS = 16  # restore only when a snapshot beats the live cache by this much
@@ -150,19 +148,3 @@ class PrefixCache:
         while self._entries and total > cap:
             total -= self._entries.pop(0).snapshot.nbytes
             self.stats.evictions += 1
-
-
-def prepare_runtime(cache: PrefixCache, rt: Any, prompt: list[int], use_drafts: bool) -> int:
-    """Prepare the target's (and, when drafting, each model draft's) KV cache for `prompt`.
-
-    Returns the prompt tokens a restored target snapshot covers (0: none restored).
-    """
-    lock = getattr(rt, "lock", None)  # a background scheduler may load/evict drafts
-    with lock if lock is not None else contextlib.nullcontext():
-        drafts = [d.backend for d in list(rt.drafts.values()) if hasattr(d, "backend")]
-        cache.forget([rt.target, *drafts])
-        restored = cache.prepare(rt.target, prompt)
-        if use_drafts:
-            for be in drafts:
-                cache.prepare(be, prompt)
-    return restored
