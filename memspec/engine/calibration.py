@@ -96,7 +96,6 @@ def measure_draft(d: Draft, costs: CostModel, k_max: int) -> None:
         costs.draft_overhead_s[d.id] = _median_time(
             lambda: d.propose(ctx, k_max, SamplingParams(), rng)
         )
-    d.cost_per_token_s = costs.draft_s.get(d.id, 0.0)
 
 
 def calibrate(
@@ -122,6 +121,4 @@ def calibrate(
             )
         )
         tmp.replace(path)
-    for d in drafts:
-        d.cost_per_token_s = costs.draft_s.get(d.id, 0.0)
     return costs

@@ -37,6 +37,8 @@ class Proposal:
     # Which acceptance statistic this proposal belongs to (e.g. prompt lookup per n-gram size),
     # so the acceptance estimate is conditioned on what the draft knew when it proposed.
     key: str = ""
+    # Seconds of the proposal spent catching the draft up on the context (model drafts).
+    catchup_s: float = 0.0
 
 
 class Draft(ABC):
@@ -44,8 +46,6 @@ class Draft(ABC):
     kind: str
     # Proposals cost nothing, so the decision rule may peek them before choosing (lookups).
     free: bool = False
-    # Seconds per proposed token on this device (calibrated); prompt lookup is ~0.
-    cost_per_token_s: float = 0.0
 
     @abstractmethod
     def propose(

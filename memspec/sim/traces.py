@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from memspec.drafts.base import Draft
 from memspec.drafts.model import ModelDraft
 from memspec.engine.policy import Choice, FixedPolicy, RoundPolicy
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import speculative_generate
+from memspec.engine.types import Draft
 from memspec.sim.workload import RequestSpec
 
 TRACE_VERSION = 1
