@@ -4,6 +4,10 @@ tokens_per_round(α₁, α_c, k) = 1 + α₁ · (1 − α_c^k) / (1 − α_c)
 seconds_per_round            = draft_cost(k) + verify_cost(k+1)
 choose argmax tokens_per_round / seconds_per_round; plain decoding is k = 0
 
+This module is the one place the rule lives (CostModel.rate / best_k, best_choice): the
+engine's DecisionRulePolicy, the scheduler's policies (live and simulated) and predictor
+training's best-draft metric all call it.
+
 α₁ is the first drafted token's acceptance and α_c a later token's, given the one before it
 was accepted. With α_c = α₁ this is the i.i.d. formula (1 − α^(k+1)) / (1 − α). Lookup
 drafts need both: whether a retrieved continuation starts right is a coin flip, but once it
@@ -13,7 +17,11 @@ i.i.d. α fitted to that mix under-drafts the runs and over-drafts the misses.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+D = TypeVar("D")  # whatever names a draft to the caller: an id, a Draft
 
 
 def expected_tokens(alpha: float, k: int, alpha_cont: float | None = None) -> float:
@@ -72,15 +80,35 @@ class CostModel:
         return expected_tokens(alpha, k, alpha_cont) / self.round_seconds(draft_id, k, load_s)
 
     def best_k(
-        self, draft_id: str, alpha: float, k_max: int, alpha_cont: float | None = None
+        self,
+        draft_id: str,
+        alpha: float,
+        k_max: int,
+        alpha_cont: float | None = None,
+        force: bool = False,
     ) -> tuple[int, float]:
-        """The k (0 = don't draft) maximising tokens/s for this draft at acceptance alpha."""
+        """The k (0 = don't draft) maximising tokens/s for this draft at acceptance alpha.
+
+        force: at least k = 1 when k_max allows, for a draft that must be tried (bandits)."""
         best_k, best_rate = 0, self.rate(None, alpha, 0)
         for k in range(1, k_max + 1):
             r = self.rate(draft_id, alpha, k, alpha_cont=alpha_cont)
             if r > best_rate:
                 best_k, best_rate = k, r
+        if force and best_k == 0 and k_max > 0:
+            return 1, self.rate(draft_id, alpha, 1, alpha_cont=alpha_cont)
         return best_k, best_rate
+
+
+def best_choice(options: Iterable[tuple[D, int, float]], plain_rate: float) -> tuple[D | None, int]:
+    """Among (draft, its best k, rate) options, the draft whose round beats plain decoding by
+    the most; (None, 0) when none does. Ties keep the earlier option."""
+    best: tuple[D | None, int] = (None, 0)
+    best_rate = plain_rate
+    for draft, k, rate in options:
+        if k > 0 and rate > best_rate:
+            best, best_rate = (draft, k), rate
+    return best
 
 
 class AcceptanceEstimator:

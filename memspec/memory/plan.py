@@ -12,13 +12,13 @@ The lower bound that still speculates is target + the smallest model draft at k 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from memspec.drafts.manifest import DraftManifest
 from memspec.errors import ModelLoadError
+from memspec.memory.fill import density, fill_by_value
 from memspec.memory.footprint import KV_PAD, Footprint, draft_footprint, target_footprint
 from memspec.units import format_size
 
@@ -40,7 +40,7 @@ class DraftFit:
 
     @property
     def value_per_byte(self) -> float:
-        return math.inf if self.bytes == 0 else self.value / self.bytes
+        return density(self.value, self.bytes)
 
 
 @dataclass
@@ -117,16 +117,6 @@ def draft_fits(
     return out
 
 
-def choose_resident(drafts: list[DraftFit], room: int) -> list[str]:
-    """Greedy by value per byte: the set the working set would hold in `room` bytes."""
-    chosen = []
-    for d in sorted(drafts, key=lambda d: d.value_per_byte, reverse=True):
-        if d.footprint is not None and d.value > 0 and d.bytes <= room:
-            chosen.append(d.id)
-            room -= d.bytes
-    return chosen
-
-
 def make_plan(
     budget_bytes: int,
     target_path: Path,
@@ -170,7 +160,8 @@ def make_plan(
     if plan.everything_bytes <= budget_bytes:
         return settle([], n_ctx, k_max, [d.id for d in avail], plan.everything_bytes)
     # 1. Evict drafts: the best value-per-byte set beside the target.
-    chosen = choose_resident(avail, budget_bytes - t_full.total)
+    room = budget_bytes - t_full.total
+    chosen = fill_by_value(((d.id, d.value, d.bytes) for d in avail), room)
     if any(d.id in chosen for d in models):
         used = t_full.total + sum(d.bytes for d in avail if d.id in chosen)
         return settle(["evict drafts"], n_ctx, k_max, chosen, used)

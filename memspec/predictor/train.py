@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from memspec.engine.costs import CostModel
+from memspec.engine.costs import CostModel, best_choice
 from memspec.predictor.features import N_FEATURES, N_POS, pos_bucket, prompt_features
 from memspec.predictor.model import AcceptancePredictor, KeyModel, file_digest, now_iso
 from memspec.sim.traces import Trace, TraceRequest, load_trace
@@ -142,12 +142,8 @@ def request_alpha(req: TraceRequest, key: str) -> tuple[float, float]:
 
 def best_draft(alphas: dict[str, float], costs: CostModel, k_max: int) -> str | None:
     """Which model draft (or none) the decision rule would run for this request."""
-    best, best_rate = None, costs.rate(None, 0.0, 0)
-    for d, a in alphas.items():
-        k, rate = costs.best_k(d, a, k_max)
-        if k > 0 and rate > best_rate:
-            best, best_rate = d, rate
-    return best
+    options = ((d, *costs.best_k(d, a, k_max)) for d, a in alphas.items())
+    return best_choice(options, costs.rate(None, 0.0, 0))[0]
 
 
 def _rate(d: str | None, alphas: dict[str, float], costs: CostModel, k_max: int) -> float:

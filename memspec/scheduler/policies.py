@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from memspec.drafts.registry import PRIOR_ALPHA  # the priors the engine's estimator uses
-from memspec.engine.costs import AcceptanceEstimator, CostModel
+from memspec.engine.costs import AcceptanceEstimator, CostModel, best_choice
+from memspec.memory.fill import fill_by_value
 from memspec.predictor.model import AcceptancePredictor, RequestState
 
 # A batched catch-up token costs about this share of a single draft step (measured on the
@@ -156,10 +157,7 @@ class Policy(ABC):
         hit = self._memo.get(key)
         if hit is not None:
             return hit
-        a, ac = key[1], key[2]
-        k, rate = c.best_k(draft, a, limit, ac)
-        if force and k == 0:
-            k, rate = 1, c.rate(draft, a, 1, alpha_cont=ac)
+        k, rate = c.best_k(draft, key[1], limit, key[2], force)
         if len(self._memo) > 50_000:
             self._memo.clear()
         self._memo[key] = (k, rate)
@@ -393,28 +391,12 @@ class MemSpecPolicy(Policy):
         ws = self.ws
         assert ws is not None
         resident = ws.resident_ids()
-        cands = []
-        for d in self.env.drafts.values():
-            if d.always_resident:
-                continue
-            v = self.value(d, position, resident)
-            if v > 0:
-                cands.append((d, v))
+        drafts = [d for d in self.env.drafts.values() if not d.always_resident]
+        values = {d.id: self.value(d, position, resident) for d in drafts}
         room = ws.budget_bytes - getattr(ws, "reserved_bytes", 0)
-        chosen: list[tuple[str, float]] = []
-        if cands:
-            fits = [c for c in cands if c[0].bytes <= room]
-            if fits:
-                top = max(fits, key=lambda c: c[1])
-                chosen.append((top[0].id, top[1]))
-                room -= top[0].bytes
-                rest = sorted((c for c in fits if c is not top), key=lambda c: -c[1] / c[0].bytes)
-                for d, v in rest:
-                    if d.bytes <= room:
-                        chosen.append((d.id, v))
-                        room -= d.bytes
-        self.plan = dict(chosen)
-        ws.prefetch(chosen)
+        held = fill_by_value([(d.id, values[d.id], d.bytes) for d in drafts], room, top_first=True)
+        self.plan = {i: values[i] for i in held}
+        ws.prefetch(list(self.plan.items()))
 
     def begin(self, req, ws):
         self.req, self.ws = req, ws
@@ -431,27 +413,23 @@ class MemSpecPolicy(Policy):
         pos = self.position = rnd.position
         resident = ws.resident_ids()
         cap = min(self.env.k_max, rnd.k_room)
-        best: tuple[str | None, int] = (None, 0)
-        best_rate = self.r_none
         left = max(self._tokens_left(pos), 1.0)
-        for d, peek, always in self._drafts:
-            if not always and d not in resident:
-                continue
-            if peek:
-                key, n = rnd.peek(d)
-                limit = min(n, cap)
-            else:
-                key, limit = d, cap
-            if limit <= 0:
-                continue
-            k, rate = self._best(d, self.predictor.alpha(state, key, pos), limit)
-            if k > 0 and not peek:
-                gap = self._gap(d, pos)
+
+        def options():
+            for d, peek, always in self._drafts:
+                if not always and d not in resident:
+                    continue
+                key, limit = rnd.peek(d) if peek else (d, cap)
+                limit = min(limit, cap)
+                if limit <= 0:
+                    continue
+                k, rate = self._best(d, self.predictor.alpha(state, key, pos), limit)
+                gap = self._gap(d, pos) if k > 0 and not peek else 0
                 if gap > 2:  # catching up is paid once, then spread over what is left
                     rate = 1.0 / (1.0 / rate + self.env.catchup_s(d) * gap / left)
-            if k > 0 and rate > best_rate:
-                best, best_rate = (d, k), rate
-        return best
+                yield d, k, rate
+
+        return best_choice(options(), self.r_none)
 
     def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
         if draft is None or self.state is None or self.req is None:

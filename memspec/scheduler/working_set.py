@@ -38,6 +38,7 @@ import psutil
 
 from memspec.engine.types import Draft
 from memspec.errors import BudgetExceeded, InvalidRequest, ModelLoadError, UnknownDraft
+from memspec.memory.fill import fill_by_value
 from memspec.units import format_size
 
 log = logging.getLogger(__name__)
@@ -352,20 +353,15 @@ class WorkingSet:
                 s.value = values.get(s.id, 0.0)
             room = self._budget - self.reserved_bytes
             room -= sum(self._bytes_or0(s) for s in self._slots.values() if s.pinned)
-            ranked = []
+            cands = []
             for i, v in values.items():
                 s = self._slots[i]
                 if v <= 0 or s.state == DraftState.FAILED or s.pinned:
                     continue
                 b = self._bytes(s)
                 if b is not None:
-                    ranked.append((v / b if b else float("inf"), i, b))
-            ranked.sort(key=lambda x: x[0], reverse=True)
-            chosen: set[str] = set()
-            for _, i, b in ranked:
-                if b <= room:
-                    chosen.add(i)
-                    room -= b
+                    cands.append((i, v, b))
+            chosen = set(fill_by_value(cands, room))
             # Load in the caller's priority order.
             self._plan = [i for i, _ in wanted if i in chosen]
             self._sticky.clear()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memspec.memory.fill import fill_by_value
+
 
 @dataclass
 class _Load:
@@ -29,7 +31,6 @@ class SimWorkingSet:
         self.now = 0.0
         self.resident: dict[str, float] = {}  # id -> last use time (LRU for reactive loads)
         self.queue: list[_Load] = []  # background loads: first one in flight
-        self.pinned: set[str] = set()
         self.plan: dict[str, float] = {}
         self.stall_s = 0.0
         self.loads = 0
@@ -72,7 +73,7 @@ class SimWorkingSet:
         for d in order:
             if self.used_bytes() + need <= self.budget_bytes:
                 break
-            if d not in keep and d not in self.pinned:
+            if d not in keep:
                 self._evict(d)
         return self.used_bytes() + need <= self.budget_bytes
 
@@ -88,20 +89,9 @@ class SimWorkingSet:
     # --- the contract -------------------------------------------------------------------
     def prefetch(self, wanted: list[tuple[str, float]]) -> None:
         """Hold the highest value-per-byte set of `wanted` that fits; load it in background."""
-        ranked = sorted(
-            (x for x in wanted if x[1] > 0 and x[0] in self.sizes),
-            key=lambda x: x[1] / max(self.sizes[x[0]], 1),
-            reverse=True,
-        )
-        chosen: list[str] = []
-        room = self.budget_bytes - sum(self.sizes[d] for d in self.pinned)
-        for d, _ in ranked:
-            if d in self.pinned:
-                chosen.append(d)
-            elif self.sizes[d] <= room:
-                chosen.append(d)
-                room -= self.sizes[d]
-        keep = set(chosen) | self.pinned
+        cands = [(d, v, self.sizes[d]) for d, v in wanted if d in self.sizes]
+        chosen = fill_by_value(cands, self.budget_bytes)
+        keep = set(chosen)
         self.plan = dict(wanted)
         # Drop queued loads that are no longer wanted (the one in flight finishes).
         self.queue = [ld for i, ld in enumerate(self.queue) if i == 0 or ld.draft in keep]
