@@ -26,36 +26,36 @@ DEFAULT_CONFIG_FILE = Path("/etc/memspec/config.toml")
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MEMSPEC_", extra="forbid")
 
-    # Models
+    # Models (a description is also the --help text of the field's flag: memspec.cli.flags)
     data_dir: Path | None = None  # default: ./data beside the checkout (MEMSPEC_DATA_DIR)
-    target: str = "smollm2-135m-f32.gguf"  # file name in models dir, or a path
+    target: str = Field("smollm2-135m-f32.gguf", description="GGUF file in models dir, or a path")
     model_name: str = "smollm2-135m"  # id served at /v1/models
-    drafts: list[str] = Field(default_factory=lambda: ["prompt-lookup", "q4_0"])
+    drafts: list[str] = Field(["prompt-lookup", "q4_0"], description="draft ids to load")
     manifest_dir: Path | None = None  # default: drafts/ in the checkout
-    backend: str = "llama_cpp"  # or "torch"
-    device: str = "cpu"  # torch backend: cpu | cuda
-    n_ctx: int = 2048
-    n_threads: int | None = None
-    n_gpu_layers: int = 0
-    # Speculation and memory
-    k_max: int = 8
-    policy: str = "auto"  # auto, memspec, ucb, exp3, fixed:<id> (memspec.scheduler.serving)
+    backend: str = Field("llama_cpp", description="model backend")
+    device: str = Field("cpu", description="torch backend device")
+    n_ctx: int = Field(2048, description="context length in tokens")
+    n_threads: int | None = Field(None, description="CPU threads (default: all cores)")
+    n_gpu_layers: int = Field(0, description="layers offloaded to the GPU (-1: all)")
+    # Speculation and memory (policies: memspec.scheduler.serving)
+    k_max: int = Field(8, description="longest draft per round")
+    policy: str = Field("auto", description="draft policy: auto, memspec, ucb, exp3, fixed:<id>")
     predictor: Path | None = None  # acceptance predictor artifact; default predictors/*.json
-    budget: str | int = "2GiB"  # bytes for target + resident drafts + KV (e.g. "1.5GiB")
+    budget: str | int = Field("2GiB", description="memory for target + drafts + KV, e.g. 1.5GiB")
     # Server
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8000, description="port")
     api_key: SecretStr | None = None  # Bearer key for /v1 (env MEMSPEC_API_KEY); never logged
     admin_key: SecretStr | None = None  # Bearer key for /admin; falls back to api_key
-    allow_insecure_bind: bool = False  # allow a non-loopback bind with no key configured
-    max_queue: int = Field(default=16, ge=0)  # requests waiting behind the running one; then 429
+    allow_insecure_bind: bool = Field(False, description="allow binding off loopback with no key")
+    max_queue: int = Field(16, ge=0, description="requests queued behind the running one; then 429")
     max_body: str | int = "1MiB"  # request body limit (413 above it)
     max_prompt_chars: int = Field(default=200_000, ge=1)  # before tokenizing (400 above it)
     default_max_tokens: int = Field(default=512, ge=1)  # chat completions without max_tokens
     prefix_cache: str | int = "256MiB"  # multi-session KV snapshots (0: off); within budget
-    state_dir: Path | None = None  # tuned settings persist here; default <data_dir>/state
+    state_dir: Path | None = Field(None, description="tuned settings dir (default <data>/state)")
     shutdown_grace_s: float = Field(default=10.0, ge=0)  # in-flight streams are cut after it
-    log_level: str = "info"
+    log_level: str = Field("info", description="log level")
 
     @field_validator("budget", "max_body", "prefix_cache")
     @classmethod

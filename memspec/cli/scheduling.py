@@ -1,33 +1,13 @@
-"""Subcommands for draft selection and residency: traces, predictor, simulate, bench policies.
-
-Registered into `memspec` by memspec.cli (kept apart so the shared CLI module stays small).
-"""
+"""Draft selection and residency: `traces collect`, `predictor train|show`, `simulate`,
+`sim calibrate` (`bench policies` is in memspec.cli.bench)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-
-def _settings(args: argparse.Namespace, **extra):
-    from memspec.cli import _settings as base
-
-    s = base(args)
-    for k, v in extra.items():
-        setattr(s, k, v)
-    return s
-
-
-def _workload_flags(p: argparse.ArgumentParser, per_category: int, offset: int) -> None:
-    p.add_argument("--per-category", type=int, default=per_category, help="questions per category")
-    p.add_argument("--offset", type=int, default=offset, help="skip this many per category")
-    p.add_argument("--categories", nargs="*", help="only these MT-Bench categories")
-    p.add_argument("--turns", type=int, choices=[1, 2], default=2, help="turns per question")
-
-
-# --- traces -------------------------------------------------------------------------------
+from memspec.cli.flags import load_settings, model_flags, workload_flags
 
 
 def cmd_traces_collect(args: argparse.Namespace) -> int:
@@ -36,7 +16,7 @@ def cmd_traces_collect(args: argparse.Namespace) -> int:
     from memspec.sim.workload import requests_for
     from memspec.testbed import select_questions
 
-    settings = _settings(args)
+    settings = load_settings(args)
     if args.drafts is None:  # the whole pool, as far as it is built
         settings.drafts = built_pool(settings.manifest_dir)
     questions = select_questions(args.per_category, args.offset, args.categories)
@@ -62,9 +42,6 @@ def cmd_traces_collect(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-# --- predictor ----------------------------------------------------------------------------
-
-
 def cmd_predictor_train(args: argparse.Namespace) -> int:
     from memspec.predictor.train import TrainConfig, train_from_traces
 
@@ -80,9 +57,6 @@ def cmd_predictor_show(args: argparse.Namespace) -> int:
     pred = load_predictor(Path(args.path))
     print(json.dumps(pred.describe(), indent=2))
     return 0
-
-
-# --- simulator ----------------------------------------------------------------------------
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -109,7 +83,7 @@ def cmd_sim_calibrate(args: argparse.Namespace) -> int:
     from memspec.sim.profile import calibrate_this_machine
     from memspec.sim.traces import built_pool
 
-    settings = _settings(args)
+    settings = load_settings(args)
     if args.drafts is None:
         settings.drafts = built_pool(settings.manifest_dir)
     path = calibrate_this_machine(settings, Path(args.out) if args.out else None, args.load_reps)
@@ -117,41 +91,13 @@ def cmd_sim_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- bench --------------------------------------------------------------------------------
-
-
-def cmd_bench_policies(args: argparse.Namespace) -> int:
-    from memspec.bench.policies import BenchConfig, run_policy_bench
-
-    config = BenchConfig(
-        mode=args.mode,
-        budget=args.budget,
-        quick=args.quick,
-        trace=args.trace,
-        profile=args.profile,
-        per_category=args.per_category,
-        offset=args.offset,
-        categories=args.categories,
-        turns=args.turns,
-        max_tokens=args.max_tokens,
-        sim_requests=args.requests,
-        policies=args.policies,
-        predictor=args.predictor,
-        curve=not args.no_curve,
-        extra={"drafts_given": args.drafts is not None},
-    )
-    report = run_policy_bench(_settings(args), config, Path(args.out), args.plot)
-    return 0 if report.get("all_identical", True) else 1
-
-
-def register(sub: argparse._SubParsersAction, model_flags) -> None:
-    """Add `traces`, `predictor`, `simulate`, `sim` and `bench policies` to the CLI."""
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("traces", help="per-round traces of every draft on a workload")
     tsub = p.add_subparsers(dest="action", required=True)
     c = tsub.add_parser("collect", help="run plain decoding and every draft; write JSONL")
     model_flags(c)
     c.add_argument("--out", required=True, help="trace file (JSONL)")
-    _workload_flags(c, per_category=2, offset=0)
+    workload_flags(c, per_category=2, offset=0)
     c.add_argument("--max-tokens", type=int, default=96)
     c.add_argument("--k", type=int, default=4, help="k of the measured fixed-draft runs")
     c.add_argument("--load-reps", type=int, default=3, help="real loads timed per draft")
@@ -191,28 +137,3 @@ def register(sub: argparse._SubParsersAction, model_flags) -> None:
     c.add_argument("--out", help="profile TOML (default memspec/sim/profiles/this-machine.toml)")
     c.add_argument("--load-reps", type=int, default=5)
     c.set_defaults(func=cmd_sim_calibrate)
-
-
-def register_bench(bsub: argparse._SubParsersAction, model_flags) -> None:
-    b = bsub.add_parser("policies", help="none/fixed/ucb/exp3/memspec/oracle on a mixed workload")
-    model_flags(b)
-    b.add_argument("--mode", choices=["live", "sim"], required=True)
-    b.add_argument("--budget", required=True, help="bytes (target + KV + drafts), or 'auto'")
-    b.add_argument("--out", required=True, help="JSON output")
-    b.add_argument("--plot", help="PNG: policies, and tokens/s vs budget (SpecMemo curve)")
-    b.add_argument("--quick", action="store_true", help="small workload (tests/CI)")
-    b.add_argument("--trace", help="trace covering the workload (live: collected if missing)")
-    b.add_argument("--profile", default="this-machine", help="sim: device profile")
-    _workload_flags(b, per_category=2, offset=5)
-    b.add_argument("--max-tokens", type=int, default=96)
-    b.add_argument("--requests", type=int, default=2000, help="sim: requests replayed")
-    b.add_argument("--policies", nargs="*", help="subset of policies")
-    b.add_argument("--predictor", help="predictor artifact (default: the daemon's)")
-    b.add_argument("--no-curve", action="store_true", help="skip the budget sweep")
-    b.set_defaults(func=cmd_bench_policies)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from memspec.cli import main
-
-    sys.exit(main())

