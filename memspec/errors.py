@@ -1,45 +1,35 @@
-"""Errors raised by the core, each mapped to one OpenAI-shaped error by the server."""
+"""Typed errors raised by the core. They say what went wrong, not how a protocol reports it:
+`memspec/server/errors.py` maps each class to its HTTP status and OpenAI error type/code."""
 
 from __future__ import annotations
 
 
 class MemSpecError(Exception):
-    """Base class. `code`/`param` feed the OpenAI error object; `status` the HTTP status."""
-
-    status: int = 400
-    type: str = "invalid_request_error"
-    code: str | None = None
+    """Base class. `param` names the request field at fault; `code`, when given, is a more
+    precise machine-readable reason than the class's own (the server's default otherwise)."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
-        if code is not None:
-            self.code = code
+        self.code = code
 
 
 class InvalidRequest(MemSpecError):
-    code = "invalid_request"
+    """The request asks for something malformed or unsupported."""
 
 
 class ContextOverflow(MemSpecError):
-    code = "context_length_exceeded"
+    """Prompt plus generation does not fit in the context window."""
 
 
 class UnknownDraft(MemSpecError):
-    status = 404
-    code = "draft_not_found"
+    """No draft by that id in the pool."""
 
 
 class ModelLoadError(MemSpecError):
     """A model file is missing, corrupt, not a GGUF, or could not be loaded."""
 
-    status = 500
-    type = "server_error"
-    code = "model_load_failed"
-
 
 class BudgetExceeded(MemSpecError):
-    status = 507
-    type = "server_error"
-    code = "memory_budget_exceeded"
+    """The memory budget cannot hold what was asked for."""

@@ -44,10 +44,6 @@ _BUCKET = [pos_bucket(i) for i in range(1024)]  # position -> bucket, without a 
 class PredictorError(MemSpecError):
     """A predictor artifact is missing, unreadable, or does not match this code."""
 
-    status = 500
-    type = "server_error"
-    code = "predictor_unavailable"
-
 
 def _sigmoid(z: float) -> float:
     if z >= 0:

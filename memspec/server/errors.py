@@ -1,49 +1,50 @@
 """OpenAI-shaped errors: every failure answers {"error": {"message", "type", "param", "code"}}.
 
-The core raises `MemSpecError` subclasses (status, type, code, param); the server adds the ones
+The core raises typed `MemSpecError`s that know nothing of HTTP; `HTTP_ERRORS` below is the one
+place that gives each class its status and OpenAI error type/code. The server adds the errors
 only HTTP has (auth, queue full, loading, body too large). FastAPI's own 422 validation shape
-and Starlette's {"detail": ...} are replaced here, in one place.
+and Starlette's {"detail": ...} are replaced here too.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
-from memspec.errors import MemSpecError
+from memspec.errors import (
+    BudgetExceeded,
+    ContextOverflow,
+    InvalidRequest,
+    MemSpecError,
+    ModelLoadError,
+    UnknownDraft,
+)
+from memspec.predictor.model import PredictorError
+from memspec.server.state import StateWriteError
 
 log = logging.getLogger("memspec.server")
 
 
 class Unauthorized(MemSpecError):
-    status = 401
-    code = "invalid_api_key"
-
     def __init__(self, message: str = "missing or invalid API key (Authorization: Bearer ...)"):
         super().__init__(message)
 
 
 class UnknownModel(MemSpecError):
-    status = 404
-    code = "model_not_found"
+    """The request names a model this daemon does not serve."""
 
 
 class PayloadTooLarge(MemSpecError):
-    status = 413
-    code = "request_too_large"
+    """The request body exceeds the configured limit."""
 
 
 class QueueFull(MemSpecError):
-    status = 429
-    type = "rate_limit_error"
-    code = "queue_full"
-
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message)
         self.retry_after_s = retry_after_s
@@ -51,10 +52,6 @@ class QueueFull(MemSpecError):
 
 class NotReady(MemSpecError):
     """Models still loading, being reloaded, or the daemon is shutting down."""
-
-    status = 503
-    type = "server_error"
-    code = "not_ready"
 
     def __init__(self, message: str, code: str = "not_ready", retry_after_s: int = 2):
         super().__init__(message, code=code)
@@ -64,9 +61,39 @@ class NotReady(MemSpecError):
 class EngineError(MemSpecError):
     """The engine raised something that is not a MemSpecError: a clean 500, no traceback."""
 
-    status = 500
-    type = "server_error"
-    code = "engine_error"
+
+class HttpError(NamedTuple):
+    status: int
+    type: str
+    code: str | None
+
+
+_CLIENT = "invalid_request_error"
+_SERVER = "server_error"
+
+# Class -> how HTTP reports it. A class not listed takes its nearest listed base's entry.
+HTTP_ERRORS: dict[type[MemSpecError], HttpError] = {
+    MemSpecError: HttpError(400, _CLIENT, None),
+    InvalidRequest: HttpError(400, _CLIENT, "invalid_request"),
+    ContextOverflow: HttpError(400, _CLIENT, "context_length_exceeded"),
+    Unauthorized: HttpError(401, _CLIENT, "invalid_api_key"),
+    UnknownDraft: HttpError(404, _CLIENT, "draft_not_found"),
+    UnknownModel: HttpError(404, _CLIENT, "model_not_found"),
+    PayloadTooLarge: HttpError(413, _CLIENT, "request_too_large"),
+    QueueFull: HttpError(429, "rate_limit_error", "queue_full"),
+    ModelLoadError: HttpError(500, _SERVER, "model_load_failed"),
+    PredictorError: HttpError(500, _SERVER, "predictor_unavailable"),
+    EngineError: HttpError(500, _SERVER, "engine_error"),
+    NotReady: HttpError(503, _SERVER, "not_ready"),
+    BudgetExceeded: HttpError(507, _SERVER, "memory_budget_exceeded"),
+    StateWriteError: HttpError(507, _SERVER, "state_not_persisted"),
+}
+
+
+def http_error(exc: MemSpecError) -> HttpError:
+    """The status, OpenAI type and code that answer `exc` (its own code wins over the class's)."""
+    mapped = next(HTTP_ERRORS[c] for c in type(exc).__mro__ if c in HTTP_ERRORS)
+    return mapped._replace(code=exc.code) if exc.code is not None else mapped
 
 
 def error_body(
@@ -76,17 +103,19 @@ def error_body(
 
 
 def error_json(exc: MemSpecError) -> dict[str, Any]:
-    return error_body(exc.message, exc.type, exc.param, exc.code)
+    mapped = http_error(exc)
+    return error_body(exc.message, mapped.type, exc.param, mapped.code)
 
 
 def error_response(exc: MemSpecError) -> JSONResponse:
+    status = http_error(exc).status
     headers = {}
     retry = getattr(exc, "retry_after_s", None)
     if retry is not None:
         headers["Retry-After"] = str(retry)
-    if exc.status == 401:
+    if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(error_json(exc), status_code=exc.status, headers=headers)
+    return JSONResponse(error_json(exc), status_code=status, headers=headers)
 
 
 def as_memspec_error(exc: BaseException) -> MemSpecError:
@@ -142,8 +171,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None, st
 
 async def _memspec_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, MemSpecError)
-    if exc.status >= 500:
-        log.error("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
+    status = http_error(exc).status
+    if status >= 500:
+        log.error("%s %s -> %d %s", request.method, request.url.path, status, exc.message)
     return error_response(exc)
 
 

@@ -27,9 +27,7 @@ REJECTED_FILE = "tuned.rejected.json"
 
 
 class StateWriteError(MemSpecError):
-    status = 507
-    type = "server_error"
-    code = "state_not_persisted"
+    """The tuned settings could not be written to disk."""
 
 
 def state_path(settings: Settings | None = None, state_dir: Path | None = None) -> Path:
