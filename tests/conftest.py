@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from launcher import TARGET_FILE, require_testbed
 
 from memspec.backends.base import BackendOptions, load_backend
 from memspec.config import Settings
 from memspec.paths import models_dir
 
-TARGET_FILE = "smollm2-135m-f32.gguf"
 MODEL_DRAFTS = ["q8_0", "q4_0", "q2_k"]
 
 PROMPTS = [
@@ -18,11 +18,6 @@ PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "What are three benefits of regular exercise?",
 ]
-
-
-def require_testbed() -> None:
-    if not (models_dir() / TARGET_FILE).is_file():
-        pytest.fail(f"testbed missing in {models_dir()}: run scripts/setup.sh", pytrace=False)
 
 
 @pytest.fixture(scope="session")

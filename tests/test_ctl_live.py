@@ -1,33 +1,19 @@
-"""`memspec-ctl` against the real daemon: `memspec serve` on the testbed target, on a free
-loopback port, with an admin key. The contract details and error paths that a live daemon
-cannot be made to show on demand (a 429 burst, a 500 mid-bench) are in test_ctl.py.
+"""`memspec-ctl` against the real daemon: `memspec serve` on the testbed target with both keys
+(tests/launcher.py; or the one at MEMSPEC_TEST_URL). The contract details and error paths
+that a live daemon cannot be made to show on demand (a 429 burst, a 500 mid-bench) are in
+test_ctl.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
-import httpx
 import pytest
+from launcher import ADMIN_KEY, API_KEY, running
 
-from memspec.paths import models_dir
-
-
-def require_testbed() -> None:
-    # Not imported from conftest: several conftest modules exist and "conftest" is ambiguous.
-    if not (models_dir() / "smollm2-135m-f32.gguf").is_file():
-        pytest.fail(f"testbed missing in {models_dir()}: run scripts/setup.sh", pytrace=False)
-
-
-KEY = "live-admin-key"
 pytestmark = pytest.mark.timeout(240)
 
 STATUS_KEYS = {
@@ -49,67 +35,19 @@ STATUS_KEYS = {
 DRAFT_KEYS = {"id", "kind", "bytes", "resident", "pinned", "acceptance", "requests"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    if importlib.util.find_spec("memspec.server") is None:
-        pytest.skip("memspec.server is not in this checkout yet")
-    require_testbed()
-    tmp = tmp_path_factory.mktemp("daemon")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSPEC_")}
-    if "MEMSPEC_DATA_DIR" in os.environ:
-        env["MEMSPEC_DATA_DIR"] = os.environ["MEMSPEC_DATA_DIR"]
-    env["MEMSPEC_ADMIN_KEY"] = KEY
-    log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed in teardown
     # prompt-lookup only: no draft weights to load at start (the test loads q4_0 itself).
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "memspec.cli", "serve", "--port", str(port), "--n-ctx", "512",
-            "--drafts", "prompt-lookup", "--n-threads", "1", "--state-dir", str(tmp / "state"),
-            "--log-level", "warning",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"memspec serve exited {proc.returncode}:\n{_tail(tmp)}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"memspec serve not ready after 180 s:\n{_tail(tmp)}")
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
+    tmp = tmp_path_factory.mktemp("daemon")
+    settings = {"n_ctx": 512, "log_level": "warning"}
+    with running(tmp, "lookup", shared=True, keys=True, settings=settings) as d:
+        yield d.url
 
 
-def _tail(tmp: Path) -> str:
-    return "\n".join((tmp / "serve.log").read_text().splitlines()[-30:])
-
-
-def ctl(url: str, *args: str, key: str | None = KEY) -> subprocess.CompletedProcess:
+def ctl(url: str, *args: str, key: str | None = ADMIN_KEY) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSPEC_")}
     cmd = [sys.executable, "-m", "memspec.ctl", "--url", url, "--timeout", "60"]
+    cmd += ["--api-key", API_KEY]  # bench's /v1 requests
     if key:
         cmd += ["--key", key]
     return subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=120)

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,12 +120,18 @@ def configure_logging(level: str) -> None:
     )
 
 
-def serve(config_file: str | Path | None = None, **cli: Any) -> int:
+def serve(
+    config_file: str | Path | None = None,
+    runtime_factory: Callable[[Settings], Any] | None = None,
+    **cli: Any,
+) -> int:
+    """`runtime_factory`: builds the Runtime (default memspec.runtime.Runtime); the tests
+    inject engine and load faults through it."""
     settings, configured_settings = load_settings_and_base(config_file, cli)
     configure_logging(settings.log_level)
     check_bind(settings)
     sock = bind_socket(settings.host, settings.port)
-    app = create_app(settings, fallback=configured_settings)
+    app = create_app(settings, runtime_factory, fallback=configured_settings)
     ctx: ServerContext = app.state.memspec
     config = uvicorn.Config(
         app,

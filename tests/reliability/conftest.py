@@ -6,15 +6,13 @@ and a data dir of its own with canary files outside the models directory.
 from __future__ import annotations
 
 import pytest
+from launcher import running
 from reliability_harness import (
-    ADMIN_KEY,
-    API_KEY,
     CANARIES,
     HARDENED_N_CTX,
     MAX_BODY,
     MAX_PROMPT_CHARS,
     Hardened,
-    ServerProcess,
     make_data_dir,
 )
 
@@ -26,22 +24,12 @@ def hardened(tmp_path_factory) -> Hardened:
     canaries = [data / CANARIES[0], data / CANARIES[1], tmp / CANARIES[2]]
     for c in canaries:
         c.write_text("canary: nothing may open this file\n")
-    srv = ServerProcess(
-        tmp,
-        args=["--drafts", "prompt-lookup", "--n-ctx", str(HARDENED_N_CTX)],
-        env={
-            "MEMSPEC_DATA_DIR": str(data),
-            "MEMSPEC_STATE_DIR": str(tmp / "state"),
-            "MEMSPEC_API_KEY": API_KEY,
-            "MEMSPEC_ADMIN_KEY": ADMIN_KEY,
-            "MEMSPEC_LOG_LEVEL": "debug",
-            "MEMSPEC_DEFAULT_MAX_TOKENS": "4",
-            "MEMSPEC_MAX_PROMPT_CHARS": str(MAX_PROMPT_CHARS),
-            "MEMSPEC_MAX_BODY": str(MAX_BODY),
-        },
-    )
-    try:
-        srv.wait_ready()
+    env = {
+        "MEMSPEC_DATA_DIR": str(data),
+        "MEMSPEC_DEFAULT_MAX_TOKENS": "4",
+        "MEMSPEC_MAX_PROMPT_CHARS": str(MAX_PROMPT_CHARS),
+        "MEMSPEC_MAX_BODY": str(MAX_BODY),
+    }
+    settings = {"n_ctx": HARDENED_N_CTX, "log_level": "debug"}
+    with running(tmp, "lookup", settings=settings, env=env, keys=True) as srv:
         yield Hardened(srv, data, canaries)
-    finally:
-        srv.stop()

@@ -1,8 +1,8 @@
 """Helpers for the reliability tests: a private data dir the tests may damage, OpenAI error
 checks, greedy requests, a watcher for files that must never be opened (inotify).
 
-The daemons are real `memspec serve` processes (tests/server/server_harness.py) on free
-loopback ports; faults come from tests/reliability/fault_launcher.py on purpose.
+The daemons are real `memspec serve` processes started by tests/launcher.py; faults come from
+tests/fault_daemon.py on purpose.
 """
 
 from __future__ import annotations
@@ -12,35 +12,15 @@ import ctypes.util
 import os
 import shutil
 import struct
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
+from launcher import ADMIN_KEY, API_KEY, MODEL, TARGET_FILE, Daemon, require_testbed
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "server"))
-
-from server_harness import (  # noqa: E402,F401 - re-exported for the tests
-    MODEL,
-    N_CTX,
-    ROOT,
-    TARGET_FILE,
-    NotifySocket,
-    RawStream,
-    ServerProcess,
-    free_port,
-    require_testbed,
-    sse_events,
-)
-
-from memspec.paths import cache_dir, models_dir  # noqa: E402
-
-FAULT_LAUNCHER = HERE / "fault_launcher.py"
+from memspec.paths import cache_dir, models_dir
 
 # The shared hardened daemon (conftest.py): keys on both APIs, small limits.
-API_KEY = "sk-rel-api-5d1c0ffee7a9"
-ADMIN_KEY = "rel-admin-9b7d4e2a6c31"
 HARDENED_N_CTX = 512
 MAX_PROMPT_CHARS = 20000
 MAX_BODY = 256 * 1024
@@ -77,14 +57,13 @@ def make_data_dir(tmp: Path, copies: tuple[str, ...] = ()) -> Path:
 class Hardened:
     """The shared daemon, its data dir, the canary files nothing may open, its headers."""
 
-    def __init__(self, srv: ServerProcess, data: Path, canaries: list[Path]):
+    def __init__(self, srv: Daemon, data: Path, canaries: list[Path]):
         self.srv, self.url, self.data, self.canaries = srv, srv.url, data, canaries
         self.api = {"Authorization": f"Bearer {API_KEY}"}
         self.admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
     def logs(self) -> str:
-        self.srv._log.flush()
-        return self.srv.log_path.read_text(errors="replace")
+        return self.srv.logs(None)
 
 
 def assert_openai_error(

@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from reliability_harness import ADMIN_KEY, API_KEY, MODEL, ROOT, assert_openai_error, status
+from launcher import ADMIN_KEY, API_KEY, MODEL, ROOT
+from reliability_harness import assert_openai_error, status
 from starlette.requests import Request
 
 from memspec.server import auth

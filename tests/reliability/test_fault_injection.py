@@ -17,16 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from launcher import MODEL, Daemon, sse_events, start
 from reliability_harness import (
     DRAFT_FILES,
-    FAULT_LAUNCHER,
-    MODEL,
-    ServerProcess,
     assert_openai_error,
     completion,
     draft_row,
     make_data_dir,
-    sse_events,
     status,
 )
 
@@ -51,7 +48,7 @@ def mount_tmpfs(path: Path, size: str) -> bool:
 
 
 class Faulty:
-    def __init__(self, srv: ServerProcess, data: Path, state: Path, tmpfs: bool):
+    def __init__(self, srv: Daemon, data: Path, state: Path, tmpfs: bool):
         self.srv, self.url, self.data, self.state, self.tmpfs = srv, srv.url, data, state, tmpfs
         self.models = data / "models"
         self.ref: dict[str, str] = {}
@@ -77,15 +74,15 @@ def faulty(tmp_path_factory):
     data = make_data_dir(tmp, copies=("q2_k",))
     state = tmp / "state-fs"
     tmpfs = mount_tmpfs(state, "64k")
-    srv = ServerProcess(
+    srv = start(
         tmp,
-        args=["--drafts", "prompt-lookup,q4_0"],
+        settings={"drafts": ["prompt-lookup", "q4_0"]},
         env={
             "MEMSPEC_DATA_DIR": str(data),
             "MEMSPEC_STATE_DIR": str(state),
             "MEMSPEC_SHUTDOWN_GRACE_S": "1",
         },
-        script=FAULT_LAUNCHER,
+        faults=True,
     )
     try:
         srv.wait_ready()

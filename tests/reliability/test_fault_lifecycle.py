@@ -17,18 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from reliability_harness import (
-    FAULT_LAUNCHER,
-    MODEL,
-    NotifySocket,
-    RawStream,
-    ServerProcess,
-    assert_openai_error,
-    completion,
-    require_testbed,
-    sse_events,
-    status,
-)
+from launcher import MODEL, Daemon, NotifySocket, RawStream, sse_events, start
+from reliability_harness import assert_openai_error, completion, status
 
 from memspec.server.state import load_state, save_state
 
@@ -48,12 +38,12 @@ def test_sigterm_with_streams_in_flight(tmp_path):
     """One stream running, three waiting: the running one is cut cleanly after the grace
     (finish_reason "cancelled", then [DONE]), the waiting ones get a 503 shutting_down, and
     the process exits 0 well within systemd's TimeoutStopSec."""
-    require_testbed()
-    srv = ServerProcess(
+    srv = start(
         tmp_path,
-        args=["--drafts", "prompt-lookup", "--max-queue", "4"],
+        "lookup",
+        settings={"max_queue": 4},
         env={"MEMSPEC_SHUTDOWN_GRACE_S": "1"},
-        script=FAULT_LAUNCHER,
+        faults=True,
     )
     try:
         srv.wait_ready()
@@ -137,20 +127,19 @@ def lifecycle(tmp_path_factory):
     return {"tmp": tmp, "state": tmp / "state"}
 
 
-def start(lifecycle, name: str, notify: NotifySocket | None = None) -> ServerProcess:
+def start_in(lifecycle, name: str, notify: NotifySocket | None = None) -> Daemon:
     env = {"MEMSPEC_STATE_DIR": str(lifecycle["state"]), "MEMSPEC_SHUTDOWN_GRACE_S": "0"}
     if notify is not None:
         env |= {"NOTIFY_SOCKET": notify.address, "WATCHDOG_USEC": "1500000"}
     d = lifecycle["tmp"] / name
     d.mkdir()
-    srv = ServerProcess(d, args=["--drafts", "prompt-lookup"], env=env, script=FAULT_LAUNCHER)
+    srv = start(d, "lookup", env=env, faults=True)
     srv.wait_ready()
     return srv
 
 
 def test_kill_9_mid_tune_then_restart_keeps_the_settings(lifecycle):
-    require_testbed()
-    srv = start(lifecycle, "a")
+    srv = start_in(lifecycle, "a")
     lifecycle["ref"] = completion(srv.url, PROMPT, 12, draft="none")
     written: list[int] = []
     stop = threading.Event()
@@ -179,7 +168,7 @@ def test_kill_9_mid_tune_then_restart_keeps_the_settings(lifecycle):
     assert persisted["k_max"] in (3, 4, 5, 6)
     lifecycle["k_max"] = persisted["k_max"]
 
-    srv = start(lifecycle, "b")
+    srv = start_in(lifecycle, "b")
     try:
         assert status(srv.url)["k_max"] == lifecycle["k_max"]  # the restart kept it
         assert completion(srv.url, PROMPT, 12) == lifecycle["ref"]
@@ -192,7 +181,7 @@ def test_stuck_engine_is_killed_by_the_watchdog_and_restarts(lifecycle, tmp_path
     means SIGABRT (systemd's default), then Restart=on-failure starts it again."""
     notify = NotifySocket(str(tmp_path / "notify.sock"))
     try:
-        srv = start(lifecycle, "c", notify)
+        srv = start_in(lifecycle, "c", notify)
         notify.wait_for("READY=1", timeout=10)
         notify.wait_for("WATCHDOG=1", timeout=10)  # pinging while healthy
 
@@ -216,7 +205,7 @@ def test_stuck_engine_is_killed_by_the_watchdog_and_restarts(lifecycle, tmp_path
         srv.stop()
     finally:
         notify.close()
-    srv = start(lifecycle, "d")  # the restart
+    srv = start_in(lifecycle, "d")  # the restart
     try:
         assert status(srv.url)["k_max"] == lifecycle["k_max"]
         assert completion(srv.url, PROMPT, 12) == lifecycle["ref"]
@@ -229,7 +218,7 @@ def test_unknown_tuned_policy_falls_back_and_keeps_the_rest(lifecycle):
     runs `auto`, says so, drops only that key from the file and keeps the other tunes."""
     state: Path = lifecycle["state"]
     (state / "tuned.json").write_text(json.dumps({"k_max": 5, "policy": "no-such-policy"}))
-    srv = start(lifecycle, "e0")
+    srv = start_in(lifecycle, "e0")
     try:
         st = status(srv.url)
         assert st["policy"] == "auto" and st["k_max"] == 5
@@ -246,7 +235,7 @@ def test_tuned_settings_that_cannot_load_do_not_stop_the_start(lifecycle):
     and sets the tuned file aside instead of failing every restart."""
     state: Path = lifecycle["state"]
     (state / "tuned.json").write_text(json.dumps({"k_max": 5, "budget": "64MiB"}))
-    srv = start(lifecycle, "e")
+    srv = start_in(lifecycle, "e")
     try:
         st = status(srv.url)
         assert st["budget_bytes"] == 2 << 30 and st["k_max"] == 8

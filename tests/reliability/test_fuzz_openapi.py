@@ -18,7 +18,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
-from reliability_harness import HARDENED_N_CTX, MODEL
+from launcher import MODEL
+from reliability_harness import HARDENED_N_CTX
 from schemathesis.checks import not_a_server_error
 from schemathesis.core import NOT_SET
 from schemathesis.generation.modes import GenerationMode

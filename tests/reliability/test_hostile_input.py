@@ -13,11 +13,11 @@ import time
 import httpx
 import psutil
 import pytest
+from launcher import MODEL
 from reliability_harness import (
     HARDENED_N_CTX,
     MAX_BODY,
     MAX_PROMPT_CHARS,
-    MODEL,
     assert_openai_error,
     completion,
     status,

@@ -19,10 +19,8 @@ import time
 
 import psutil
 import pytest
-from reliability_harness import ROOT, ServerProcess, require_testbed
+from launcher import ADMIN_KEY, API_KEY, ROOT, start
 
-API_KEY = "sk-load-test-key"
-ADMIN_KEY = "load-admin-key"
 CLIENTS = 32
 SECONDS = 120
 
@@ -32,11 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     """The default daemon (drafts prompt-lookup and q4_0, max_queue 16, budget 2 GiB)."""
-    require_testbed()
-    srv = ServerProcess(
-        tmp_path_factory.mktemp("load"),
-        env={"MEMSPEC_API_KEY": API_KEY, "MEMSPEC_ADMIN_KEY": ADMIN_KEY},
-    )
+    srv = start(tmp_path_factory.mktemp("load"), keys=True)
     try:
         srv.wait_ready()
         yield srv

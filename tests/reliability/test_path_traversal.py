@@ -13,7 +13,8 @@ from urllib.parse import quote
 
 import httpx
 import pytest
-from reliability_harness import MODEL, ROOT, OpenWatch, assert_openai_error, status
+from launcher import MODEL, ROOT
+from reliability_harness import OpenWatch, assert_openai_error, status
 
 from memspec.drafts.manifest import ManifestError, check_file_name, load_manifest
 

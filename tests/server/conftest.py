@@ -1,6 +1,7 @@
 """Fixtures for the daemon's end-to-end tests: one shared real `memspec serve` (API key, admin
-key, sd_notify socket, watchdog) and the official `openai` client pointed at it. Tests that
-need their own daemon (faults, queue limits, SIGTERM, watchdog) start it themselves.
+key, sd_notify socket, watchdog), or the one at MEMSPEC_TEST_URL, and the official `openai`
+client pointed at it. Tests that need a daemon of their own (faults, queue limits, SIGTERM,
+watchdog) start it themselves (tests/launcher.py).
 """
 
 from __future__ import annotations
@@ -9,19 +10,24 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import (
+from launcher import (
     ADMIN_KEY,
     API_KEY,
+    EXTERNAL_URL,
     N_CTX,
     N_THREADS,
     NotifySocket,
-    ServerProcess,
     require_testbed,
+    running,
 )
 
 
 @pytest.fixture(scope="session")
-def notify_socket(tmp_path_factory) -> NotifySocket:
+def notify_socket(tmp_path_factory) -> NotifySocket | None:
+    """The shared daemon's systemd stand-in (None with MEMSPEC_TEST_URL)."""
+    if EXTERNAL_URL:
+        yield None
+        return
     ns = NotifySocket(str(tmp_path_factory.mktemp("notify") / "notify.sock"))
     yield ns
     ns.close()
@@ -33,24 +39,20 @@ def state_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory, notify_socket, state_dir) -> ServerProcess:
+def server(tmp_path_factory, notify_socket, state_dir):
     """The shared daemon: API and admin keys, default drafts, watchdog every 2 s."""
-    require_testbed()
-    srv = ServerProcess(
-        tmp_path_factory.mktemp("server"),
-        env={
-            "MEMSPEC_API_KEY": API_KEY,
-            "MEMSPEC_ADMIN_KEY": ADMIN_KEY,
-            "MEMSPEC_STATE_DIR": str(state_dir),
-            "NOTIFY_SOCKET": notify_socket.address,
-            "WATCHDOG_USEC": "2000000",
-        },
-    )
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    env = {"MEMSPEC_STATE_DIR": str(state_dir), "WATCHDOG_USEC": "2000000"}
+    if notify_socket is not None:
+        env["NOTIFY_SOCKET"] = notify_socket.address
+    with running(tmp_path_factory.mktemp("server"), shared=True, keys=True, env=env) as daemon:
+        yield daemon
+
+
+@pytest.fixture(scope="session")
+def own_server(server):
+    """The shared daemon, for tests that look at its process (logs, notify socket, state)."""
+    server.require_own()
+    return server
 
 
 @pytest.fixture(scope="session")

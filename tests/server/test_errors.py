@@ -6,7 +6,7 @@ import json
 
 import openai
 import pytest
-from server_harness import MODEL, N_CTX
+from launcher import MODEL, N_CTX
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]

@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_harness import FAULT_SERVE, MODEL, NotifySocket, RawStream, ServerProcess, sse_events
+from launcher import MODEL, Daemon, NotifySocket, RawStream, sse_events, start
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,15 +26,16 @@ def notify(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, notify):
-    srv = ServerProcess(
+    srv = start(
         tmp_path_factory.mktemp("faults"),
-        args=["--max-queue", "1", "--drafts", "prompt-lookup"],
+        "lookup",
+        settings={"max_queue": 1},
         env={
             "MEMSPEC_SHUTDOWN_GRACE_S": "1",
             "NOTIFY_SOCKET": notify.address,
             "FAULT_LOAD_DELAY_S": "3",
         },
-        script=FAULT_SERVE,
+        faults=True,
     )
     try:
         srv.while_loading = while_loading(srv, notify)
@@ -44,7 +45,7 @@ def daemon(tmp_path_factory, notify):
         srv.stop()
 
 
-def while_loading(srv: ServerProcess, notify: NotifySocket) -> dict:
+def while_loading(srv: Daemon, notify: NotifySocket) -> dict:
     """What the daemon answers in its first seconds, while the models load (3 s slower)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

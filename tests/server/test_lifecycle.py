@@ -10,28 +10,22 @@ import time
 
 import httpx
 import pytest
-from server_harness import (
-    FAULT_SERVE,
-    MODEL,
-    ROOT,
-    NotifySocket,
-    ServerProcess,
-)
+from launcher import MODEL, ROOT, NotifySocket, start
 
 from memspec.server.serve import BindRefused, check_bind, load_settings
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_health_503_while_loading_then_ready(server, notify_socket):
-    assert server.health_503_seen or notify_socket.times("STATUS=loading models")
+def test_health_503_while_loading_then_ready(own_server, notify_socket):
+    assert own_server.health_503_seen or notify_socket.times("STATUS=loading models")
     ready = notify_socket.wait_for("READY=1", timeout=5)
     loading = notify_socket.times("STATUS=loading models")
     assert loading and loading[0] <= ready
-    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    assert httpx.get(own_server.url + "/health").json()["status"] == "ok"
 
 
-def test_watchdog_pings_while_healthy(server, notify_socket):
+def test_watchdog_pings_while_healthy(own_server, notify_socket):
     ready = notify_socket.wait_for("READY=1", timeout=5)
     time.sleep(2.0)  # WATCHDOG_USEC=2 s: a ping every ~0.67 s
     pings = [t for t in notify_socket.times("WATCHDOG=1") if t >= ready]
@@ -87,7 +81,7 @@ def test_settings_precedence(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def tuned_state(admin_http, state_dir):
+def tuned_state(own_server, admin_http, state_dir):
     """Tune the shared daemon; its state dir is what the restarted daemon starts from."""
     r = admin_http.post("/admin/tune", json={"k_max": 5})
     assert r.status_code == 200, r.text
@@ -97,16 +91,16 @@ def tuned_state(admin_http, state_dir):
 @pytest.fixture(scope="module")
 def restarted(tmp_path_factory, tuned_state):
     notify = NotifySocket(str(tmp_path_factory.mktemp("notify-c") / "n.sock"))
-    srv = ServerProcess(
+    srv = start(
         tmp_path_factory.mktemp("restarted"),
-        args=["--drafts", "prompt-lookup"],
+        "lookup",
         env={
             "MEMSPEC_STATE_DIR": str(tuned_state),
             "NOTIFY_SOCKET": notify.address,
             "WATCHDOG_USEC": "1500000",
             "MEMSPEC_SHUTDOWN_GRACE_S": "0",
         },
-        script=FAULT_SERVE,
+        faults=True,
     )
     try:
         srv.wait_ready()

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from server_harness import ROOT
+from launcher import ROOT
 
 from memspec.config import Settings
 from memspec.units import parse_size

@@ -1,0 +1,89 @@
+"""`memspec serve` with faults injected on purpose, through EngineWorker's runtime_factory: the
+real daemon otherwise. launcher.start(faults=True) runs it with serve()'s settings as JSON.
+
+A prompt containing one of these markers triggers its fault inside Runtime.generate, on the
+engine thread, exactly where a real engine failure would happen:
+
+    FAULT:raise      raise before the first token (the request gets a clean 500)
+    FAULT:midstream  raise at the third token (the stream ends with an error event)
+    FAULT:slow       sleep 0.1 s per token (holds the engine: queue and disconnect tests)
+    FAULT:hang       never return (a stuck engine: watchdog pings must stop)
+
+FAULT_LOAD_DELAY_S=N in the environment makes building the runtime take N s longer; while the
+file <MEMSPEC_DATA_DIR>/fault-raise-<draft id> exists, loading that draft raises inside the
+working set's loader (the test creates and removes the file while the daemon runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from memspec.config import Settings
+from memspec.engine.speculative import Generation
+from memspec.paths import data_dir
+from memspec.runtime import Runtime
+from memspec.server.serve import serve
+
+
+class FaultySource:
+    """A draft source whose loads raise while the draft's marker file exists."""
+
+    def __init__(self, base: Any):
+        self._base = base
+
+    def load_draft(self, draft_id: str) -> Any:
+        if (data_dir() / f"fault-raise-{draft_id}").exists():
+            raise RuntimeError(f"injected draft load fault ({draft_id})")
+        return self._base.load_draft(draft_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+
+class FaultyRuntime(Runtime):
+    # Runtime.__init__ sets its draft source before building the working set from it: wrap
+    # it as it is set, so every load (the preload too) goes through FaultySource.
+    @property
+    def draft_source(self) -> Any:
+        return self._faulty_source
+
+    @draft_source.setter
+    def draft_source(self, source: Any) -> None:
+        self._faulty_source = FaultySource(source)
+
+    def generate(self, prompt: list[int], params: Any, *args: Any, **kwargs: Any) -> Generation:
+        text = self.target.detokenize(prompt).decode("utf-8", errors="replace")
+        if "FAULT:raise" in text:
+            raise RuntimeError("injected engine fault")
+        if "FAULT:hang" in text:
+            threading.Event().wait()
+        on_token = kwargs.get("on_token")
+        if on_token is not None and ("FAULT:midstream" in text or "FAULT:slow" in text):
+            count = 0
+            midstream = "FAULT:midstream" in text
+
+            def faulty(delta: str, token: int | None) -> None:
+                nonlocal count
+                count += 1
+                if midstream and count == 3:
+                    raise RuntimeError("injected engine fault mid-stream")
+                if not midstream:
+                    time.sleep(0.1)
+                on_token(delta, token)
+
+            kwargs["on_token"] = faulty
+        return super().generate(prompt, params, *args, **kwargs)
+
+
+def runtime_factory(settings: Settings) -> Runtime:
+    time.sleep(float(os.environ.get("FAULT_LOAD_DELAY_S", "0")))
+    return FaultyRuntime(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(serve(None, runtime_factory=runtime_factory, **json.loads(sys.argv[1])))

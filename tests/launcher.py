@@ -1,0 +1,278 @@
+"""The one way tests start a real daemon, and the tools to talk to it.
+
+    start(tmp, "lookup", settings={"max_queue": 1}, env={...}, faults=True)
+    with running(tmp, keys=True, shared=True) as daemon: ...
+
+`memspec serve` runs in a subprocess on a free loopback port, its output in a log file shown on
+failure. A preset (PRESETS) names the settings a kind of daemon starts with; `settings` adds to
+them and is given as command-line flags (so it outranks tuned state, as an operator's flags
+do); `env` sets the rest (MEMSPEC_* settings without a flag, NOTIFY_SOCKET, ...). The caller's
+own MEMSPEC_* environment is dropped, but for the data dir: a developer's settings never leak
+into a test daemon. `keys=True` sets the test API and admin keys.
+
+`faults=True` runs tests/fault_daemon.py instead of the CLI: the same daemon, with faults
+injected through EngineWorker's runtime_factory (that file lists them).
+
+MEMSPEC_TEST_URL=http://HOST:PORT points the tests that need only *a* daemon (`shared=True`:
+tests/server's and memspec-ctl's end-to-end tests) at one already running, instead of starting
+one. Start it on the testbed target with MEMSPEC_API_KEY=$MEMSPEC_TEST_API_KEY and
+MEMSPEC_ADMIN_KEY=$MEMSPEC_TEST_ADMIN_KEY (defaults: API_KEY, ADMIN_KEY below). Tests that
+need the process itself (its logs, notify socket or state dir) then skip; those that need a
+daemon configured their way (faults, limits, restarts) still start their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from memspec.paths import models_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+FAULT_DAEMON = ROOT / "tests" / "fault_daemon.py"
+MODEL = "smollm2-135m"
+TARGET_FILE = "smollm2-135m-f32.gguf"
+API_KEY = os.environ.get("MEMSPEC_TEST_API_KEY", "sk-test-api-key")
+ADMIN_KEY = os.environ.get("MEMSPEC_TEST_ADMIN_KEY", "test-admin-key")
+EXTERNAL_URL = os.environ.get("MEMSPEC_TEST_URL", "").rstrip("/")
+N_CTX = 1024
+N_THREADS = 1  # the test box is shared; one thread per server keeps llama.cpp from spinning
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},  # the configured pool: prompt-lookup and q4_0 resident, budget 2 GiB
+    "lookup": {"drafts": ["prompt-lookup"]},  # no draft weights to load: the quickest start
+}
+
+
+def require_testbed() -> None:
+    if not (models_dir() / TARGET_FILE).is_file():
+        pytest.fail(f"testbed missing in {models_dir()}: run scripts/setup.sh", pytrace=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def as_flags(settings: dict[str, Any]) -> list[str]:
+    """Settings as `memspec serve` flags: --name-with-dashes, lists comma-separated."""
+    flags: list[str] = []
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False and value is not None:
+            flags += [flag, ",".join(value) if isinstance(value, list) else str(value)]
+    return flags
+
+
+class Daemon:
+    """One `memspec serve` subprocess (or, `proc` None, the one at MEMSPEC_TEST_URL)."""
+
+    def __init__(self, url: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+        self.url = url
+        self.proc = proc
+        self.log_path = log
+        self.health_503_seen = False
+        self.while_loading: dict | None = None  # what a test saw before ready
+
+    @property
+    def external(self) -> bool:
+        return self.proc is None
+
+    def require_own(self) -> None:
+        if self.external:
+            pytest.skip("needs a daemon the tests start (MEMSPEC_TEST_URL is set)")
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}:\n{self.logs()}")
+            try:
+                r = httpx.get(self.url + "/health", timeout=2)
+                if r.status_code == 200:
+                    return
+                self.health_503_seen |= r.status_code == 503
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not ready in {timeout}s:\n{self.logs()}")
+
+    def logs(self, tail: int | None = 6000) -> str:
+        self.require_own()
+        text = self.log_path.read_text(errors="replace")
+        return text[-tail:] if tail else text
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after 30 s; the exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def start(
+    tmp: Path,
+    preset: str = "default",
+    *,
+    settings: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    keys: bool = False,
+    faults: bool = False,
+) -> Daemon:
+    """Start a daemon (not waiting for it: see Daemon.wait_ready). Tuned state goes to
+    tmp/state unless env sets MEMSPEC_STATE_DIR."""
+    require_testbed()
+    port = free_port()
+    chosen = {"host": "127.0.0.1", "port": port, "n_ctx": N_CTX, "n_threads": N_THREADS}
+    chosen |= PRESETS[preset] | (settings or {})
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSPEC_")}
+    if "MEMSPEC_DATA_DIR" in os.environ:
+        full_env["MEMSPEC_DATA_DIR"] = os.environ["MEMSPEC_DATA_DIR"]
+    full_env |= {"PYTHONPATH": str(ROOT), "MEMSPEC_STATE_DIR": str(tmp / "state")}
+    if keys:
+        full_env |= {"MEMSPEC_API_KEY": API_KEY, "MEMSPEC_ADMIN_KEY": ADMIN_KEY}
+    full_env |= env or {}
+    if faults:  # serve()'s own arguments: the CLI cannot pass a runtime factory
+        cmd = [sys.executable, str(FAULT_DAEMON), json.dumps(chosen)]
+    else:
+        cmd = [sys.executable, "-m", "memspec.cli", "serve", *as_flags(chosen)]
+    log = tmp / f"serve-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+    return Daemon(f"http://127.0.0.1:{port}", proc, log)
+
+
+@contextlib.contextmanager
+def running(
+    tmp: Path, preset: str = "default", *, shared: bool = False, **kw: Any
+) -> Iterator[Daemon]:
+    """A ready daemon for the block, stopped after it. `shared`: the one at MEMSPEC_TEST_URL
+    if that is set (start()'s other arguments are then ignored)."""
+    if shared and EXTERNAL_URL:
+        yield Daemon(EXTERNAL_URL)
+        return
+    daemon = start(tmp, preset, **kw)
+    try:
+        daemon.wait_ready()
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+class NotifySocket:
+    """An AF_UNIX datagram socket standing in for systemd: collects every notification."""
+
+    def __init__(self, path: str):
+        self.address = path  # "@name" for the abstract namespace
+        bind_to = "\0" + path[1:] if path.startswith("@") else path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(bind_to)
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[float, str]] = []  # (monotonic time, one assignment)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            now = time.monotonic()
+            for line in data.decode().splitlines():
+                self.messages.append((now, line))
+
+    def lines(self) -> list[str]:
+        return [m for _, m in self.messages]
+
+    def times(self, line: str) -> list[float]:
+        return [t for t, m in self.messages if m == line]
+
+    def wait_for(self, line: str, timeout: float = 60.0) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hits = self.times(line)
+            if hits:
+                return hits[0]
+            time.sleep(0.05)
+        raise AssertionError(f"no {line!r} notification in {timeout}s; got {self.lines()}")
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()
+        if not self.address.startswith("@"):
+            Path(self.address).unlink(missing_ok=True)
+
+
+def sse_events(raw: bytes) -> list[dict | str]:
+    """The `data:` payloads of an SSE body, JSON-decoded ("[DONE]" kept as a string)."""
+    out: list[dict | str] = []
+    for line in raw.decode(errors="replace").splitlines():
+        if line.startswith("data: "):
+            payload = line[6:]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+class RawStream:
+    """An HTTP request on a bare socket: read some of the answer, then hang up at will."""
+
+    def __init__(self, url: str, path: str, body: dict, headers: dict[str, str] | None = None):
+        host, port = url.removeprefix("http://").split(":")
+        raw = json.dumps(body).encode()
+        head = [
+            f"POST {path} HTTP/1.1",
+            f"Host: {host}:{port}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(raw)}",
+            *[f"{k}: {v}" for k, v in (headers or {}).items()],
+        ]
+        self.sock = socket.create_connection((host, int(port)), timeout=300)
+        self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + raw)
+        self.data = b""
+
+    def read_until(self, marker: bytes, timeout: float = 120.0) -> bytes:
+        self.sock.settimeout(timeout)
+        deadline = time.monotonic() + timeout
+        while marker not in self.data and time.monotonic() < deadline:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                break
+            self.data += chunk
+        return self.data
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
