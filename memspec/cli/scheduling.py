@@ -43,7 +43,7 @@ def cmd_traces_collect(args: argparse.Namespace) -> int:
 
 
 def cmd_predictor_train(args: argparse.Namespace) -> int:
-    from memspec.predictor.train import TrainConfig, train_from_traces
+    from memspec.sim.train_predictor import TrainConfig, train_from_traces
 
     config = TrainConfig(epochs=args.epochs, l2=args.l2, holdout=args.holdout, seed=args.seed)
     report = train_from_traces([Path(t) for t in args.traces], Path(args.out), config)

@@ -1,1 +1,1 @@
-"""Traces and the trace-driven simulator: replay measured acceptance under a device profile."""
+"""Traces, the trace-driven simulator, and offline training of the acceptance predictor."""

@@ -32,6 +32,7 @@ from memspec.scheduler.policies import (
 )
 from memspec.sim.profile import DraftCost, Profile
 from memspec.sim.traces import Trace, TraceRequest
+from memspec.sim.train_predictor import cells_of
 from memspec.sim.working_set import SimWorkingSet
 from memspec.units import parse_size
 
@@ -165,8 +166,6 @@ def run_request(
 
 def request_alphas(r: TraceRequest) -> dict[str, float]:
     """The request's actual acceptance per statistic key (what an oracle knows in advance)."""
-    from memspec.predictor.train import cells_of
-
     acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for c in cells_of(r):
         acc[c.key][0] += c.accepted
