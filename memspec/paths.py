@@ -25,3 +25,7 @@ def cache_dir() -> Path:
 
 def mtbench_path() -> Path:
     return data_dir() / "mt_bench" / "question.jsonl"
+
+
+def humaneval_path() -> Path:
+    return data_dir() / "human_eval" / "HumanEval.jsonl.gz"

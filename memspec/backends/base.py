@@ -60,6 +60,7 @@ class Backend(ABC):
     def __init__(self) -> None:
         self.tokens: list[int] = []  # exactly what the KV cache holds, in order
         self.forward_s = 0.0  # cumulative seconds inside forward passes (engine overhead)
+        self.decode_s = 0.0  # the part of forward_s in the model itself (no batch set-up, copies)
 
     # --- text -------------------------------------------------------------------------
     @abstractmethod

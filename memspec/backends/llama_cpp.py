@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import io
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -126,7 +127,9 @@ class LlamaCppBackend(Backend):
                 chunk = tokens[i : i + self._n_batch]
                 last_chunk = i + self._n_batch >= len(tokens)
                 batch.set_batch(chunk, n_past + i, logits_all=all_logits)
+                t = time.perf_counter()
                 ctx.decode(batch)
+                self.decode_s += time.perf_counter() - t
                 if all_logits or last_chunk:
                     n_out = len(chunk) if all_logits else 1
                     out = np.ctypeslib.as_array(ctx.get_logits(), shape=(n_out, self.n_vocab))

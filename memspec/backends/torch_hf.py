@@ -17,6 +17,7 @@ import gc
 import importlib
 import inspect
 import io
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -277,13 +278,18 @@ class TorchBackend(Backend):
         # Positions continue from what the cache holds (it is never left padded or shifted).
         pos = torch.arange(n_past, n_past + len(tokens), device=dev).unsqueeze(0)
         kwargs = {self._cache_kw: self._cache, self._keep_kw: 0 if all_logits else 1}
+        t = time.perf_counter()
         try:
             with torch.inference_mode():
                 out = self._model(input_ids=ids, position_ids=pos, use_cache=True, **kwargs)
+                logits = out.logits[0].float()
+                if logits.is_cuda:
+                    torch.cuda.synchronize()  # so decode_s holds the kernels, not their launch
         except Exception:
             self._crop_to(n_past)  # leave the cache as `self.tokens` says, even mid-way
             raise
-        return out.logits[0].float().cpu().numpy()
+        self.decode_s += time.perf_counter() - t
+        return logits.cpu().numpy()
 
     def _crop_to(self, n: int) -> None:
         import torch

@@ -1,12 +1,22 @@
-"""`memspec bench engine`: MT-Bench first turns, greedy, plain vs each draft vs adaptive.
+"""`memspec bench engine`: greedy decoding, plain vs each draft vs adaptive, on a workload.
 
-Every configuration decodes the same prompts in the same run (interleaved per prompt, so
-machine noise hits all alike); speedups are ratios to plain decoding from this run only.
+Workloads (memspec/bench/workloads.py): MT-Bench first turns, and `heldout` (HumanEval code
+completions and hand-written chats) that nothing here is tuned on; `both` runs the two and
+reports them apart. Every configuration decodes the same prompts in the same run
+(interleaved per prompt, so machine noise hits all alike); speedups are ratios to plain
+decoding from this run only. Each config also reports where its rounds' time went and, for
+one-draft configs, the rate the decision rule predicts from its costs and the measured
+acceptance, beside the rate measured.
+
+Peers in the same run: llama-cpp-python's prompt-lookup decoding, and llama.cpp's own
+`llama-server` (plain, n-gram speculation, a q4_0 draft model, both) when
+`scripts/setup.sh --peer` has built it (else skipped with the reason in the report).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -15,24 +25,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from memspec.bench.peer_server import PeerServer, peer_configs
+from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
-from memspec.engine.sampling import SamplingParams
+from memspec.engine.costs import expected_tokens
+from memspec.engine.speculative import ROUND_PHASES
+from memspec.engine.types import SamplingParams
 from memspec.runtime import Runtime, resolve_model_path
-from memspec.testbed import load_mtbench
 
 PEER = "llama-cpp-python prompt-lookup"
-
-
-def select_questions(per_category: int, categories: list[str] | None) -> list[dict]:
-    counts: dict[str, int] = defaultdict(int)
-    chosen = []
-    for q in load_mtbench():
-        if categories and q["category"] not in categories:
-            continue
-        if counts[q["category"]] < per_category:
-            counts[q["category"]] += 1
-            chosen.append(q)
-    return chosen
+POOL = ["prompt-lookup", "q8_0", "q4_0", "q2_k"]
 
 
 class PeerPromptLookup:
@@ -83,6 +85,8 @@ def _summary(rows: list[dict], plain_rows: list[dict]) -> dict:
     return {
         "tokens_per_s": round(tps, 2),
         "speedup": round(tps / plain_tps, 3),
+        # The worst prompt's own ratio to plain: "never loses" is about this, not the mean.
+        "worst_prompt_speedup": _worst(rows, plain_rows),
         "acceptance": round(accepted / proposed, 4) if proposed else None,
         "mean_accepted_length": round(accepted / draft_rounds, 3) if draft_rounds else None,
         "tokens_per_round": round(tokens / rounds, 3) if rounds else None,
@@ -90,6 +94,41 @@ def _summary(rows: list[dict], plain_rows: list[dict]) -> dict:
         "engine_overhead_share": round(1 - forward / secs, 4) if forward else None,
         "prompts": len(rows),
     }
+
+
+def _worst(rows: list[dict], plain_rows: list[dict]) -> float | None:
+    plain = {r["id"]: r["tokens"] / max(r["seconds"], 1e-9) for r in plain_rows}
+    ratios = [
+        r["tokens"] / max(r["seconds"], 1e-9) / plain[r["id"]] for r in rows if r["id"] in plain
+    ]
+    return round(min(ratios), 3) if ratios else None
+
+
+def _round_profile(rows: list[dict], costs, draft: str | None, k: int | None) -> dict:
+    """Milliseconds per round in each phase; predicted vs measured tokens/s for one draft."""
+    rounds = sum(r.get("rounds", 0) for r in rows)
+    if not rounds:
+        return {}
+    phases = {p: sum(r["phases"][p] for r in rows) for p in ROUND_PHASES}
+    secs = sum(r["seconds"] for r in rows)
+    profile: dict = {
+        "ms_per_round": {p: round(v / rounds * 1e3, 3) for p, v in phases.items()},
+        "other_ms_per_round": round((secs - sum(phases.values())) / rounds * 1e3, 3),
+    }
+    proposed = sum(r.get("proposed", 0) for r in rows)
+    if draft not in (None, "none", "auto") and proposed:
+        draft_rounds = max(sum(r.get("draft_rounds", 0) for r in rows), 1)
+        alpha = sum(r["accepted"] for r in rows) / proposed
+        k_mean = proposed / draft_rounds  # what the draft really proposed per round
+        share = draft_rounds / rounds  # rounds that drafted at all (lookups miss)
+        k_round = max(round(k_mean), 1)
+        tokens = share * expected_tokens(alpha, k_round) + (1 - share)
+        seconds = share * costs.round_seconds(draft, k_round) + (1 - share) * costs.verify(1)
+        profile["predicted_tokens_per_s"] = round(tokens / seconds, 2)
+        profile["measured_tokens_per_s"] = round(
+            sum(r["tokens"] for r in rows) / max(secs, 1e-9), 2
+        )
+    return profile
 
 
 def run_engine_bench(
@@ -100,77 +139,42 @@ def run_engine_bench(
     max_tokens: int = 96,
     k_fixed: int = 4,
     categories: list[str] | None = None,
+    workload: str = "mtbench",
+    peer_server: bool = True,
 ) -> dict:
-    questions = select_questions(per_category, categories)
-    pool = ["prompt-lookup", "q8_0", "q4_0", "q2_k"]
-    settings.drafts = [d for d in settings.drafts if d not in pool] + pool
+    workloads = ["mtbench", "heldout"] if workload == "both" else [workload]
+    prompts = {w: load_workload(w, per_category, categories) for w in workloads}
+    settings.drafts = [d for d in settings.drafts if d not in POOL] + POOL
     rt = Runtime(settings)
     configs: list[tuple[str, str, int | None]] = [("none", "none", None)]
-    for d in pool:
+    for d in POOL:
         configs += [(f"{d} k={k_fixed}", d, k_fixed), (f"{d} adaptive-k", d, None)]
     configs.append(("auto", "auto", None))
-    estimators = {name: rt.new_estimator() for name, _, _ in configs}
     peer = PeerPromptLookup(settings, k_fixed)
-    results: dict[str, list[dict]] = defaultdict(list)
+    servers, skipped = _start_peer_servers(settings, peer_server)
     params = SamplingParams(max_tokens=max_tokens)
+    results: dict[str, dict[str, list[dict]]] = {w: defaultdict(list) for w in workloads}
     try:
-        for q in tqdm(questions, desc="bench engine", unit="prompt"):
-            prompt = rt.prompt_tokens(messages=[{"role": "user", "content": q["turns"][0]}])
-            plain_ids: list[int] = []
-            for name, draft, k in configs:
-                fwd0 = rt.target.forward_s + sum(
-                    getattr(d, "backend", rt.target).forward_s
-                    for d in rt.drafts.values()
-                    if hasattr(d, "backend")
-                )
-                rt.target.reset()  # no KV reuse across configs: each pays its prefill
-                gen = rt.generate(prompt, params, draft=draft, k=k, estimator=estimators[name])
-                fwd = (
-                    rt.target.forward_s
-                    + sum(d.backend.forward_s for d in rt.drafts.values() if hasattr(d, "backend"))
-                    - fwd0
-                )
-                if name == "none":
-                    plain_ids = gen.token_ids
-                results[name].append(
-                    {
-                        "question_id": q["question_id"],
-                        "category": q["category"],
-                        "tokens": gen.completion_tokens,
-                        "seconds": gen.elapsed_s,
-                        "proposed": gen.proposed,
-                        "accepted": gen.accepted,
-                        "rounds": gen.rounds,
-                        "draft_rounds": sum(gen.drafts_used.values()),
-                        "forward_s": fwd,
-                        "identical": gen.token_ids == plain_ids,
-                        "drafts_used": gen.drafts_used,
-                    }
-                )
-            ids, secs = peer.generate(prompt, max_tokens)
-            results[PEER].append(
-                {
-                    "question_id": q["question_id"],
-                    "category": q["category"],
-                    "tokens": len(ids),
-                    "seconds": secs,
-                    "identical": ids == plain_ids,
-                }
-            )
+        for w in workloads:
+            # A fresh estimator per config and workload: nothing learnt on one workload is
+            # carried into the other's figures.
+            estimators = {name: rt.new_estimator() for name, _, _ in configs}
+            for p in tqdm(prompts[w], desc=f"bench engine ({w})", unit="prompt"):
+                _run_prompt(rt, p, params, configs, estimators, results[w], peer, servers)
     finally:
         peer.close()
+        for server in servers.values():
+            server.close()
         rt.close()
 
-    cats = sorted({q["category"] for q in questions})
     report: dict = {
         "benchmark": "engine",
         "target": settings.target,
         "max_tokens": max_tokens,
         "k_fixed": k_fixed,
         "per_category": per_category,
-        "prompts": len(questions),
         "machine": {
-            "cpu_count": __import__("os").cpu_count(),
+            "cpu_count": os.cpu_count(),
             "platform": platform.platform(),
             "python": sys.version.split()[0],
         },
@@ -178,59 +182,153 @@ def run_engine_bench(
             "verify": [round(s * 1e3, 3) for s in rt.costs.verify_s],
             "draft_per_token": {k: round(v * 1e3, 3) for k, v in rt.costs.draft_s.items()},
         },
-        "configs": {},
+        "peer_server_skipped": skipped,
+        "workloads": {},
     }
-    for name, rows in results.items():
-        entry = {"overall": _summary(rows, results["none"]), "per_category": {}}
-        for c in cats:
-            entry["per_category"][c] = _summary(
-                [r for r in rows if r["category"] == c],
-                [r for r in results["none"] if r["category"] == c],
-            )
-        entry["runs"] = rows
-        report["configs"][name] = entry
-    report["all_identical"] = all(
-        e["overall"]["identical_to_plain"] for n, e in report["configs"].items() if n != PEER
-    )
+    draft_of = {name: (d, k) for name, d, k in configs}
+    for w in workloads:
+        cats = sorted({p.category for p in prompts[w]})
+        section: dict = {"prompts": len(prompts[w]), "categories": cats, "configs": {}}
+        plain = results[w]["none"]
+        for name, rows in results[w].items():
+            entry: dict = {"overall": _summary(rows, plain), "per_category": {}}
+            for c in cats:
+                entry["per_category"][c] = _summary(
+                    [r for r in rows if r["category"] == c],
+                    [r for r in plain if r["category"] == c],
+                )
+            if name in draft_of:
+                entry["round_profile"] = _round_profile(rows, rt.costs, *draft_of[name])
+            entry["runs"] = rows
+            section["configs"][name] = entry
+        ours = [e for n, e in section["configs"].items() if n in draft_of]
+        section["all_identical"] = all(e["overall"]["identical_to_plain"] for e in ours)
+        report["workloads"][w] = section
+    report["all_identical"] = all(s["all_identical"] for s in report["workloads"].values())
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=2))
-    _print_table(report, cats)
+    for w, section in report["workloads"].items():
+        _print_table(w, section)
     if plot:
-        _plot(report, cats, plot)
+        _plot(report, plot)
     return report
 
 
-def _print_table(report: dict, cats: list[str]) -> None:
-    head = f"{'config':34s} {'overall':>8s} " + " ".join(f"{c[:8]:>8s}" for c in cats)
-    print(head)
-    for name, e in report["configs"].items():
+def _start_peer_servers(settings: Settings, wanted: bool) -> tuple[dict[str, PeerServer], str]:
+    if not wanted:
+        return {}, "not asked for (--no-peer-server)"
+    binary = PeerServer.find()
+    if binary is None:
+        return {}, "llama-server not built: run scripts/setup.sh --peer"
+    servers: dict[str, PeerServer] = {}
+    try:
+        for name, flags in peer_configs(settings).items():
+            servers[name] = PeerServer(binary, settings, flags)
+    except Exception as e:  # a peer that will not start is reported, not fatal
+        for server in servers.values():
+            server.close()
+        return {}, f"llama-server did not start: {e}"
+    return servers, ""
+
+
+def _run_prompt(
+    rt: Runtime,
+    p: BenchPrompt,
+    params: SamplingParams,
+    configs: list[tuple[str, str, int | None]],
+    estimators: dict,
+    results: dict[str, list[dict]],
+    peer: PeerPromptLookup,
+    servers: dict[str, PeerServer],
+) -> None:
+    if p.chat:
+        prompt = rt.prompt_tokens(messages=[{"role": "user", "content": p.text}])
+    else:
+        prompt = rt.prompt_tokens(prompt=p.text)
+    base = {"id": p.id, "category": p.category}
+    plain_ids: list[int] = []
+    for name, draft, k in configs:
+        fwd0 = _forward_s(rt)
+        rt.target.reset()  # no KV reuse across configs: each pays its prefill
+        gen = rt.generate(prompt, params, draft=draft, k=k, estimator=estimators[name])
+        if name == "none":
+            plain_ids = gen.token_ids
+        results[name].append(
+            {
+                **base,
+                "tokens": gen.completion_tokens,
+                "seconds": gen.elapsed_s,
+                "proposed": gen.proposed,
+                "accepted": gen.accepted,
+                "rounds": gen.rounds,
+                "draft_rounds": sum(gen.drafts_used.values()),
+                "forward_s": _forward_s(rt) - fwd0,
+                "phases": gen.phases,
+                "identical": gen.token_ids == plain_ids,
+                "drafts_used": gen.drafts_used,
+            }
+        )
+    ids, secs = peer.generate(prompt, params.max_tokens)
+    results[PEER].append(
+        {**base, "tokens": len(ids), "seconds": secs, "identical": ids == plain_ids}
+    )
+    for name, server in servers.items():
+        ids, secs, drafted, accepted = server.complete(prompt, params.max_tokens)
+        results[name].append(
+            {
+                **base,
+                "tokens": len(ids),
+                "seconds": secs,
+                "proposed": drafted,
+                "accepted": accepted,
+                "identical": ids == plain_ids,
+            }
+        )
+
+
+def _forward_s(rt: Runtime) -> float:
+    drafts = [d.backend for d in rt.drafts.values() if hasattr(d, "backend")]
+    return rt.target.forward_s + sum(b.forward_s for b in drafts)
+
+
+def _print_table(workload: str, section: dict) -> None:
+    cats = section["categories"]
+    print(f"\n{workload}: {section['prompts']} prompts; speedup over plain (worst prompt)")
+    print(f"{'config':34s} {'overall':>13s} " + " ".join(f"{c[:8]:>8s}" for c in cats))
+    for name, e in section["configs"].items():
+        o = e["overall"]
         cells = " ".join(f"{e['per_category'][c]['speedup']:8.2f}" for c in cats)
-        same = "" if e["overall"]["identical_to_plain"] else "  (outputs differ!)"
-        print(f"{name:34s} {e['overall']['speedup']:8.2f} {cells}{same}")
+        same = "" if o["identical_to_plain"] else "  (outputs differ!)"
+        print(
+            f"{name:34s} {o['speedup']:6.2f} ({o['worst_prompt_speedup'] or 0:4.2f}) {cells}{same}"
+        )
 
 
-def _plot(report: dict, cats: list[str], path: str) -> None:
+def _plot(report: dict, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    names = list(report["configs"])
-    x = np.arange(len(cats) + 1)
-    width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(14, 5))
-    for i, n in enumerate(names):
-        e = report["configs"][n]
-        vals = [e["per_category"][c]["speedup"] for c in cats] + [e["overall"]["speedup"]]
-        ax.bar(x + i * width, vals, width, label=n)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(x + 0.4 - width / 2, cats + ["overall"], rotation=20)
-    ax.set_ylabel("speedup over plain decoding (same run)")
-    ax.set_title(
-        f"memspec bench engine — {report['prompts']} MT-Bench first turns, "
-        f"greedy, {report['max_tokens']} tokens"
-    )
-    ax.legend(fontsize=7, ncol=3)
+    sections = report["workloads"]
+    fig, axes = plt.subplots(len(sections), 1, figsize=(14, 5 * len(sections)), squeeze=False)
+    for ax, (w, section) in zip(axes[:, 0], sections.items(), strict=True):
+        cats = section["categories"]
+        names = list(section["configs"])
+        x = np.arange(len(cats) + 1)
+        width = 0.8 / len(names)
+        for i, n in enumerate(names):
+            e = section["configs"][n]
+            vals = [e["per_category"][c]["speedup"] for c in cats] + [e["overall"]["speedup"]]
+            ax.bar(x + i * width, vals, width, label=n)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(x + 0.4 - width / 2, cats + ["overall"], rotation=20)
+        ax.set_ylabel("speedup over plain decoding (same run)")
+        ax.set_title(
+            f"memspec bench engine — {w}: {section['prompts']} prompts, "
+            f"greedy, {report['max_tokens']} tokens"
+        )
+        ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -31,6 +31,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         k_fixed=args.k,
         categories=args.categories,
+        workload=args.workload,
+        peer_server=not args.no_peer_server,
     )
     return 0
 
@@ -69,16 +71,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--max-tokens", type=int, default=128, help="first-turn answer length")
     r.set_defaults(func=cmd_bench_reuse)
 
-    e = bsub.add_parser("engine", help="MT-Bench first turns: plain vs each draft vs adaptive")
+    e = bsub.add_parser("engine", help="plain vs each draft vs adaptive vs peers, on a workload")
     model_flags(e)
     e.add_argument("--out", required=True, help="JSON output file")
     e.add_argument("--plot", help="PNG output file")
     e.add_argument(
         "--per-category", type=int, default=10, help="questions per category (10 = all 80)"
     )
-    e.add_argument("--categories", nargs="*", help="only these MT-Bench categories")
+    e.add_argument("--categories", nargs="*", help="only these categories")
     e.add_argument("--max-tokens", type=int, default=96)
     e.add_argument("--k", type=int, default=4, help="k for the fixed-k runs")
+    e.add_argument(
+        "--workload",
+        choices=["mtbench", "heldout", "both"],
+        default="mtbench",
+        help="MT-Bench first turns, held-out code completions and chats, or both",
+    )
+    e.add_argument(
+        "--no-peer-server",
+        action="store_true",
+        help="skip llama-server (built by scripts/setup.sh --peer) even if it is there",
+    )
     e.set_defaults(func=cmd_bench_engine)
 
     b = bsub.add_parser("policies", help="none/fixed/ucb/exp3/memspec/oracle on a mixed workload")

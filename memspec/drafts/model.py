@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from memspec.backends.base import Backend
@@ -33,7 +35,9 @@ class ModelDraft(Draft):
         k = min(k, room)
         if k <= 0:
             return Proposal(key=self.id)
+        t = time.perf_counter()
         logits = be.eval(context[kept:], all_logits=False)[-1]
+        catchup_s = time.perf_counter() - t
         tokens: list[int] = []
         probs: list[np.ndarray] | None = None if params.greedy else []
         for i in range(k):
@@ -50,7 +54,7 @@ class ModelDraft(Draft):
                 break  # keep the unsure token (one try is cheap), stop paying for more
             if i + 1 < k:  # the last proposal need not be fed: its logits are never used
                 logits = be.eval([tok], all_logits=False)[-1]
-        return Proposal(tokens=tokens, probs=probs, key=self.id)
+        return Proposal(tokens=tokens, probs=probs, key=self.id, catchup_s=catchup_s)
 
     def memory_bytes(self) -> int:
         return self.backend.weight_bytes() + self.backend.kv_bytes_per_token() * self.backend.n_ctx

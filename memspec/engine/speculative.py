@@ -32,6 +32,21 @@ from memspec.errors import ContextOverflow, InvalidRequest
 TokenCallback = Callable[[str, int | None], None]
 
 
+# choose: the policy (lookups peeked, rule evaluated); draft_catchup: a model draft feeding
+# what it has not seen; draft_steps: its k per-token evals; verify_decode: the target's
+# forward pass; verify_copy: the rest of target.eval (batch set-up, logits copy); accept:
+# the accept rule and KV truncation; emit: detokenizing, stop strings, callbacks, feedback.
+ROUND_PHASES = (
+    "choose",
+    "draft_catchup",
+    "draft_steps",
+    "verify_decode",
+    "verify_copy",
+    "accept",
+    "emit",
+)
+
+
 @dataclass
 class Generation:
     text: str = ""
@@ -50,6 +65,8 @@ class Generation:
     target_s: float = 0.0  # time inside the target's forward passes
     draft_s: float = 0.0  # time inside draft proposals
     stall_s: float = 0.0  # time waiting on draft loads (set by the scheduler)
+    # Where the rounds' time went (seconds): see ROUND_PHASES.
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUND_PHASES, 0.0))
 
     @property
     def completion_tokens(self) -> int:
@@ -128,6 +145,7 @@ def speculative_generate(
         t_draft = time.perf_counter()
         choice = policy.choose(ctx, room - 1, params, rng)
         proposal = choice.proposal
+        t_propose = time.perf_counter()
         if choice.draft is not None and choice.k > 0 and proposal is None:
             proposal = choice.draft.propose(ctx, choice.k, params, rng)
         drafted = proposal.tokens[: room - 1] if proposal else []
@@ -135,13 +153,27 @@ def speculative_generate(
         gen.draft_s += t_verify - t_draft
 
         # 2. Target scores [pending] + drafted in one batch: len(drafted) + 1 distributions.
+        decode0 = target.decode_s
         logits = target.eval([ctx[-1]] + drafted)
-        gen.target_s += time.perf_counter() - t_verify
+        t_accept = time.perf_counter()
+        gen.target_s += t_accept - t_verify
 
         # 3. Accept the longest agreeing prefix, then one token from the target.
         new = accept_prefix(drafted, logits, proposal, params, rng)
         n_accepted = len(new) - 1
         target.truncate(len(ctx) + n_accepted)  # drop rejected candidates from the KV cache
+        t_emit = time.perf_counter()
+        catchup = proposal.catchup_s if proposal is not None else 0.0
+        decode = target.decode_s - decode0
+        for phase, seconds in (
+            ("choose", t_propose - t_draft),
+            ("draft_catchup", catchup),
+            ("draft_steps", t_verify - t_propose - catchup),
+            ("verify_decode", decode),
+            ("verify_copy", t_accept - t_verify - decode),
+            ("accept", t_emit - t_accept),
+        ):
+            gen.phases[phase] += seconds
 
         # 4. Bookkeeping and feedback.
         gen.rounds += 1
@@ -174,6 +206,7 @@ def speculative_generate(
             if len(gen.token_ids) >= params.max_tokens:
                 done = True
                 break
+        gen.phases["emit"] += time.perf_counter() - t_emit
         if done:
             break
 

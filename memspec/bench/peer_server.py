@@ -1,0 +1,111 @@
+"""llama.cpp's own `llama-server` as a benchmark peer, driven over HTTP on the same prompts.
+
+Built by `scripts/setup.sh --peer` (scripts/build_peer.sh) from the llama.cpp that the pinned
+llama-cpp-python vendors, with the same CMake flags as the installed library, and linked as
+`data/bin/llama-server` (or named by $MEMSPEC_LLAMA_SERVER). Its rate is llama-server's own
+timing of prompt processing plus decoding (`timings.prompt_ms + predicted_ms`), the same span
+as memspec's `elapsed_s`: no process start, no model load, no HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from memspec.config import Settings
+from memspec.paths import data_dir, models_dir
+from memspec.runtime import resolve_model_path
+
+# llama-server's n-gram speculation as DESIGN.md measured it best on this CPU.
+NGRAM = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+         "--spec-ngram-simple-size-m", "8"]  # fmt: skip
+DRAFT_MODEL = "smollm2-135m-q4_0.gguf"
+
+
+def peer_configs(settings: Settings) -> dict[str, list[str]]:
+    configs = {"llama-server plain": [], "llama-server ngram-simple": NGRAM}
+    draft = models_dir() / DRAFT_MODEL
+    if draft.is_file():
+        configs["llama-server -md q4_0"] = ["-md", str(draft)]
+        configs["llama-server ngram-simple + -md q4_0"] = NGRAM + ["-md", str(draft)]
+    return configs
+
+
+class PeerServer:
+    def __init__(self, binary: Path, settings: Settings, flags: list[str], timeout_s: float = 120):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        threads = str(settings.n_threads or os.cpu_count() or 1)
+        cmd = [
+            str(binary), "-m", str(resolve_model_path(settings.target)), "--host", "127.0.0.1",
+            "--port", str(self.port), "-t", threads, "-tb", threads, "-np", "1",
+            "-c", str(settings.n_ctx), *flags,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"exit {self.proc.returncode}: {err.strip()[-300:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"no /health within {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @staticmethod
+    def find() -> Path | None:
+        env = os.environ.get("MEMSPEC_LLAMA_SERVER")
+        path = Path(env) if env else data_dir() / "bin" / "llama-server"
+        return path if path.is_file() and os.access(path, os.X_OK) else None
+
+    def complete(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float, int, int]:
+        """Greedy completion of token ids: (tokens, seconds, drafted, accepted)."""
+        body = {
+            "prompt": prompt,
+            "n_predict": max_tokens,
+            "temperature": 0.0,
+            "top_k": 1,
+            "cache_prompt": False,  # each prompt pays its prefill, as memspec's configs do
+            "return_tokens": True,
+        }
+        req = urllib.request.Request(
+            f"{self.url}/completion",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.load(r)
+        t = out.get("timings", {})
+        seconds = (t.get("prompt_ms", 0.0) + t.get("predicted_ms", 0.0)) / 1e3
+        return (
+            list(out.get("tokens", [])),
+            seconds,
+            t.get("draft_n", 0),
+            t.get("draft_n_accepted", 0),
+        )
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
