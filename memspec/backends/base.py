@@ -109,10 +109,7 @@ class Backend(ABC):
 
     def reuse_prefix(self, tokens: list[int]) -> int:
         """Truncate the cache to its longest common prefix with `tokens`; return that length."""
-        n = 0
-        limit = min(len(self.tokens), len(tokens))
-        while n < limit and self.tokens[n] == tokens[n]:
-            n += 1
+        n = common_prefix(self.tokens, tokens)
         self.truncate(n)
         return n
 
@@ -143,6 +140,20 @@ class Backend(ABC):
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache per token (both K and V, all layers)."""
         return 0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix, by slice comparisons (C speed; called per round)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # invariant: a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def check_gguf(path: str | os.PathLike[str]) -> Path:

@@ -109,7 +109,7 @@ def _round_profile(rows: list[dict], costs, draft: str | None, k: int | None) ->
     rounds = sum(r.get("rounds", 0) for r in rows)
     if not rounds:
         return {}
-    phases = {p: sum(r["phases"][p] for r in rows) for p in ROUND_PHASES}
+    phases = {p: sum(r["phases"][p] for r in rows) for p in ROUND_PHASES}  # prefill: per round too
     secs = sum(r["seconds"] for r in rows)
     profile: dict = {
         "ms_per_round": {p: round(v / rounds * 1e3, 3) for p, v in phases.items()},

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from memspec.backends.base import Backend
+from memspec.backends.base import Backend, common_prefix
 from memspec.engine.sampling import SamplingParams, probs_from_logits, sample
 from memspec.engine.types import Draft, Proposal
 
@@ -55,6 +55,9 @@ class ModelDraft(Draft):
             if i + 1 < k:  # the last proposal need not be fed: its logits are never used
                 logits = be.eval([tok], all_logits=False)[-1]
         return Proposal(tokens=tokens, probs=probs, key=self.id, catchup_s=catchup_s)
+
+    def catchup_tokens(self, context: list[int]) -> int:
+        return len(context) - common_prefix(self.backend.tokens, context[:-1])
 
     def memory_bytes(self) -> int:
         return self.backend.weight_bytes() + self.backend.kv_bytes_per_token() * self.backend.n_ctx

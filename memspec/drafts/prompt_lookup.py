@@ -20,20 +20,35 @@ class PromptLookupDraft(Draft):
         self.id = id
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        # n-gram -> start of its latest occurrence, per n, over the context indexed so far.
+        # The engine asks every round with the same context grown by a few tokens, so only the
+        # new windows are added (a rescan of the whole context each round cost ~1 ms).
+        self._seen: list[int] = []
+        self._latest: dict[int, dict[tuple[int, ...], int]] = {}
+
+    def _index(self, context: list[int]) -> None:
+        """Index every window that ends before the context's last token (the tail itself is
+        what is looked up, so it must not match itself)."""
+        done = len(self._seen)
+        if done > len(context) or context[:done] != self._seen:  # another request: start over
+            self._seen, self._latest, done = [], {}, 0
+        end = len(context) - 1  # windows lie in context[:end]
+        for n in range(self.min_ngram, self.max_ngram + 1):
+            table = self._latest.setdefault(n, {})
+            for i in range(max(done - n, 0), end - n + 1):
+                table[tuple(context[i : i + n])] = i
+        self._seen = context[:end]
 
     def find(self, context: list[int], k: int) -> tuple[list[int], int]:
         """Continuation (≤ k tokens) after the latest earlier match of the longest tail n-gram."""
         n_ctx = len(context)
         if k <= 0 or n_ctx < self.min_ngram + 1:
             return [], 0
-        arr = np.asarray(context, dtype=np.int64)
+        self._index(context)
         for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
-            tail = arr[n_ctx - n :]
-            # Windows starting at 0..n_ctx-n-1 (exclude the tail itself).
-            windows = np.lib.stride_tricks.sliding_window_view(arr[: n_ctx - 1], n)
-            hits = np.flatnonzero((windows == tail).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n  # most recent occurrence: likeliest to continue
+            hit = self._latest[n].get(tuple(context[n_ctx - n :]))
+            if hit is not None:
+                start = hit + n  # most recent occurrence: likeliest to continue
                 return context[start : start + k], n
         return [], 0
 

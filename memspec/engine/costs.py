@@ -37,6 +37,11 @@ def expected_tokens(alpha: float, k: int, alpha_cont: float | None = None) -> fl
     return 1.0 + alpha * run
 
 
+# A batched catch-up costs about this share of a one-token draft step per token (measured
+# on the 2-core box: a 64-token prefill of q4_0 ≈ 16 single steps).
+CATCHUP_SHARE = 0.25
+
+
 @dataclass
 class CostModel:
     """Measured costs on this device: verify_s[b-1] is the target's time for a batch of b."""
@@ -44,6 +49,21 @@ class CostModel:
     verify_s: list[float]
     draft_s: dict[str, float] = field(default_factory=dict)  # per proposed token
     draft_overhead_s: dict[str, float] = field(default_factory=dict)  # per round (lookup etc.)
+    # Per context token a model draft feeds to catch up (batched), e.g. the prompt at its
+    # first use in a request. Unknown: CATCHUP_SHARE of a draft step.
+    prefill_s: dict[str, float] = field(default_factory=dict)
+
+    def catchup_s(self, draft_id: str) -> float:
+        if draft_id in self.prefill_s:
+            return self.prefill_s[draft_id]
+        return CATCHUP_SHARE * self.draft_s.get(draft_id, 0.0)
+
+    def with_catchup(self, rate: float, draft_id: str, gap: int, tokens_left: float) -> float:
+        """A round's rate once catching up on `gap` context tokens, paid once, is spread over
+        the tokens still expected (a small gap, the usual correction token, is a draft step)."""
+        if gap <= 2 or rate <= 0:
+            return rate
+        return 1.0 / (1.0 / rate + self.catchup_s(draft_id) * gap / max(tokens_left, 1.0))
 
     @property
     def k_cap(self) -> int:

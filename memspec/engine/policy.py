@@ -78,6 +78,10 @@ class DecisionRulePolicy:
                 key = draft.id
             alpha, cont = self.estimator.alpha(key), self.estimator.alpha_cont(key)
             k, rate = self.costs.best_k(draft.id, alpha, limit, cont)
+            if k > 0 and not draft.free:  # a model draft behind the context pays to catch up
+                rate = self.costs.with_catchup(
+                    rate, draft.id, draft.catchup_tokens(context), k_room
+                )
             if k > 0 and rate > best_rate:
                 if proposal is not None:
                     proposal.tokens = proposal.tokens[:k]

@@ -32,11 +32,13 @@ from memspec.errors import ContextOverflow, InvalidRequest
 TokenCallback = Callable[[str, int | None], None]
 
 
+# prefill: the prompt tokens not in the KV cache (once per request). Then per round:
 # choose: the policy (lookups peeked, rule evaluated); draft_catchup: a model draft feeding
 # what it has not seen; draft_steps: its k per-token evals; verify_decode: the target's
 # forward pass; verify_copy: the rest of target.eval (batch set-up, logits copy); accept:
 # the accept rule and KV truncation; emit: detokenizing, stop strings, callbacks, feedback.
 ROUND_PHASES = (
+    "prefill",
     "choose",
     "draft_catchup",
     "draft_steps",
@@ -134,6 +136,7 @@ def speculative_generate(
     gen.cached_tokens = target.reuse_prefix(prompt[:-1])
     if gen.cached_tokens < len(prompt) - 1:
         target.eval(prompt[gen.cached_tokens : -1], all_logits=False)
+    gen.phases["prefill"] = time.perf_counter() - t0
     ctx = list(prompt)
 
     while True:

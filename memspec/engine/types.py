@@ -53,6 +53,11 @@ class Draft(ABC):
     ) -> Proposal:
         """Propose at most k tokens continuing `context`; fewer (or none) is allowed."""
 
+    def catchup_tokens(self, context: list[int]) -> int:
+        """Context tokens the draft must feed before it can propose after `context` (a model
+        draft's KV cache is behind the target's: the whole prompt at its first use)."""
+        return 0
+
     def memory_bytes(self) -> int:
         return 0
 

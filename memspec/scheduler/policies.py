@@ -31,10 +31,6 @@ from memspec.engine.costs import AcceptanceEstimator, CostModel, best_choice
 from memspec.memory.fill import fill_by_value
 from memspec.predictor.model import AcceptancePredictor, RequestState
 
-# A batched catch-up token costs about this share of a single draft step (measured on the
-# x86 testbed: 12 ms vs 47 ms for the Q8_0 draft on one thread).
-CATCHUP_SHARE = 0.25
-
 
 class Residency(Protocol):
     """What a policy needs from a working set, live or simulated."""
@@ -77,7 +73,7 @@ class Env:
     def catchup_s(self, draft: str) -> float:
         if draft in self.prefill_s:
             return self.prefill_s[draft]
-        return CATCHUP_SHARE * self.costs.draft_s.get(draft, 0.0)
+        return self.costs.catchup_s(draft)
 
 
 @dataclass
@@ -100,6 +96,13 @@ class Policy(ABC):
     name: str = "policy"
     # True: a chosen draft that is not resident is loaded on demand and the round waits.
     reactive: bool = False
+    # True: the policy plans residency and learns, and the decision rule decides each round
+    # over the resident drafts, starting from round_priors() (choose() is the simulator's).
+    rounds_by_rule: bool = False
+
+    def round_priors(self) -> dict[str, float]:
+        """Acceptance priors (statistic key -> α) for the rule's rounds of this request."""
+        return {}
 
     def __init__(self, env: Env):
         self.env = env
@@ -320,6 +323,7 @@ class MemSpecPolicy(Policy):
     """
 
     name = "memspec"
+    rounds_by_rule = True
 
     def __init__(
         self,
@@ -424,12 +428,21 @@ class MemSpecPolicy(Policy):
                 if limit <= 0:
                     continue
                 k, rate = self._best(d, self.predictor.alpha(state, key, pos), limit)
-                gap = self._gap(d, pos) if k > 0 and not peek else 0
-                if gap > 2:  # catching up is paid once, then spread over what is left
-                    rate = 1.0 / (1.0 / rate + self.env.catchup_s(d) * gap / left)
+                if k > 0 and not peek:  # catching up is paid once, then spread over what is left
+                    rate = self.env.costs.with_catchup(rate, d, self._gap(d, pos), left)
                 yield d, k, rate
 
         return best_choice(options(), self.r_none)
+
+    def round_priors(self) -> dict[str, float]:
+        """The predictor's α for this request's prompt, per draft and per statistic key."""
+        state = self.state
+        if state is None:
+            return {}
+        keys = set(self.env.drafts) | {
+            k for k in self.predictor.keys if k.split("/")[0] in self.env.drafts
+        }
+        return {k: self.predictor.prior_alpha(state, k, 0) for k in sorted(keys)}
 
     def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
         if draft is None or self.state is None or self.req is None:

@@ -74,6 +74,8 @@ class Scheduler:
         self.predictor = predictor or AcceptancePredictor.fallback("no predictor given")
         self.env = Env({}, costs, k_max)
         self.policies: dict[str, Policy] = {}  # named policies, made on first use
+        # Acceptance learnt by the rule's rounds of a named policy, kept across its requests.
+        self.rule_estimators: dict[str, AcceptanceEstimator] = {}
         self.names = (
             "auto",
             *NAMED_POLICIES,
@@ -125,7 +127,20 @@ class Scheduler:
             return
         text, turns = chat_text(messages)
         request = Request("", prompt, text, turns, params.max_tokens)
-        self.begin_policy(self.policy(policy), request)
+        named = self.policy(policy)
+        self.begin_policy(named, request)
+        if named.rounds_by_rule:
+            # The policy plans residency and learns; each round is the decision rule's over
+            # what is resident, its acceptance estimates starting from the policy's priors
+            # for this request (memspec: the predictor's, from the prompt).
+            est = estimator or self.rule_estimators.setdefault(policy, AcceptanceEstimator())
+            for key, alpha in named.round_priors().items():
+                est.set_prior(key, alpha)
+
+            def rule(drafts: list[Draft]) -> RoundPolicy:
+                return DecisionRulePolicy(drafts, self.costs, est, self.k_max)
+
+            self._build, self._rule, self._resident, self._ids = rule, rule([]), (), None
 
     def begin_policy(self, policy: Policy, request: Request) -> None:
         """Start a request that `policy` decides (the live policy bench brings its own)."""
@@ -158,19 +173,24 @@ class Scheduler:
         now = time.perf_counter()
         self._close(now)
         self.ws.release_leases()  # the previous round's proposal is verified by now
-        if self._policy is None:
-            if self._build is not None:
-                drafts = self.ws.lease_resident(self._ids)
-                resident = tuple(d.id for d in drafts)
-                if resident != self._resident:  # rebuilt only when residency changes
-                    self._rule, self._resident = self._build(drafts), resident
-            return self._rule.choose(context, k_room, params, rng)
-        return self._choose_by_policy(self._policy, now, context, k_room, params, rng)
+        if self._policy is not None and self._build is None:
+            return self._choose_by_policy(self._policy, now, context, k_room, params, rng)
+        if self._build is not None:
+            drafts = self.ws.lease_resident(self._ids)
+            resident = tuple(d.id for d in drafts)
+            if resident != self._resident:  # rebuilt only when residency changes
+                self._rule, self._resident = self._build(drafts), resident
+        t = time.thread_time()
+        choice = self._rule.choose(context, k_room, params, rng)
+        if self._policy is not None and self._request is not None:
+            self.stats.policy_s += time.thread_time() - t
+            self._open_round(choice, len(context) - len(self._request.prompt), now)
+        return choice
 
     def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None:
-        if self._policy is None:
+        if self._policy is None or self._build is not None:
             self._rule.observe(key, proposed, accepted, seconds)
-        elif self._open is not None:
+        if self._policy is not None and self._open is not None:
             self._open.update(key=key, proposed=proposed, accepted=accepted)
 
     def _choose_by_policy(
@@ -223,7 +243,11 @@ class Scheduler:
                     self.stats.stall_s += time.perf_counter() - t
                 if draft is not None:
                     choice = Choice(draft, k)
-        used = choice.draft.id if choice.draft is not None else None
+        self._open_round(choice, position, now)
+        return choice
+
+    def _open_round(self, choice: Choice, position: int, now: float) -> None:
+        used = choice.draft.id if choice.draft is not None and choice.k > 0 else None
         self._open = {
             "draft": used,
             "key": used or "",
@@ -234,7 +258,6 @@ class Scheduler:
         }
         if used is not None:
             self.stats.drafts_used[used] = self.stats.drafts_used.get(used, 0) + 1
-        return choice
 
     def _close(self, now: float) -> None:
         o, self._open = self._open, None

@@ -15,3 +15,24 @@ def test_no_match_proposes_nothing():
     d = PromptLookupDraft()
     p = d.propose([1, 2, 3, 4], 4, SamplingParams(), np.random.default_rng(0))
     assert p.tokens == [] and p.probs is None
+
+
+def brute_force_find(context: list[int], k: int, max_ngram: int, min_ngram: int):
+    """The definition: the latest earlier window equal to the longest tail n-gram."""
+    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+        tail = context[-n:]
+        for i in range(len(context) - n - 1, -1, -1):
+            if context[i : i + n] == tail:
+                return context[i + n : i + n + k], n
+    return [], 0
+
+
+def test_incremental_index_equals_a_rescan_as_contexts_grow_and_change():
+    rng = np.random.default_rng(0)
+    for min_ngram in (1, 2):
+        d = PromptLookupDraft(max_ngram=3, min_ngram=min_ngram)
+        for _request in range(20):  # a new context each time: the index must start over
+            ctx = [int(t) for t in rng.integers(0, 6, rng.integers(1, 30))]
+            for _round in range(40):
+                assert d.find(ctx, 5) == brute_force_find(ctx, 5, 3, min_ngram)
+                ctx = ctx + [int(t) for t in rng.integers(0, 6, rng.integers(1, 4))]
