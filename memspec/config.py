@@ -37,7 +37,7 @@ class Settings(BaseSettings):
     n_ctx: int = Field(2048, description="context length in tokens")
     n_threads: int | None = Field(None, description="CPU threads (default: all cores)")
     n_gpu_layers: int = Field(0, description="layers offloaded to the GPU (-1: all)")
-    # Speculation and memory (policies: memspec.scheduler.serving)
+    # Speculation and memory (policies: memspec.scheduler.rounds and .policies)
     k_max: int = Field(8, description="longest draft per round")
     policy: str = Field("auto", description="draft policy: auto, memspec, ucb, exp3, fixed:<id>")
     predictor: Path | None = None  # acceptance predictor artifact; default predictors/*.json
