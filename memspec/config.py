@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     n_gpu_layers: int = Field(0, description="layers offloaded to the GPU (-1: all)")
     # Speculation and memory (policies: memspec.scheduler.rounds and .policies)
     k_max: int = Field(8, description="longest draft per round")
-    policy: str = Field("auto", description="draft policy: auto, memspec, ucb, exp3, fixed:<id>")
+    policy: str = Field("memspec", description="draft policy: memspec, auto, ucb, exp3, fixed:<id>")
     predictor: Path | None = None  # acceptance predictor artifact; default predictors/*.json
     budget: str | int = Field("2GiB", description="memory for target + drafts + KV, e.g. 1.5GiB")
     # Server

@@ -165,8 +165,6 @@ class Runtime:
         costs = self.costs
         if draft.id not in costs.draft_s | costs.draft_overhead_s:
             measure_draft(draft, costs, self.settings.k_max)
-        else:
-            draft.cost_per_token_s = costs.draft_s.get(draft.id, 0.0)
 
     def _sync_budget(self) -> None:
         """Follow settings.budget when it is changed in place (the admin API does that)."""

@@ -54,7 +54,13 @@ class ModelDraft(Draft):
                 break  # keep the unsure token (one try is cheap), stop paying for more
             if i + 1 < k:  # the last proposal need not be fed: its logits are never used
                 logits = be.eval([tok], all_logits=False)[-1]
-        return Proposal(tokens=tokens, probs=probs, key=self.id, catchup_s=catchup_s)
+        return Proposal(
+            tokens=tokens,
+            probs=probs,
+            key=self.id,
+            catchup_s=catchup_s,
+            catchup_tokens=len(context) - kept,
+        )
 
     def catchup_tokens(self, context: list[int]) -> int:
         return len(context) - common_prefix(self.backend.tokens, context[:-1])

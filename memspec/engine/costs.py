@@ -17,6 +17,7 @@ i.i.d. α fitted to that mix under-drafts the runs and over-drafts the misses.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -42,9 +43,24 @@ def expected_tokens(alpha: float, k: int, alpha_cont: float | None = None) -> fl
 CATCHUP_SHARE = 0.25
 
 
+# Weight of one round's measurement in the running cost estimates.
+COST_EMA = 0.1
+# An estimate that moved this much (relative) since policies last saw it bumps `version`.
+COST_REPUBLISH = 0.03
+
+
 @dataclass
 class CostModel:
-    """Measured costs on this device: verify_s[b-1] is the target's time for a batch of b."""
+    """Costs on this device: verify_s[b-1] is the calibrated time for a target batch of b,
+    draft_s a model draft's calibrated time per proposed token.
+
+    Calibration happens once (and is cached), but the machine changes: other load, thermal
+    limits, a cache written while the box was busy. So every round's measured verify and draft
+    time corrects the estimates (observe): a batch size seen in use is estimated from its own
+    running mean; one not seen yet from its calibration times the running measured/calibrated
+    ratio of the sizes seen. `version` changes when an estimate moved enough for memoised
+    decisions to be stale.
+    """
 
     verify_s: list[float]
     draft_s: dict[str, float] = field(default_factory=dict)  # per proposed token
@@ -52,11 +68,47 @@ class CostModel:
     # Per context token a model draft feeds to catch up (batched), e.g. the prompt at its
     # first use in a request. Unknown: CATCHUP_SHARE of a draft step.
     prefill_s: dict[str, float] = field(default_factory=dict)
+    version: int = 0
+    _verify_seen: dict[int, float] = field(default_factory=dict, repr=False)
+    _draft_seen: dict[str, float] = field(default_factory=dict, repr=False)
+    _log_scale: float | None = field(default=None, repr=False)  # mean log(measured / calib.)
+    _published: dict[object, float] = field(default_factory=dict, repr=False)
+
+    def observe(
+        self, draft_id: str | None, drafted: int, draft_s: float, gap: int, verify_s: float
+    ) -> None:
+        """One round as measured: the target verified drafted + 1 tokens in verify_s; the
+        draft (if a model draft, with a catch-up of `gap` tokens) took draft_s."""
+        batch = drafted + 1
+        if verify_s > 0:
+            self._update(self._verify_seen, batch, verify_s)
+            ratio = math.log(verify_s / max(self._calibrated_verify(batch), 1e-9))
+            old = self._log_scale
+            self._log_scale = ratio if old is None else old + COST_EMA * (ratio - old)
+            self._republish(("verify", batch), self.verify(batch))
+        if draft_id in self.draft_s and drafted > 0 and draft_s > 0 and gap <= 2:
+            self._update(self._draft_seen, draft_id, draft_s / drafted)
+            self._republish(("draft", draft_id), self._draft_seen[draft_id])
+
+    @staticmethod
+    def _update(seen: dict, key: object, value: float) -> None:
+        old = seen.get(key)
+        seen[key] = value if old is None else old + COST_EMA * (value - old)
+
+    def _republish(self, key: object, value: float) -> None:
+        old = self._published.get(key)
+        if old is None or abs(value / old - 1.0) > COST_REPUBLISH:
+            self._published[key] = value
+            self.version += 1
+
+    def draft_cost(self, draft_id: str) -> float:
+        """Seconds per proposed token: measured in use, else calibrated."""
+        return self._draft_seen.get(draft_id, self.draft_s.get(draft_id, 0.0))
 
     def catchup_s(self, draft_id: str) -> float:
         if draft_id in self.prefill_s:
             return self.prefill_s[draft_id]
-        return CATCHUP_SHARE * self.draft_s.get(draft_id, 0.0)
+        return CATCHUP_SHARE * self.draft_cost(draft_id)
 
     def with_catchup(self, rate: float, draft_id: str, gap: int, tokens_left: float) -> float:
         """A round's rate once catching up on `gap` context tokens, paid once, is spread over
@@ -70,9 +122,18 @@ class CostModel:
         return len(self.verify_s) - 1
 
     def verify(self, batch: int) -> float:
+        seen = self._verify_seen.get(batch)
+        if seen is not None:
+            return seen
+        scale = 1.0 if self._log_scale is None else math.exp(self._log_scale)
+        # A larger batch never costs less than a smaller one measured.
+        floor = max((v for b, v in self._verify_seen.items() if b < batch), default=0.0)
+        return max(self._calibrated_verify(batch) * scale, floor)
+
+    def _calibrated_verify(self, batch: int) -> float:
         if batch <= len(self.verify_s):
             return self.verify_s[batch - 1]
-        # Beyond the measured range: extend linearly from the last two points.
+        # Beyond the calibrated range: extend linearly from the last two points.
         slope = self.verify_s[-1] - self.verify_s[-2] if len(self.verify_s) > 1 else 0.0
         return self.verify_s[-1] + slope * (batch - len(self.verify_s))
 
@@ -80,7 +141,7 @@ class CostModel:
         if draft_id is None or k == 0:
             return self.verify(1)
         return (
-            self.draft_s.get(draft_id, 0.0) * k
+            self.draft_cost(draft_id) * k
             + self.draft_overhead_s.get(draft_id, 0.0)
             + self.verify(k + 1)
             + load_s

@@ -20,6 +20,9 @@ class FixedPolicy:
     def observe(self, key, proposed, accepted, seconds) -> None:
         pass
 
+    def observe_costs(self, draft_id, drafted, draft_s, gap, verify_s) -> None:
+        pass
+
 
 class DecisionRulePolicy:
     """Among the given drafts (and none), the (draft, k) with the highest expected tokens/s.
@@ -87,6 +90,9 @@ class DecisionRulePolicy:
                     proposal.tokens = proposal.tokens[:k]
                 best, best_rate = Choice(draft, k, proposal), rate
         return best
+
+    def observe_costs(self, draft_id, drafted, draft_s, gap, verify_s) -> None:
+        self.costs.observe(draft_id, drafted, draft_s, gap, verify_s)
 
     def observe(self, key, proposed, accepted, seconds) -> None:
         if key not in self._free_keys:  # free proposals are scored whole, as shadows

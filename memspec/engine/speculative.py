@@ -167,6 +167,13 @@ def speculative_generate(
         target.truncate(len(ctx) + n_accepted)  # drop rejected candidates from the KV cache
         t_emit = time.perf_counter()
         catchup = proposal.catchup_s if proposal is not None else 0.0
+        policy.observe_costs(
+            choice.draft.id if drafted and choice.draft is not None else None,
+            len(drafted),
+            t_verify - t_propose,
+            proposal.catchup_tokens if proposal is not None else 0,
+            t_accept - t_verify,
+        )
         decode = target.decode_s - decode0
         for phase, seconds in (
             ("choose", t_propose - t_draft),

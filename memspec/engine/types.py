@@ -37,8 +37,9 @@ class Proposal:
     # Which acceptance statistic this proposal belongs to (e.g. prompt lookup per n-gram size),
     # so the acceptance estimate is conditioned on what the draft knew when it proposed.
     key: str = ""
-    # Seconds of the proposal spent catching the draft up on the context (model drafts).
+    # The proposal's catch-up on the context (model drafts): seconds and tokens fed.
     catchup_s: float = 0.0
+    catchup_tokens: int = 0
 
 
 class Draft(ABC):
@@ -89,3 +90,10 @@ class RoundPolicy(Protocol):
     ) -> Choice: ...
 
     def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None: ...
+
+    def observe_costs(
+        self, draft_id: str | None, drafted: int, draft_s: float, gap: int, verify_s: float
+    ) -> None:
+        """Every round, as measured: the draft's time (catching up on `gap` tokens) and the
+        target's for verifying drafted + 1 tokens; a policy with a CostModel corrects it."""
+        ...

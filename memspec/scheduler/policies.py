@@ -106,8 +106,12 @@ class Policy(ABC):
 
     def __init__(self, env: Env):
         self.env = env
-        self.r_none = env.costs.rate(None, 0.0, 0)
         self._memo: dict[tuple, tuple[int, float]] = {}
+
+    @property
+    def r_none(self) -> float:
+        """Plain decoding's rate now (the costs follow what rounds measure)."""
+        return self.env.costs.rate(None, 0.0, 0)
 
     def begin(self, req: Request, ws: Residency) -> None:  # noqa: B027 - optional hook
         """A request starts: read its prompt, tell the working set what to hold."""
@@ -154,7 +158,7 @@ class Policy(ABC):
             None if alpha_cont is None else round(alpha_cont, 3),
             limit,
             force,
-            c.draft_s.get(draft),
+            c.version,  # any cost the memo used may have moved since
             c.draft_overhead_s.get(draft),
         )
         hit = self._memo.get(key)

@@ -187,6 +187,11 @@ class Scheduler:
             self._open_round(choice, len(context) - len(self._request.prompt), now)
         return choice
 
+    def observe_costs(
+        self, draft_id: str | None, drafted: int, draft_s: float, gap: int, verify_s: float
+    ) -> None:
+        self.costs.observe(draft_id, drafted, draft_s, gap, verify_s)
+
     def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None:
         if self._policy is None or self._build is not None:
             self._rule.observe(key, proposed, accepted, seconds)

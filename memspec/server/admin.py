@@ -12,6 +12,7 @@ persisted atomically before it is applied and rolled back if applying it fails.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Annotated, Any, Literal
 
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import memspec
 from memspec import telemetry
+from memspec.doctor import kernel_report
 from memspec.errors import BudgetExceeded, InvalidRequest
 from memspec.server.auth import require_admin_key
 from memspec.server.context import Ctx, ServerContext
@@ -89,6 +91,12 @@ def tuned_settings(ctx: ServerContext) -> dict[str, Any]:
     }
 
 
+@functools.cache
+def _kernels() -> dict[str, Any]:
+    """Which kernels run (memspec doctor's report): fixed for the process, so read once."""
+    return kernel_report()
+
+
 def status(ctx: ServerContext) -> dict[str, Any]:
     s, w = ctx.settings, ctx.worker
     rt = w.runtime
@@ -115,6 +123,7 @@ def status(ctx: ServerContext) -> dict[str, Any]:
         "queue": {"depth": w.queue_depth, "max": s.max_queue, "busy": w.busy},
         "engine": {"state": w.state, "heartbeat_age_s": round(w.heartbeat_age_s, 2)},
         "warnings": list(w.warnings),
+        "kernels": _kernels(),
         "tokens_per_s_recent": w.tokens_per_s_recent(),
         "requests_served": w.requests_served,
         "prefix_cache": {

@@ -50,6 +50,10 @@ def test_status(admin_http):
     assert {"prompt-lookup", "q4_0"} <= ids
     for d in st["drafts"]:
         assert DRAFT_KEYS <= set(d)
+    # Which kernels run: the CPU backend's features, and the build as setup proved it.
+    kernels = st["kernels"]
+    assert kernels["batch_invariant"] is True and "CPU" in kernels["features"]
+    assert kernels["build"]["probe"]["Q4_0"] == "ok"
 
 
 def test_draft_actions(admin_http):
