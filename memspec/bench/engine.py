@@ -146,10 +146,11 @@ def run_engine_bench(
     prompts = {w: load_workload(w, per_category, categories) for w in workloads}
     settings.drafts = [d for d in settings.drafts if d not in POOL] + POOL
     rt = Runtime(settings)
-    configs: list[tuple[str, str, int | None]] = [("none", "none", None)]
+    # (name, draft, k, policy): `memspec` is the default policy; `auto` the bare decision rule.
+    configs: list[tuple[str, str, int | None, str | None]] = [("none", "none", None, None)]
     for d in POOL:
-        configs += [(f"{d} k={k_fixed}", d, k_fixed), (f"{d} adaptive-k", d, None)]
-    configs.append(("auto", "auto", None))
+        configs += [(f"{d} k={k_fixed}", d, k_fixed, None), (f"{d} adaptive-k", d, None, None)]
+    configs += [("memspec", "auto", None, "memspec"), ("auto", "auto", None, "auto")]
     peer = PeerPromptLookup(settings, k_fixed)
     servers, skipped = _start_peer_servers(settings, peer_server)
     params = SamplingParams(max_tokens=max_tokens)
@@ -158,12 +159,12 @@ def run_engine_bench(
         # Warm up: every config once on a prompt outside the workloads, so draft loads and the
         # first cost corrections are not charged to the first prompt of one config only.
         warm = rt.prompt_tokens(messages=[{"role": "user", "content": "Say hello in one line."}])
-        for name, draft, k in configs:
-            rt.generate(warm, SamplingParams(max_tokens=16), draft=draft, k=k)
+        for _name, draft, k, policy in configs:
+            rt.generate(warm, SamplingParams(max_tokens=16), draft=draft, k=k, policy=policy)
         for w in workloads:
             # A fresh estimator per config and workload: nothing learnt on one workload is
             # carried into the other's figures.
-            estimators = {name: rt.new_estimator() for name, _, _ in configs}
+            estimators = {name: rt.new_estimator() for name, *_ in configs}
             for p in tqdm(prompts[w], desc=f"bench engine ({w})", unit="prompt"):
                 _run_prompt(rt, p, params, configs, estimators, results[w], peer, servers)
     finally:
@@ -190,7 +191,7 @@ def run_engine_bench(
         "peer_server_skipped": skipped,
         "workloads": {},
     }
-    draft_of = {name: (d, k) for name, d, k in configs}
+    draft_of = {name: (d, k) for name, d, k, _ in configs}
     for w in workloads:
         cats = sorted({p.category for p in prompts[w]})
         section: dict = {"prompts": len(prompts[w]), "categories": cats, "configs": {}}
@@ -240,7 +241,7 @@ def _run_prompt(
     rt: Runtime,
     p: BenchPrompt,
     params: SamplingParams,
-    configs: list[tuple[str, str, int | None]],
+    configs: list[tuple[str, str, int | None, str | None]],
     estimators: dict,
     results: dict[str, list[dict]],
     peer: PeerPromptLookup,
@@ -252,10 +253,12 @@ def _run_prompt(
         prompt = rt.prompt_tokens(prompt=p.text)
     base = {"id": p.id, "category": p.category}
     plain_ids: list[int] = []
-    for name, draft, k in configs:
+    for name, draft, k, policy in configs:
         fwd0 = _forward_s(rt)
         rt.target.reset()  # no KV reuse across configs: each pays its prefill
-        gen = rt.generate(prompt, params, draft=draft, k=k, estimator=estimators[name])
+        # A named policy keeps its own statistics across prompts; the rule gets the config's.
+        est = None if policy == "memspec" else estimators[name]
+        gen = rt.generate(prompt, params, draft=draft, k=k, estimator=est, policy=policy)
         if name == "none":
             plain_ids = gen.token_ids
         results[name].append(

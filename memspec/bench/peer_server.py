@@ -46,7 +46,10 @@ class PeerServer:
         cmd = [
             str(binary), "-m", str(resolve_model_path(settings.target)), "--host", "127.0.0.1",
             "--port", str(self.port), "-t", threads, "-tb", threads, "-np", "1",
-            "-c", str(settings.n_ctx), *flags,
+            "-c", str(settings.n_ctx),
+            # The kernels memspec's llama-cpp-python runs: no flash attention (the server's
+            # default "auto" turns it on, and its sums round differently).
+            "-fa", "off", *flags,
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
