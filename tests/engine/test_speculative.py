@@ -165,9 +165,9 @@ def test_bad_input_errors(runtime, chat_prompts):
 
 
 def test_sampling_is_seeded(runtime, chat_prompts):
-    # A seed reproduces a sample given the same drafting decisions; the shared acceptance
-    # estimate moves between requests (and so would k), so each run starts from a fresh one.
+    # A seed reproduces a sample given the same drafting decisions. An adaptive k follows the
+    # acceptance estimate and the measured costs, which move between requests, so k is pinned.
     params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7)
-    a = runtime.generate(chat_prompts[2], params, draft="q4_0", estimator=runtime.new_estimator())
-    b = runtime.generate(chat_prompts[2], params, draft="q4_0", estimator=runtime.new_estimator())
+    a = runtime.generate(chat_prompts[2], params, draft="q4_0", k=3)
+    b = runtime.generate(chat_prompts[2], params, draft="q4_0", k=3)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 12

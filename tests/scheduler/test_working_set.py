@@ -248,8 +248,13 @@ def test_background_prefetch_does_not_block_generate(setup):
     try:
         ws.prefetch([("q8_0", 10.0)])  # the loader starts on it at once
         t0 = time.perf_counter()
+        # The bare rule: memspec (the default policy) would replan what the set holds.
         gen = rt.generate(
-            prompts[0], SamplingParams(max_tokens=MAX_TOKENS), draft="auto", on_token=on_token
+            prompts[0],
+            SamplingParams(max_tokens=MAX_TOKENS),
+            draft="auto",
+            policy="auto",
+            on_token=on_token,
         )
         ws.wait_idle(timeout=60)
     finally:
