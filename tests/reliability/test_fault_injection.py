@@ -76,7 +76,9 @@ def faulty(tmp_path_factory):
     tmpfs = mount_tmpfs(state, "64k")
     srv = start(
         tmp,
-        settings={"drafts": ["prompt-lookup", "q4_0"]},
+        # The bare rule: memspec (the default) would prefetch q8_0 on its own, and these tests
+        # inject faults into loads they start themselves.
+        settings={"drafts": ["prompt-lookup", "q4_0"], "policy": "auto"},
         env={
             "MEMSPEC_DATA_DIR": str(data),
             "MEMSPEC_STATE_DIR": str(state),

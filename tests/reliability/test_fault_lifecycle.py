@@ -215,13 +215,14 @@ def test_stuck_engine_is_killed_by_the_watchdog_and_restarts(lifecycle, tmp_path
 
 def test_unknown_tuned_policy_falls_back_and_keeps_the_rest(lifecycle):
     """A tuned policy this build does not know (renamed, or from a newer version): the daemon
-    runs `auto`, says so, drops only that key from the file and keeps the other tunes."""
+    runs the configured policy (the default, `memspec`), says so, drops only that key from the
+    file and keeps the other tunes."""
     state: Path = lifecycle["state"]
     (state / "tuned.json").write_text(json.dumps({"k_max": 5, "policy": "no-such-policy"}))
     srv = start_in(lifecycle, "e0")
     try:
         st = status(srv.url)
-        assert st["policy"] == "auto" and st["k_max"] == 5
+        assert st["policy"] == "memspec" and st["k_max"] == 5
         assert any("no-such-policy" in w for w in st["warnings"]), st["warnings"]
         assert json.loads((state / "tuned.json").read_text()) == {"k_max": 5}
         assert completion(srv.url, PROMPT, 12) == lifecycle["ref"]

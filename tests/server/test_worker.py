@@ -16,7 +16,7 @@ class BatchDependentTarget:
 class RuntimeWith:
     def __init__(self, target: object):
         self.target = target
-        self.policies = {"auto": None}
+        self.policies = {"auto": None, "memspec": None}
 
 
 def test_a_batch_dependent_target_is_a_status_warning():
