@@ -104,7 +104,7 @@ def _worst(rows: list[dict], plain_rows: list[dict]) -> float | None:
     return round(min(ratios), 3) if ratios else None
 
 
-def _round_profile(rows: list[dict], costs, draft: str | None, k: int | None) -> dict:
+def _round_profile(rows: list[dict], costs, draft: str | None) -> dict:
     """Milliseconds per round in each phase; predicted vs measured tokens/s for one draft."""
     rounds = sum(r.get("rounds", 0) for r in rows)
     if not rounds:
@@ -191,7 +191,7 @@ def run_engine_bench(
         "peer_server_skipped": skipped,
         "workloads": {},
     }
-    draft_of = {name: (d, k) for name, d, k, _ in configs}
+    draft_of = {name: d for name, d, *_ in configs}
     for w in workloads:
         cats = sorted({p.category for p in prompts[w]})
         section: dict = {"prompts": len(prompts[w]), "categories": cats, "configs": {}}
@@ -204,7 +204,7 @@ def run_engine_bench(
                     [r for r in plain if r["category"] == c],
                 )
             if name in draft_of:
-                entry["round_profile"] = _round_profile(rows, rt.costs, *draft_of[name])
+                entry["round_profile"] = _round_profile(rows, rt.costs, draft_of[name])
             entry["runs"] = rows
             section["configs"][name] = entry
         ours = [e for n, e in section["configs"].items() if n in draft_of]

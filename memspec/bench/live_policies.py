@@ -74,7 +74,7 @@ def draft_env(rt, trace: Trace) -> Env:
             if f"prefill_s_per_token/{d}" in r.timing
         ]
         if xs:
-            env.prefill_s[d] = statistics.median(xs)
+            env.costs.prefill_s[d] = statistics.median(xs)
     return env
 
 

@@ -66,14 +66,6 @@ class Env:
     drafts: dict[str, DraftInfo]
     costs: CostModel
     k_max: int = 8
-    # Seconds per token for a model draft to catch up (batched) on context it has not seen:
-    # the whole prompt at its first use in a request. Unknown: CATCHUP_SHARE of a draft step.
-    prefill_s: dict[str, float] = field(default_factory=dict)
-
-    def catchup_s(self, draft: str) -> float:
-        if draft in self.prefill_s:
-            return self.prefill_s[draft]
-        return self.costs.catchup_s(draft)
 
 
 @dataclass
@@ -374,7 +366,7 @@ class MemSpecPolicy(Policy):
         alpha = self.predictor.alpha(self.state, draft.id, position)
         k, rate = self._best(draft.id, alpha, self.env.k_max)
         per_token = max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
-        catch = self.env.catchup_s(draft.id)
+        catch = self.env.costs.catchup_s(draft.id)
         now = per_token * self._tokens_left(position) - catch * self._gap(draft.id, position)
         per_request = per_token * (self.mean_len or 64.0) - catch * (
             self.mean_prompt or len(self.req.prompt)
@@ -472,7 +464,7 @@ class MemSpecPolicy(Policy):
             k, rate = self._best(d.id, alpha, self.env.k_max)
             per_token = max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
             # Net seconds it would have saved on this request, catch-up of the prompt paid.
-            saved = per_token * n - self.env.catchup_s(d.id) * len(self.req.prompt)
+            saved = per_token * n - self.env.costs.catchup_s(d.id) * len(self.req.prompt)
             prev = self.recent.get(d.id, saved)
             self.recent[d.id] = self.recent_decay * prev + (1 - self.recent_decay) * saved
             if saved > best_saved:

@@ -58,7 +58,9 @@ def build_setup(trace: Trace, profile: Profile) -> Setup:
         dcost[d] = c
         infos[d] = DraftInfo(d, h["kind"], c.bytes, profile.load_s(c))
     env = Env(infos, profile.cost_model(dcost), int(trace.header["settings"]["k_max"]))
-    env.prefill_s = {d: c.prefill_s_per_token for d, c in dcost.items() if c.prefill_s_per_token}
+    env.costs.prefill_s = {
+        d: c.prefill_s_per_token for d, c in dcost.items() if c.prefill_s_per_token
+    }
     return Setup(profile, env, dcost, int(trace.header["settings"]["max_tokens"]))
 
 
