@@ -33,3 +33,7 @@ class ModelLoadError(MemSpecError):
 
 class BudgetExceeded(MemSpecError):
     """The memory budget cannot hold what was asked for."""
+
+
+class DraftIncompatible(MemSpecError):
+    """The draft speaks another tokenizer than the target (its token ids mean other text)."""

@@ -18,6 +18,7 @@ import jinja2
 
 from memspec.backends.base import Backend, BackendOptions, load_backend
 from memspec.config import Settings
+from memspec.drafts.compat import fingerprint_of, incompatible_error
 from memspec.drafts.datastore import DatastoreDraft
 from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, DraftManifest, check_id, load_manifests
 from memspec.drafts.registry import PRIOR_ALPHA
@@ -107,8 +108,13 @@ class Runtime:
                 "see `memspec plan --budget SIZE`",
                 param="budget",
             )
+        # Every manifest is checked against the target's tokenizer once: the drafts that
+        # speak another are left out of the pool (draft_status says why).
+        self.target_tokenizer = fingerprint_of(target_path)
         self.target: Backend = load_backend(target_path, self.options, settings.backend)
-        self.draft_source = ManifestSource(self.manifests, self.options, settings.backend)
+        self.draft_source = ManifestSource(
+            self.manifests, self.options, settings.backend, self.target_tokenizer
+        )
         self.working_set: WorkingSet | None = None
         try:
             # Only settings.drafts are preloaded, weightless ones included: "auto" then uses
@@ -150,6 +156,10 @@ class Runtime:
         """Settings.drafts, in order, as far as the budget allows (never evicting)."""
         for draft_id in draft_ids:
             self.manifest(draft_id)
+            reason = self.incompatible.get(draft_id)
+            if reason is not None:
+                log.warning("not preloading %s: %s", draft_id, reason)
+                continue
             try:
                 ws.load(draft_id, evict=False)
             except BudgetExceeded as e:
@@ -198,6 +208,19 @@ class Runtime:
         return self.manifests[draft_id]
 
     @property
+    def incompatible(self) -> dict[str, str]:
+        """Drafts that speak another tokenizer than the target, with the reason."""
+        return self.draft_source.refused
+
+    def usable(self, draft_id: str) -> DraftManifest:
+        """The manifest of a draft this target can use: UnknownDraft, or DraftIncompatible."""
+        m = self.manifest(draft_id)
+        reason = self.incompatible.get(draft_id)
+        if reason is not None:
+            raise incompatible_error(draft_id, reason)
+        return m
+
+    @property
     def drafts(self) -> dict[str, Draft]:
         """Resident drafts, in load order, leased to the calling thread until its next
         generate() (or working_set.release_leases()): safe to use their backends meanwhile."""
@@ -208,26 +231,29 @@ class Runtime:
 
     def load_draft(self, draft_id: str) -> Draft:
         """Load now (evicting lower-value drafts if the budget needs it); retries a failed
-        draft. ModelLoadError on a bad file, BudgetExceeded if pinned drafts block it."""
-        self.manifest(draft_id)
+        draft. ModelLoadError on a bad file, BudgetExceeded if pinned drafts block it,
+        DraftIncompatible if it speaks another tokenizer."""
+        self.usable(draft_id)
         self._sync_budget()
         return self._ws.load(draft_id)
 
     def evict_draft(self, draft_id: str) -> None:
         self.manifest(draft_id)
+        if draft_id in self.incompatible:
+            return  # never loaded: already what was asked
         self._ws.evict(draft_id)
 
     def pin(self, draft_id: str, pinned: bool = True) -> None:
-        self.manifest(draft_id)
         if pinned:
+            self.usable(draft_id)
             self._ws.pin(draft_id)
-        else:
+        elif self.manifest(draft_id).id not in self.incompatible:  # those are never pinned
             self._ws.unpin(draft_id)
 
     def unload_draft(self, draft_id: str) -> None:
         """Evict even if pinned."""
         ws = self.working_set
-        if ws is not None:
+        if ws is not None and draft_id not in self.incompatible:
             ws.unpin(draft_id)
             ws.evict(draft_id)
 
@@ -246,6 +272,7 @@ class Runtime:
         rows = []
         for m in self.manifests.values():
             w = ws_rows.get(m.id, {})
+            reason = self.incompatible.get(m.id)
             rows.append(
                 {
                     "id": m.id,
@@ -260,6 +287,8 @@ class Runtime:
                     "error": w.get("error"),
                     "load_s": w.get("load_s"),
                     "measured_bytes": w.get("measured_bytes"),
+                    "compatible": reason is None,  # speaks the target's tokenizer
+                    "reason": reason,
                 }
             )
         return rows
@@ -344,7 +373,11 @@ class Runtime:
                 param="max_tokens",
             )
         if ask.draft not in ("auto", "none"):
-            self.manifest(ask.draft)  # unknown or invalid id: 404 before anything runs
+            self.usable(ask.draft)  # unknown (404) or incompatible (400) before anything runs
+        if ask.policy and ask.policy.startswith("fixed:"):
+            fixed = ask.policy.removeprefix("fixed:")
+            if fixed in self.incompatible:  # a policy that would use it: the same 400
+                self.usable(fixed)
         if ask.policy is not None and ask.policy not in self.policies:
             raise InvalidRequest(
                 f"unknown policy {ask.policy!r}; known: {', '.join(sorted(self.policies))}",
@@ -392,6 +425,8 @@ class Runtime:
         decides every token) and the draft's status says why.
         """
         ws = self._ws
+        if draft not in ("auto", "none"):
+            self.usable(draft)
         self._sync_budget()
         stall0 = ws.thread_stall_s()
         sched = self.scheduler

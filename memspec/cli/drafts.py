@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from memspec.cli.flags import load_settings, model_flags
+from memspec.cli.flags import add_settings_flags, load_settings, model_flags
 
 
 def cmd_testbed_fetch(args: argparse.Namespace) -> int:
@@ -42,32 +42,52 @@ def cmd_drafts_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_drafts_list(args: argparse.Namespace) -> int:
+    from memspec.drafts.compat import check_draft, fingerprint_of
     from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
+    from memspec.errors import ModelLoadError
     from memspec.paths import models_dir
+    from memspec.runtime import resolve_model_path
 
+    settings = load_settings(args)
+    target_path = resolve_model_path(settings.target)
+    try:  # drafts are checked against the configured target's tokenizer, when it is there
+        target = fingerprint_of(target_path)
+        target_note = target.describe() if target is not None else "no tokenizer in its GGUF"
+    except ModelLoadError as e:
+        target, target_note = None, f"not checked: {e.message}"
     rows = []
-    for m in load_manifests(DEFAULT_MANIFEST_DIR).values():
+    for m in load_manifests(settings.manifest_dir or DEFAULT_MANIFEST_DIR).values():
         path = m.model_path(models_dir()) if m.file else None
+        built = bool(path is None or path.is_file())
+        reason = check_draft(target, m, models_dir()) if target is not None else None
         rows.append(
             {
                 "id": m.id,
                 "kind": m.kind,
                 "file": m.file,
                 "bytes": path.stat().st_size if path and path.is_file() else None,
-                "built": bool(path is None or path.is_file()),
+                "built": built,
+                # Whether it speaks the target's tokenizer (None: not known, not built).
+                "compatible": None if target is None or not built else reason is None,
+                "reason": reason,
                 "tags": m.tags,
             }
         )
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print(f"{'id':16s} {'kind':14s} {'MB':>8s}  built  tags")
+        print(f"target {settings.target}: {target_note}")
+        print(f"{'id':16s} {'kind':14s} {'MB':>8s}  built  target  tags")
         for r in rows:
             mb = f"{r['bytes'] / 1e6:.1f}" if r["bytes"] else "-"
+            fits = {True: "yes", False: "no", None: "-"}[r["compatible"]]
             print(
                 f"{r['id']:16s} {r['kind']:14s} {mb:>8s}  {'yes' if r['built'] else 'no':5s}  "
-                f"{','.join(r['tags'])}"
+                f"{fits:6s}  {','.join(r['tags'])}"
             )
+        for r in rows:
+            if r["reason"]:
+                print(f"{r['id']}: not usable with this target: {r['reason']}")
     return 0
 
 
@@ -147,7 +167,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(first-token acceptance per category; fast, deterministic)",
     )
     ev.set_defaults(func=cmd_drafts_eval)
-    ls = dsub.add_parser("list", help="manifests and whether their files are built")
+    ls = dsub.add_parser(
+        "list", help="manifests, whether their files are built and speak the target's tokenizer"
+    )
+    ls.add_argument("--config", help="TOML config file (its target and manifest_dir)")
+    add_settings_flags(ls, ("target",))
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=cmd_drafts_list)
 

@@ -7,6 +7,7 @@ import json
 import sys
 
 from memspec.cli.flags import load_settings, model_flags
+from memspec.config import Settings
 
 JSON_FIELDS = (
     "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "drafts_used",
@@ -15,13 +16,29 @@ JSON_FIELDS = (
 ROUND_DIGITS = {"acceptance": 4, "tokens_per_s": 2, "elapsed_s": 4}
 
 
+def check_named_draft(settings: Settings, draft_id: str) -> None:
+    """DraftIncompatible (one line, exit 2) for a draft that speaks another tokenizer than
+    the target, before any model loads; an unknown id is left to the runtime to name."""
+    from memspec.drafts.compat import fingerprint_of, require_compatible
+    from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
+    from memspec.paths import models_dir
+    from memspec.runtime import resolve_model_path
+
+    m = load_manifests(settings.manifest_dir or DEFAULT_MANIFEST_DIR).get(draft_id)
+    if m is not None:
+        target = fingerprint_of(resolve_model_path(settings.target))
+        require_compatible(target, m, models_dir())
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from memspec.engine.sampling import SamplingParams
     from memspec.runtime import Runtime
 
     settings = load_settings(args)
-    if args.draft not in ("auto", "none") and args.drafts is None:
-        settings.drafts = [args.draft]
+    if args.draft not in ("auto", "none"):
+        check_named_draft(settings, args.draft)
+        if args.drafts is None:
+            settings.drafts = [args.draft]
     rt = Runtime(settings)
     try:
         if args.chat:

@@ -75,7 +75,13 @@ def drafts_table(drafts: list[dict[str, Any]]) -> str:
         for d in drafts
     ]
     headers = ["DRAFT", "KIND", "SIZE", "RESIDENT", "PINNED", "ACCEPT", "REQUESTS"]
-    return table(headers, rows, right={2, 5, 6})
+    out = table(headers, rows, right={2, 5, 6})
+    # Drafts left out of the pool because they speak another tokenizer than the target.
+    refused = [d for d in drafts if d.get("compatible") is False]
+    if refused:
+        out += "\n\nnot usable with this target (tokenizer):"
+        out += "".join(f"\n  {d.get('id', '?')}: {d.get('reason') or '-'}" for d in refused)
+    return out
 
 
 def _memory_lines(mem: Any) -> list[tuple[str, str]]:

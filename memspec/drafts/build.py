@@ -63,6 +63,10 @@ def _recipe_key(m: DraftManifest, source_sha: str) -> str:
         from memspec.drafts.corpus import SEEDS_FILE
 
         parts.append(sha256_file(SEEDS_FILE))
+    if m.build.recipe == "datastore":  # a new file format rebuilds files of the old one
+        from memspec.drafts.datastore import FORMAT_VERSION
+
+        parts.append(FORMAT_VERSION)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 

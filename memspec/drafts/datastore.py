@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from memspec.drafts.compat import TokenizerFingerprint, fingerprint_of
 from memspec.drafts.prompt_lookup import PromptLookupDraft
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.types import Proposal
@@ -36,7 +37,10 @@ from memspec.errors import ModelLoadError
 
 SEP = 0xFFFFFFFF  # document separator: larger than any token, never part of a pattern
 DEPTH = 64  # suffixes are sorted by this many tokens: max match + longest walk must fit
-FORMAT_VERSION = 1
+# 2: the metadata records the fingerprint of the tokenizer the tokens are ids of ("tokenizer").
+# Format 1 files still load, but no target accepts them (memspec.drafts.compat): rebuild.
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 SAMPLE = 1024  # at most this many occurrences are read to pick the next token
 SMALL = 32  # ranges this small are walked in plain Python (numpy calls cost more)
 # First-token acceptance by match length 0..8 for an index without a measured table (corpus,
@@ -271,6 +275,15 @@ class DatastoreDraft(PromptLookupDraft):
         self._req_prompt: list[int] | None = None  # prompt of the request being decoded
         self._req_ctx: list[int] | None = None  # its context as last seen
 
+    @property
+    def tokenizer(self) -> TokenizerFingerprint | None:
+        """The tokenizer its index was built with (None: built before format 2, unknown)."""
+        d = self.meta.get("tokenizer")
+        try:
+            return TokenizerFingerprint.from_dict(d) if d else None
+        except ValueError:
+            return None
+
     # --- past outputs ---------------------------------------------------------------------
     def remember(self, tokens: list[int]) -> None:
         """Add a finished generation to the recent store; drop the oldest past the byte cap."""
@@ -411,7 +424,7 @@ def load_index(path: Path) -> tuple[SuffixIndex, dict]:
     n = len(tokens)
     ok = (
         isinstance(meta, dict)
-        and meta.get("format") == FORMAT_VERSION
+        and meta.get("format") in READABLE_FORMATS
         and tokens.dtype == np.dtype(">u4")
         and sa.dtype == np.int32
         and tokens.ndim == sa.ndim == 1
@@ -424,6 +437,21 @@ def load_index(path: Path) -> tuple[SuffixIndex, dict]:
     if not ok:
         raise ModelLoadError(f"corrupt datastore {path.name}: bad arrays or format", param="model")
     return SuffixIndex(tokens, sa, int(meta.get("depth", DEPTH))), meta
+
+
+def read_meta(path: Path) -> dict:
+    """A datastore file's metadata alone (its tokenizer, its source), without the index."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"datastore file not found: {path}", param="model")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"corrupt datastore {path.name}: {e}", param="model") from e
+    if not isinstance(meta, dict):
+        raise ModelLoadError(f"corrupt datastore {path.name}: bad metadata", param="model")
+    return meta
 
 
 def load_datastore(id: str, path: Path, params: dict | None = None) -> DatastoreDraft:
@@ -495,8 +523,10 @@ def build_datastore_file(recipe, src: Path, dst: Path, progress: bool = True) ->
     heldout = gen_docs[::10]
     rest = [d for i, d in enumerate(docs) if not (i < len(gen_docs) and i % 10 == 0)]
     alpha = calibrate_alpha(build_index(rest, recipe.max_tokens), heldout) if heldout else {}
+    fingerprint = fingerprint_of(src)  # the token ids below are this tokenizer's
     meta = {
         "alpha_by_match": alpha,
+        "tokenizer": fingerprint.to_dict() if fingerprint is not None else None,
         "source": src.name,
         "domains": recipe.domains,
         "seed_prompts": len(rows),

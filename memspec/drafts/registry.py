@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from memspec.backends.base import BackendOptions, load_backend
+from memspec.drafts.compat import TokenizerFingerprint, require_compatible
 from memspec.drafts.manifest import DraftManifest
 from memspec.drafts.model import ModelDraft
 from memspec.drafts.prompt_lookup import PromptLookupDraft
@@ -13,8 +14,16 @@ from memspec.paths import models_dir
 PRIOR_ALPHA = {"model": 0.7, "prompt_lookup": 0.4, "datastore": 0.4}
 
 
-def instantiate(m: DraftManifest, options: BackendOptions, backend_kind: str) -> Draft:
-    """Load the draft a manifest describes. Raises ModelLoadError for a bad/missing file."""
+def instantiate(
+    m: DraftManifest,
+    options: BackendOptions,
+    backend_kind: str,
+    target: TokenizerFingerprint | None = None,
+) -> Draft:
+    """Load the draft a manifest describes. Raises ModelLoadError for a bad/missing file and,
+    given the target's tokenizer, DraftIncompatible for a draft that speaks another."""
+    if target is not None:  # a file rebuilt since the runtime checked it is checked again
+        require_compatible(target, m, models_dir())
     if m.kind == "prompt_lookup":
         return PromptLookupDraft(
             m.id, int(m.params.get("max_ngram", 3)), int(m.params.get("min_ngram", 1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from memspec.backends.base import BackendOptions
+from memspec.drafts.compat import TokenizerFingerprint, check_draft
 from memspec.drafts.manifest import DraftManifest
 from memspec.drafts.registry import instantiate
 from memspec.engine.types import Draft
@@ -12,17 +13,31 @@ from memspec.paths import models_dir
 
 class ManifestSource:
     """The DraftSource a Runtime gives its WorkingSet. Paths resolve at call time, so a
-    changed MEMSPEC_DATA_DIR or a rebuilt file is seen on the next load."""
+    changed MEMSPEC_DATA_DIR or a rebuilt file is seen on the next load.
+
+    Given the target's tokenizer, it offers only the drafts that speak it: each manifest is
+    checked once, here, and an incompatible one is left out of `draft_ids()` (so no working
+    set holds it and no policy can choose it); `refused` keeps each one's reason."""
 
     def __init__(
-        self, manifests: dict[str, DraftManifest], options: BackendOptions, backend_kind: str
+        self,
+        manifests: dict[str, DraftManifest],
+        options: BackendOptions,
+        backend_kind: str,
+        target: TokenizerFingerprint | None = None,
     ):
         self.manifests = manifests
         self.options = options
         self.backend_kind = backend_kind
+        self.target = target
+        self.refused: dict[str, str] = {}  # draft id -> why it cannot serve the target
+        for m in manifests.values():
+            reason = check_draft(target, m, models_dir())
+            if reason is not None:
+                self.refused[m.id] = reason
 
     def draft_ids(self) -> list[str]:
-        return list(self.manifests)
+        return [i for i in self.manifests if i not in self.refused]
 
     def draft_kind(self, draft_id: str) -> str:
         return self.manifests[draft_id].kind
@@ -38,4 +53,4 @@ class ManifestSource:
         return self.footprint(draft_id).total
 
     def load_draft(self, draft_id: str) -> Draft:
-        return instantiate(self.manifests[draft_id], self.options, self.backend_kind)
+        return instantiate(self.manifests[draft_id], self.options, self.backend_kind, self.target)

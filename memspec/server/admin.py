@@ -1,8 +1,9 @@
 """Admin API (what `memspec-ctl` speaks): status, the draft pool, live tuning.
 
 GET  /admin/status                      daemon, budget, memory, queue, throughput, drafts
-GET  /admin/drafts                      {"drafts": [...]}
-POST /admin/drafts/{id}/load|evict|pin|unpin   {"ok": true, "draft": {...}}
+GET  /admin/drafts                      {"drafts": [...]}, each with compatible, reason (tokenizer)
+POST /admin/drafts/{id}/load|evict|pin|unpin   {"ok": true, "draft": {...}}; load or pin of an
+                                        incompatible draft: 400 draft_incompatible
 POST /admin/tune {budget?, policy?, k_max?, n_ctx?}   {"ok": true, "settings": {...}}
 
 Changes run on the engine thread between generations (never under a running one). A tune is
@@ -40,7 +41,9 @@ router = APIRouter(
     responses=ERROR_RESPONSES,
 )
 
-DRAFT_KEYS = ("id", "kind", "bytes", "resident", "pinned", "acceptance", "requests")
+DRAFT_KEYS = (
+    "id", "kind", "bytes", "resident", "pinned", "acceptance", "requests", "compatible", "reason"
+)  # fmt: skip
 
 
 class TuneRequest(BaseModel):

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse
 from memspec.errors import (
     BudgetExceeded,
     ContextOverflow,
+    DraftIncompatible,
     InvalidRequest,
     MemSpecError,
     ModelLoadError,
@@ -76,6 +77,7 @@ HTTP_ERRORS: dict[type[MemSpecError], HttpError] = {
     MemSpecError: HttpError(400, _CLIENT, None),
     InvalidRequest: HttpError(400, _CLIENT, "invalid_request"),
     ContextOverflow: HttpError(400, _CLIENT, "context_length_exceeded"),
+    DraftIncompatible: HttpError(400, _CLIENT, "draft_incompatible"),
     Unauthorized: HttpError(401, _CLIENT, "invalid_api_key"),
     UnknownDraft: HttpError(404, _CLIENT, "draft_not_found"),
     UnknownModel: HttpError(404, _CLIENT, "model_not_found"),

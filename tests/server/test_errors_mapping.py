@@ -13,6 +13,7 @@ import memspec
 from memspec.errors import (
     BudgetExceeded,
     ContextOverflow,
+    DraftIncompatible,
     InvalidRequest,
     MemSpecError,
     ModelLoadError,
@@ -87,6 +88,7 @@ BEFORE = [
     (InvalidRequest("x", param="n"), 400, CLIENT, "invalid_request"),
     (InvalidRequest("x", code="budget_too_small"), 400, CLIENT, "budget_too_small"),
     (ContextOverflow("x", param="prompt"), 400, CLIENT, "context_length_exceeded"),
+    (DraftIncompatible("x", param="draft"), 400, CLIENT, "draft_incompatible"),
     (Unauthorized(), 401, CLIENT, "invalid_api_key"),
     (UnknownDraft("x", param="draft"), 404, CLIENT, "draft_not_found"),
     (UnknownModel("x", param="model"), 404, CLIENT, "model_not_found"),
