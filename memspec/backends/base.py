@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from memspec.backends.chat import ChatTemplate
 from memspec.errors import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
@@ -29,6 +30,7 @@ class BackendOptions:
     use_mmap: bool = False  # False: a real load into process memory, so residency is real
     device: str = "cpu"  # torch backend only: "cpu" or "cuda"
     seed: int = 0
+    chat_template: str | None = None  # settings.chat_template (memspec.backends.chat)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class Backend(ABC):
     n_vocab: int
     bos_token_id: int | None
     eos_token_ids: frozenset[int]
+    metadata: dict[str, str]  # the GGUF's scalar keys it read (general.*, tokenizer.*), as text
 
     def __init__(self) -> None:
         self.tokens: list[int] = []  # exactly what the KV cache holds, in order
@@ -70,22 +73,31 @@ class Backend(ABC):
     @abstractmethod
     def detokenize(self, tokens: list[int]) -> bytes: ...
 
+    @property
+    @abstractmethod
+    def chat_template(self) -> ChatTemplate:
+        """The template chats are rendered with, resolved once (memspec.backends.chat)."""
+
     @abstractmethod
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        """Render messages with the chat template stored in the model file."""
+        """Render messages with `chat_template`, ready for tokenize(add_bos=True, special=True)."""
 
     # --- compute ------------------------------------------------------------------------
     @abstractmethod
-    def _forward(self, tokens: list[int], all_logits: bool) -> np.ndarray: ...
+    def _forward(self, tokens: list[int], all_logits: bool, copy: bool = True) -> np.ndarray:
+        """copy=False may return a view of the backend's own logits buffer (see eval)."""
 
     @abstractmethod
     def _truncate_kv(self, n: int) -> None: ...
 
-    def eval(self, tokens: list[int], all_logits: bool = True) -> np.ndarray:
+    def eval(self, tokens: list[int], all_logits: bool = True, copy: bool = True) -> np.ndarray:
         """Append `tokens` to the KV cache in one batch.
 
         Returns float32 logits of shape (len(tokens), n_vocab), or (1, n_vocab) for the last
         position only when `all_logits` is False (prefill: no logits paid for the prompt).
+        copy=False may return a read-only view of the backend's buffer, valid until its next
+        eval: callers that read a few rows once skip a full-vocabulary copy per row (1 MiB a
+        row at a 262k vocabulary).
         """
         if not tokens:
             raise ValueError("eval() needs at least one token")
@@ -96,10 +108,16 @@ class Backend(ABC):
                 f"context of {self.n_ctx} tokens exceeded ({len(self.tokens)} + {len(tokens)})"
             )
         t = time.perf_counter()
-        logits = self._forward(tokens, all_logits)
+        logits = self._forward(tokens, all_logits, copy)
         self.forward_s += time.perf_counter() - t
         self.tokens.extend(tokens)
         return logits
+
+    def eval_argmax(self, tokens: list[int]) -> list[int]:
+        """Append `tokens`; the argmax of every position's logits: all greedy decoding reads,
+        taken from the backend's buffer without copying a row."""
+        rows = self.eval(tokens, copy=False)
+        return rows.argmax(axis=1).tolist()
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens of the KV cache, drop the rest (rejected candidates)."""

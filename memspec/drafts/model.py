@@ -36,7 +36,8 @@ class ModelDraft(Draft):
         if k <= 0:
             return Proposal(key=self.id)
         t = time.perf_counter()
-        logits = be.eval(context[kept:], all_logits=False)[-1]
+        # Views of the draft's logits buffer (no copy): each is read before the next eval.
+        logits = be.eval(context[kept:], all_logits=False, copy=False)[-1]
         catchup_s = time.perf_counter() - t
         tokens: list[int] = []
         probs: list[np.ndarray] | None = None if params.greedy else []
@@ -53,7 +54,7 @@ class ModelDraft(Draft):
             if i > 0 and confidence < self.min_confidence:
                 break  # keep the unsure token (one try is cheap), stop paying for more
             if i + 1 < k:  # the last proposal need not be fed: its logits are never used
-                logits = be.eval([tok], all_logits=False)[-1]
+                logits = be.eval([tok], all_logits=False, copy=False)[-1]
         return Proposal(
             tokens=tokens,
             probs=probs,
@@ -73,6 +74,7 @@ class ModelDraft(Draft):
 
 
 def top_probability(logits: np.ndarray, token: int) -> float:
-    """softmax(logits)[token] without materialising the whole distribution twice."""
+    """softmax(logits)[token] without materialising the whole distribution twice (float32:
+    a stopping heuristic, it never changes the output)."""
     z = logits - logits[token]
-    return float(1.0 / np.exp(z, dtype=np.float64).sum())
+    return float(1.0 / np.exp(z).sum(dtype=np.float64))

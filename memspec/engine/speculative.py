@@ -35,7 +35,7 @@ TokenCallback = Callable[[str, int | None], None]
 # prefill: the prompt tokens not in the KV cache (once per request). Then per round:
 # choose: the policy (lookups peeked, rule evaluated); draft_catchup: a model draft feeding
 # what it has not seen; draft_steps: its k per-token evals; verify_decode: the target's
-# forward pass; verify_copy: the rest of target.eval (batch set-up, logits copy); accept:
+# forward pass; verify_copy: the rest of target.eval (batch set-up, reading the logits); accept:
 # the accept rule and KV truncation; emit: detokenizing, stop strings, callbacks, feedback.
 ROUND_PHASES = (
     "prefill",
@@ -83,34 +83,38 @@ class Generation:
         return self.completion_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-def accept_prefix(
+def accept_greedy(drafted: list[int], target_argmax: list[int]) -> list[int]:
+    """Greedy: the draft tokens that are the target's argmax, then the target's next one.
+
+    target_argmax[i] is the target's choice at drafted[i]'s slot; one more entry than drafted
+    tokens gives the bonus token when everything is accepted.
+    """
+    n = 0
+    while n < len(drafted) and drafted[n] == target_argmax[n]:
+        n += 1
+    return drafted[:n] + [target_argmax[n]]
+
+
+def accept_sampled(
     drafted: list[int],
     logits: np.ndarray,
     proposal: Proposal | None,
     params: SamplingParams,
     rng: np.random.Generator,
 ) -> list[int]:
-    """The accepted draft tokens followed by one token from the target.
+    """Sampling: accept with min(1, p/q), else draw from norm(max(p - q, 0)); then the bonus.
 
-    logits[i] is the target's distribution for position i (drafted[i]'s slot); there is one
-    more row than drafted tokens, for the bonus token when everything is accepted.
+    logits[i] is the target's distribution at drafted[i]'s slot (one more row than drafted
+    tokens); rows after the first rejection are never read.
     """
     new: list[int] = []
     for i, tok in enumerate(drafted):
-        if params.greedy:  # greedy: accept iff the draft token is the target's argmax
-            best = int(np.argmax(logits[i]))
-            if tok != best:
-                return new + [best]
-        else:  # sampling: accept with min(1, p/q), else draw from norm(max(p - q, 0))
-            p = probs_from_logits(logits[i], params)
-            q = proposal.probs[i] if proposal is not None and proposal.probs else None
-            if not accept_draft_token(tok, p, q, rng):
-                return new + [sample(residual(p, q, tok), rng)]
+        p = probs_from_logits(logits[i], params)
+        q = proposal.probs[i] if proposal is not None and proposal.probs else None
+        if not accept_draft_token(tok, p, q, rng):
+            return new + [sample(residual(p, q, tok), rng)]
         new.append(tok)
-    last = logits[len(drafted)]  # every proposal accepted: a bonus token
-    if params.greedy:
-        return new + [int(np.argmax(last))]
-    return new + [sample(probs_from_logits(last, params), rng)]
+    return new + [sample(probs_from_logits(logits[len(drafted)], params), rng)]
 
 
 def speculative_generate(
@@ -155,14 +159,18 @@ def speculative_generate(
         t_verify = time.perf_counter()
         gen.draft_s += t_verify - t_draft
 
-        # 2. Target scores [pending] + drafted in one batch: len(drafted) + 1 distributions.
+        # 2+3. Target scores [pending] + drafted in one batch (len(drafted) + 1 positions);
+        # accept the longest agreeing prefix, then one token from the target. Greedy reads
+        # only each row's argmax; sampling reads rows up to the first rejection, in place.
         decode0 = target.decode_s
-        logits = target.eval([ctx[-1]] + drafted)
-        t_accept = time.perf_counter()
+        if params.greedy:
+            new = accept_greedy(drafted, target.eval_argmax([ctx[-1]] + drafted))
+            t_accept = time.perf_counter()
+        else:
+            logits = target.eval([ctx[-1]] + drafted, copy=False)
+            t_accept = time.perf_counter()
+            new = accept_sampled(drafted, logits, proposal, params, rng)
         gen.target_s += t_accept - t_verify
-
-        # 3. Accept the longest agreeing prefix, then one token from the target.
-        new = accept_prefix(drafted, logits, proposal, params, rng)
         n_accepted = len(new) - 1
         target.truncate(len(ctx) + n_accepted)  # drop rejected candidates from the KV cache
         t_emit = time.perf_counter()

@@ -1,0 +1,244 @@
+"""Draft families: the pool of drafts derived for one target, stored per target.
+
+The testbed target (a file some manifest under drafts/targets/ builds) uses the checked-in
+pool, drafts/*.toml. Any other target gets a family of its own, derived from that same pool by
+`memspec drafts build --target FILE`: every testbed manifest is re-aimed at the target (its
+`build.source`), its file renamed `<slug>-<file>` in the models directory, and its manifest
+written to `<data>/families/<slug>/`, so two targets' drafts never clash. Recipes that cannot
+pay for this target are skipped with the reason (a self-draft no smaller than the target, a
+distilled student of another architecture). `pool_dir` is the one place that says which
+manifests a runtime, `drafts list` or `plan` read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from memspec.config import Settings
+from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, DraftManifest, load_manifests
+from memspec.paths import data_dir, models_dir, resolve_model_path
+
+# Nominal bits per weight of llama.cpp file types (general.file_type), for the self-draft rule.
+FTYPE_BITS = {
+    0: 32.0,  # F32
+    1: 16.0,  # F16
+    32: 16.0,  # BF16
+    7: 8.5,  # Q8_0
+    2: 4.5,  # Q4_0
+    3: 5.0,  # Q4_1
+    8: 5.5,  # Q5_0
+    9: 6.0,  # Q5_1
+    10: 2.6,  # Q2_K
+    11: 3.4,  # Q3_K_S
+    12: 3.9,  # Q3_K_M
+    13: 4.3,  # Q3_K_L
+    14: 4.6,  # Q4_K_S
+    15: 4.8,  # Q4_K_M
+    16: 5.5,  # Q5_K_S
+    17: 5.7,  # Q5_K_M
+    18: 6.6,  # Q6_K
+}
+FTYPE_BY_NAME = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q2_K": 10, "Q4_K_M": 15}
+# A self-draft pays only if reading its weights is clearly cheaper than the target's: at most
+# this share of the target's bits per weight.
+SELF_DRAFT_MAX_BITS_SHARE = 0.7
+
+
+def slug(target: Path) -> str:
+    """A file-name-safe name for a target: its file stem, lowercased."""
+    return re.sub(r"[^a-z0-9._-]+", "-", target.stem.lower()).strip("-.") or "target"
+
+
+def family_dir(target: Path) -> Path:
+    return data_dir() / "families" / slug(target)
+
+
+def is_testbed_target(target: Path) -> bool:
+    """Whether a checked-in target manifest builds this file (its pool is drafts/*.toml)."""
+    targets = DEFAULT_MANIFEST_DIR / "targets"
+    if not targets.is_dir():
+        return False
+    return any(m.file == target.name for m in load_manifests(targets).values())
+
+
+def pool_dir(target: Path, configured: Path | None = None) -> Path:
+    """The manifests of a target's draft pool: the configured dir, else the testbed's for the
+    testbed target, else the target's family once built, else the testbed's (whose drafts the
+    runtime then checks against the target's tokenizer, leaving out what does not fit)."""
+    if configured is not None:
+        return configured
+    if is_testbed_target(target):
+        return DEFAULT_MANIFEST_DIR
+    family = family_dir(target)
+    return family if any(family.glob("*.toml")) else DEFAULT_MANIFEST_DIR
+
+
+def settings_pool_dir(settings: Settings) -> Path:
+    """pool_dir for the configured target and manifest_dir."""
+    return pool_dir(resolve_model_path(settings.target), settings.manifest_dir)
+
+
+def skipped_recipes(directory: Path) -> dict[str, str]:
+    """The recipes a family left out, with the reason (empty for the testbed pool)."""
+    report = directory / "family.json"
+    if not report.is_file():
+        return {}
+    return {s["id"]: s["reason"] for s in json.loads(report.read_text()).get("skipped", [])}
+
+
+@dataclass(frozen=True)
+class Planned:
+    id: str
+    manifest: DraftManifest | None  # None: skipped
+    reason: str  # why it is skipped ("" when planned)
+
+
+def _file_type(target: Path) -> int | None:
+    from memspec.drafts.gguf_header import open_header, scalar
+
+    value = scalar(open_header(target), "general.file_type")
+    return None if value is None else int(value)
+
+
+def _skip_reason(m: DraftManifest, target: Path) -> str:
+    """Why this testbed recipe cannot pay for `target` ("" when it can)."""
+    if m.build is None:
+        return ""
+    from memspec.memory.gguf_info import read_shape
+
+    if m.build.recipe == "quantize":
+        src_type = _file_type(target)
+        src_bits = FTYPE_BITS.get(src_type, 16.0) if src_type is not None else 16.0
+        draft_type = FTYPE_BY_NAME.get(m.build.ftype)
+        draft_bits = FTYPE_BITS.get(draft_type, 16.0) if draft_type is not None else 16.0
+        if draft_bits > SELF_DRAFT_MAX_BITS_SHARE * src_bits:
+            return (
+                f"the target is already {src_bits:.1f} bits/weight; a {m.build.ftype} "
+                f"self-draft ({draft_bits:.1f}) would cost about what the target costs"
+            )
+        return ""
+    if m.build.recipe in ("distill", "layers"):
+        shape = read_shape(target)
+        if shape.arch != "llama":
+            recipe = m.build.recipe
+            return f"recipe {recipe} builds llama-architecture students; the target is {shape.arch}"
+        if any(i >= shape.n_layers for i in m.build.keep_layers or []):
+            return f"keeps blocks {m.build.keep_layers}; the target has {shape.n_layers}"
+    return ""
+
+
+def plan_family(target: Path) -> list[Planned]:
+    """The testbed pool re-aimed at `target`: one entry per manifest, planned or skipped.
+    Files are `<slug>-<id of the recipe that builds it><suffix>`."""
+    name, prefix = target.name, slug(target)
+    testbed = load_manifests(DEFAULT_MANIFEST_DIR)
+    # Files are named after the recipe that builds them (datastore-live reads datastore's).
+    builder = {m.file: m.id for m in testbed.values() if m.file and m.build}
+    out = []
+    for m in testbed.values():
+        reason = _skip_reason(m, target)
+        if reason:
+            out.append(Planned(m.id, None, reason))
+            continue
+        data = m.model_dump(exclude={"source_path"})
+        if m.file:
+            data["file"] = f"{prefix}-{builder.get(m.file, m.id)}{Path(m.file).suffix}"
+        if m.build is not None:
+            data["build"]["source"] = name
+        data["description"] = f"derived for {name} from drafts/{m.id}.toml: {m.description}"
+        out.append(Planned(m.id, DraftManifest.model_validate(data), ""))
+    # A file another recipe builds (e.g. datastore-live reads datastore's) is usable only if
+    # that recipe is planned too.
+    built_files = {p.manifest.file for p in out if p.manifest and p.manifest.build}
+    return [
+        Planned(p.id, None, f"needs {p.manifest.file}, which no planned recipe builds")
+        if p.manifest
+        and p.manifest.file
+        and not p.manifest.build
+        and p.manifest.file not in built_files
+        else p
+        for p in out
+    ]
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} to TOML")
+
+
+def manifest_toml(m: DraftManifest) -> str:
+    """A manifest as TOML that load_manifest reads back to the same model."""
+    data = m.model_dump(exclude={"source_path"}, exclude_none=True)
+    tables = {k: data.pop(k) for k in ("params", "build") if k in data}
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items()]
+    for table, values in tables.items():
+        if values:
+            lines += ["", f"[{table}]"]
+            lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def link_target(target: Path) -> None:
+    """Recipes name their source inside the models directory: link a target kept elsewhere."""
+    inside = models_dir() / target.name
+    if inside.resolve() == target.resolve():
+        return
+    if inside.exists() or inside.is_symlink():
+        raise FileExistsError(
+            f"{inside} exists and is not {target}: rename one of them, or copy the target into "
+            f"{models_dir()}"
+        )
+    inside.symlink_to(target.resolve())
+
+
+def build_family(
+    target: Path, only: list[str] | None = None, force: bool = False
+) -> tuple[list[tuple[str, Path, bool]], list[Planned]]:
+    """Write the family's manifests and build what they name (resumable: each recipe is cached
+    by build_one; a datastore's target answers are cached as they come). Returns the built
+    (id, path, whether anything was done) and the skipped recipes."""
+    from memspec.drafts.build import build_one
+
+    if not target.is_file():
+        raise FileNotFoundError(f"target {target} not found")
+    models_dir().mkdir(parents=True, exist_ok=True)
+    link_target(target)
+    plan = plan_family(target)
+    directory = family_dir(target)
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in directory.glob("*.toml"):  # a recipe skipped now must not linger
+        old.unlink()
+    for p in plan:
+        if p.manifest is not None:
+            (directory / f"{p.id}.toml").write_text(manifest_toml(p.manifest))
+    todo = [
+        p.manifest
+        for p in plan
+        if p.manifest is not None
+        and p.manifest.build is not None
+        and (p.id in only if only else not p.manifest.build.on_demand)
+    ]
+    done = []
+    for m in tqdm(todo, desc=f"drafts build ({slug(target)})", unit="draft"):
+        path, built = build_one(m, models_dir(), force=force)
+        done.append((m.id, path, built))
+    skipped = [p for p in plan if p.manifest is None]
+    report = {
+        "target": str(target),
+        "built": [{"id": i, "file": str(path), "rebuilt": b} for i, path, b in done],
+        "skipped": [{"id": p.id, "reason": p.reason} for p in skipped],
+    }
+    (directory / "family.json").write_text(json.dumps(report, indent=2) + "\n")
+    return done, skipped
