@@ -29,7 +29,16 @@ class Settings(BaseSettings):
     # Models (a description is also the --help text of the field's flag: memspec.cli.flags)
     data_dir: Path | None = None  # default: ./data beside the checkout (MEMSPEC_DATA_DIR)
     target: str = Field("smollm2-135m-f32.gguf", description="GGUF file in models dir, or a path")
-    model_name: str = "smollm2-135m"  # id served at /v1/models
+    model_name: str | None = Field(
+        None,
+        description="id served at /v1/models (default: the target GGUF's general.name as an id, "
+        "else the file stem)",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="chat template: a Jinja file, or a llama.cpp built-in name such as gemma, "
+        "llama3, chatml (default: the GGUF's own, else the built-in for its family, else ChatML)",
+    )
     drafts: list[str] = Field(["prompt-lookup", "q4_0"], description="draft ids to load")
     manifest_dir: Path | None = None  # default: drafts/ in the checkout
     backend: str = Field("llama_cpp", description="model backend")
@@ -62,6 +71,15 @@ class Settings(BaseSettings):
     def _budget(cls, v: str | int) -> str | int:
         parse_size(v)  # fail at load with a clear message
         return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, v: str | None) -> str | None:
+        if v:  # an unknown name or unreadable file fails here, before anything loads
+            from memspec.backends.chat import template_setting
+
+            template_setting(v)
+        return v or None
 
     @property
     def budget_bytes(self) -> int:

@@ -35,6 +35,7 @@ from memspec.errors import (
     UnknownDraft,
 )
 from memspec.memory.footprint import Footprint, target_footprint
+from memspec.model_id import served_model_id
 from memspec.paths import DEFAULT_PREDICTOR, models_dir
 from memspec.predictor.model import load_or_fallback
 from memspec.scheduler.manifest_source import ManifestSource
@@ -86,6 +87,7 @@ class Runtime:
             n_threads=settings.n_threads,
             n_gpu_layers=settings.n_gpu_layers,
             device=settings.device,
+            chat_template=settings.chat_template,
         )
         self.manifests: dict[str, DraftManifest] = load_manifests(
             settings.manifest_dir or DEFAULT_MANIFEST_DIR
@@ -112,6 +114,15 @@ class Runtime:
         # speak another are left out of the pool (draft_status says why).
         self.target_tokenizer = fingerprint_of(target_path)
         self.target: Backend = load_backend(target_path, self.options, settings.backend)
+        # What the target is served as and how its chats are rendered, from its own metadata.
+        self.model_id = served_model_id(
+            settings.model_name, self.target.metadata.get("general.name"), target_path
+        )
+        try:  # resolved now: a chat_template that cannot work fails the start, not each chat
+            self.chat_template = self.target.chat_template
+        except Exception:
+            self.target.close()
+            raise
         self.draft_source = ManifestSource(
             self.manifests, self.options, settings.backend, self.target_tokenizer
         )

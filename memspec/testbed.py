@@ -65,6 +65,11 @@ def family_assets(family: str) -> list[Asset]:
 FAMILIES = ("gemma3",)
 
 
+def family_target(family: str) -> Path:
+    """The target model file of a testbed family."""
+    return family_assets(family)[-1].dest
+
+
 def assets() -> list[Asset]:
     return [
         Asset(

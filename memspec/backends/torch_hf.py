@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from memspec.backends.base import Backend, BackendOptions
-from memspec.backends.chat import render_chat
+from memspec.backends.chat import ChatTemplate, resolve_chat_template
 from memspec.errors import ModelLoadError
 
 # GGUF tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
@@ -76,8 +76,14 @@ def _gguf_metadata(path: Path) -> dict[str, Any]:
         return None if field is None else field.contents()
 
     types = reader.fields.get("tokenizer.ggml.token_type")
+    # The text keys chat templates and the served model id are chosen from (llama.cpp's
+    # backend has them all in Llama.metadata).
+    text_keys = (
+        "general.name", "general.architecture", "tokenizer.chat_template", "tokenizer.ggml.pre",
+        "tokenizer.ggml.model",
+    )  # fmt: skip
     return {
-        "chat_template": get("tokenizer.chat_template"),
+        "metadata": {k: str(v) for k in text_keys if (v := get(k)) is not None},
         "add_bos": get("tokenizer.ggml.add_bos_token"),
         "tokenizer_model": get("tokenizer.ggml.model"),
         "eot_id": get("tokenizer.ggml.eot_token_id"),
@@ -211,7 +217,8 @@ class TorchBackend(Backend):
         self.eos_token_ids = frozenset(eos_ids)
         self._bos_text = pieces[bos] if bos is not None else ""
         self._eos_text = pieces[tok.eos_token_id] if tok.eos_token_id is not None else ""
-        self._template: str | None = meta["chat_template"]
+        self.metadata: dict[str, str] = meta["metadata"]
+        self._chat_template: ChatTemplate | None = None
         self._piece_bytes = self._build_piece_table(pieces, types, meta["tokenizer_model"])
         self._cache = self._new_cache()
 
@@ -257,8 +264,16 @@ class TorchBackend(Backend):
     def detokenize(self, tokens: list[int]) -> bytes:
         return b"".join(self._piece_bytes[t] for t in tokens)
 
+    @property
+    def chat_template(self) -> ChatTemplate:
+        if self._chat_template is None:  # on first use: a draft never renders a chat
+            self._chat_template = resolve_chat_template(
+                self.options.chat_template, self.metadata, self.path.name
+            )
+        return self._chat_template
+
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        return render_chat(self._template, messages, self._bos_text, self._eos_text)
+        return self.chat_template.render(messages, self._bos_text, self._eos_text, self._add_bos)
 
     # --- compute ------------------------------------------------------------------------
     def _new_cache(self) -> Any:

@@ -139,11 +139,12 @@ def run_one(rt, ws, policy: Policy, req: TraceRequest, max_tokens: int, tot: Liv
 
 def run_live(settings, cfg, out: Path) -> dict:
     from memspec.bench.policies import policy_names, summarise
-    from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
+    from memspec.drafts.family import settings_pool_dir
+    from memspec.drafts.manifest import load_manifests
     from memspec.runtime import Runtime
 
     # The runtime loads the whole pool once: calibration (cached) and the trace need it.
-    settings.drafts = list(load_manifests(settings.manifest_dir or DEFAULT_MANIFEST_DIR))
+    settings.drafts = list(load_manifests(settings_pool_dir(settings)))
     rt = Runtime(settings)
     sets: dict = {}
     try:

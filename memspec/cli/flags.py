@@ -13,10 +13,12 @@ from memspec.config import DEFAULT_CONFIG_FILE, Settings
 
 # The settings every command that loads the models takes, and those only the daemon takes.
 MODEL_SETTINGS = (
-    "target", "drafts", "backend", "device", "n_ctx", "n_threads", "n_gpu_layers", "k_max"
+    "target", "drafts", "backend", "device", "n_ctx", "n_threads", "n_gpu_layers", "k_max",
+    "chat_template",
 )  # fmt: skip
 SERVE_SETTINGS = (
-    "host", "port", "budget", "policy", "max_queue", "state_dir", "log_level", "allow_insecure_bind"
+    "host", "port", "budget", "policy", "max_queue", "state_dir", "log_level",
+    "allow_insecure_bind", "model_name",
 )  # fmt: skip
 # Checked on the command line only: the model takes any string (a TOML "INFO" stays valid).
 CHOICES = {

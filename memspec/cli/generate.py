@@ -20,11 +20,12 @@ def check_named_draft(settings: Settings, draft_id: str) -> None:
     """DraftIncompatible (one line, exit 2) for a draft that speaks another tokenizer than
     the target, before any model loads; an unknown id is left to the runtime to name."""
     from memspec.drafts.compat import fingerprint_of, require_compatible
-    from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
+    from memspec.drafts.family import settings_pool_dir
+    from memspec.drafts.manifest import load_manifests
     from memspec.paths import models_dir
     from memspec.runtime import resolve_model_path
 
-    m = load_manifests(settings.manifest_dir or DEFAULT_MANIFEST_DIR).get(draft_id)
+    m = load_manifests(settings_pool_dir(settings)).get(draft_id)
     if m is not None:
         target = fingerprint_of(resolve_model_path(settings.target))
         require_compatible(target, m, models_dir())

@@ -138,7 +138,8 @@ def status(st: dict[str, Any], url: str, prev: dict[str, Any] | None = None) -> 
             f"{url}  {st['state'] + ', ' if st.get('state') else ''}"
             f"version {st.get('version', '?')}, up {_duration(st.get('uptime_s'))}",
         ),
-        ("target", f"{st.get('model', '-')}{backend}"),
+        ("target", f"{st.get('model') or '-'}{backend}"),
+        ("chat", str((st.get("chat_template") or {}).get("source") or "-")),
         ("policy", f"{st.get('policy', '-')}   k_max {st.get('k_max', '-')}"),
         ("n_ctx", str(st.get("n_ctx", "-"))),
         ("budget", _size(budget)),

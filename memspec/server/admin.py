@@ -110,12 +110,14 @@ def status(ctx: ServerContext) -> dict[str, Any]:
     cache = w.prefix_cache
     modelled = (_retry(rt.modelled_bytes, 0) if rt is not None else 0) + cache.nbytes
     n_ctx = rt.target.n_ctx if rt is not None and rt.target is not None else s.n_ctx
+    chat = rt.chat_template.status() if rt is not None else None  # where its template came from
     return {
         "version": memspec.__version__,
         "state": "shutting_down" if ctx.shutting_down else w.state,
         "uptime_s": round(ctx.uptime_s, 1),
-        "model": s.model_name,
+        "model": ctx.model_id,
         "target": s.target,
+        "chat_template": chat,
         "backend": s.backend,
         "policy": s.policy,
         "k_max": s.k_max,
@@ -125,7 +127,7 @@ def status(ctx: ServerContext) -> dict[str, Any]:
         "memory": snap,
         "queue": {"depth": w.queue_depth, "max": s.max_queue, "busy": w.busy},
         "engine": {"state": w.state, "heartbeat_age_s": round(w.heartbeat_age_s, 2)},
-        "warnings": list(w.warnings),
+        "warnings": list(w.warnings) + ([chat["warning"]] if chat and chat["warning"] else []),
         "kernels": _kernels(),
         "tokens_per_s_recent": w.tokens_per_s_recent(),
         "requests_served": w.requests_served,

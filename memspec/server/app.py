@@ -62,8 +62,8 @@ class Lifecycle:
             ):
                 return
             self._ready_sent = True
-        ctx.notifier.ready(f"serving {ctx.settings.model_name}")
-        log.info("ready: serving %s", ctx.settings.model_name)
+        ctx.notifier.ready(f"serving {ctx.model_id}")
+        log.info("ready: serving %s", ctx.model_id)
 
     def on_fatal(self, exc: BaseException) -> None:  # engine thread
         self.ctx.exit_code = 1
@@ -157,9 +157,7 @@ def create_app(
         if ctx.shutting_down:
             state = "shutting_down"
         elif w.state == "ready" and ctx.listening:
-            return JSONResponse(
-                {"status": "ok", "model": ctx.settings.model_name, "uptime_s": ctx.uptime_s}
-            )
+            return JSONResponse({"status": "ok", "model": ctx.model_id, "uptime_s": ctx.uptime_s})
         else:
             state = w.state
         message = f"not ready: {state}" + (f" ({w.error})" if w.error else "")

@@ -29,6 +29,16 @@ class ServerContext:
     shutting_down: bool = False
     exit_code: int = 0
     request_exit: Callable[[int], None] | None = None  # set by the process runner
+    _model_id: str | None = field(default=None, repr=False)
+
+    @property
+    def model_id(self) -> str | None:
+        """The id the target is served as (Runtime.model_id): None until it has loaded, then
+        kept through a runtime reload (same target, same id)."""
+        rt = self.worker.runtime
+        if rt is not None:
+            self._model_id = rt.model_id
+        return self._model_id
 
     @property
     def uptime_s(self) -> float:

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -27,7 +28,7 @@ from memspec.errors import InvalidRequest
 from memspec.runtime import ClientRequest
 from memspec.server.auth import require_api_key
 from memspec.server.context import Ctx, ServerContext
-from memspec.server.errors import UnknownModel, as_memspec_error, error_json
+from memspec.server.errors import NotReady, UnknownModel, as_memspec_error, error_json
 from memspec.server.openai_schema import (
     ERROR_RESPONSES,
     ChatCompletion,
@@ -88,13 +89,27 @@ def memspec_stats(gen: Generation) -> dict[str, Any]:
     }
 
 
-def check_model(ctx: ServerContext, model: str) -> None:
-    if model not in (ctx.settings.model_name, ctx.settings.target):
+def served_model(ctx: ServerContext) -> str:
+    """The served model id; NotReady until the target has loaded (the id is its metadata's)."""
+    model_id = ctx.model_id
+    if model_id is None:
+        w = ctx.worker
+        if w.state == "failed":
+            raise NotReady(f"models failed to load: {w.error}", code="model_load_failed")
+        raise NotReady("models are loading; retry shortly", code="model_loading")
+    return model_id
+
+
+def check_model(ctx: ServerContext, model: str) -> str:
+    """The served id, if `model` names it (or the target file, by name or as configured)."""
+    served = served_model(ctx)
+    target = ctx.settings.target
+    if model not in (served, target, Path(target).name):
         raise UnknownModel(
-            f"The model {model!r} does not exist; this server serves "
-            f"{ctx.settings.model_name!r} (see /v1/models)",
+            f"The model {model!r} does not exist; this server serves {served!r} (see /v1/models)",
             param="model",
         )
+    return served
 
 
 def check_text(param: str, *texts: str) -> None:
@@ -212,25 +227,24 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]
 
 @router.get("/models", response_model=ModelList)
 async def list_models(ctx: Ctx) -> ModelList:
-    return ModelList(data=[ModelCard(id=ctx.settings.model_name, created=int(ctx.started_at))])
+    return ModelList(data=[ModelCard(id=served_model(ctx), created=int(ctx.started_at))])
 
 
 @router.get("/models/{model_id}", response_model=ModelCard)
 async def get_model(model_id: str, ctx: Ctx) -> ModelCard:
-    check_model(ctx, model_id)
-    return ModelCard(id=ctx.settings.model_name, created=int(ctx.started_at))
+    return ModelCard(id=check_model(ctx, model_id), created=int(ctx.started_at))
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=STREAM_RESPONSES)
 async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: Ctx) -> Any:
-    check_model(ctx, body.model)
+    model = check_model(ctx, body.model)
     body.check_supported()
     messages = body.message_dicts()
     check_text("messages", *(m["content"] for m in messages))
     check_text("stop", *body.stop_list())
     check_prompt_size(ctx, sum(len(m["content"]) for m in messages))
     req = ClientRequest(messages=messages, max_tokens=body.token_limit(), **_sampling(body))
-    cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
         return {
@@ -277,7 +291,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
 
 @router.post("/completions", response_model=Completion, responses=STREAM_RESPONSES)
 async def completions(request: Request, body: CompletionRequest, ctx: Ctx) -> Any:
-    check_model(ctx, body.model)
+    model = check_model(ctx, body.model)
     body.check_supported()
     prompt = body.prompt_value()
     if isinstance(prompt, str):
@@ -285,7 +299,7 @@ async def completions(request: Request, body: CompletionRequest, ctx: Ctx) -> An
     check_text("stop", *body.stop_list())
     check_prompt_size(ctx, len(prompt) if isinstance(prompt, str) else len(prompt) * 4)
     req = ClientRequest(prompt=prompt, max_tokens=body.max_tokens, **_sampling(body))
-    cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
         return {

@@ -143,10 +143,10 @@ def serve(
     )
     server = Server(config, ctx, app.state.lifecycle)
     log.info(
-        "memspec serve on %s:%d (model %s, tunable: %s)",
+        "memspec serve on %s:%d (target %s, tunable: %s)",
         settings.host,
         settings.port,
-        settings.model_name,
+        settings.target,
         ", ".join(TUNABLE),
     )
     server.run(sockets=[sock])

@@ -153,7 +153,7 @@ def test_fuzz_covered_every_operation_and_the_daemon_still_serves(hardened):
     assert httpx.get(hardened.url + "/health").status_code == 200
     ok = httpx.post(
         hardened.url + "/v1/completions",
-        json={"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 2},
+        json={"model": MODEL, "prompt": "Hello", "max_tokens": 2},
         headers=hardened.api,
         timeout=120,
     )

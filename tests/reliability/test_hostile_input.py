@@ -66,7 +66,7 @@ def test_oversize_body_413(hardened, budget):
     assert str(MAX_BODY) in err["message"]
 
     def chunks():  # no Content-Length: the limit holds while reading a chunked body
-        yield b'{"model": "smollm2-135m", "prompt": "'
+        yield b'{"model": "%s", "prompt": "' % MODEL.encode()
         for _ in range(64):
             yield b"y" * 8192
         yield b'"}'
@@ -128,12 +128,15 @@ def test_prompt_over_the_context(hardened, budget):
 @pytest.mark.parametrize(
     "raw,words",
     [
-        (b'{"model": "smollm2-135m", "prompt": "\xff\xfe", "max_tokens": 2}', "UTF-8"),
+        (b'{"model": "%s", "prompt": "\xff\xfe", "max_tokens": 2}' % MODEL.encode(), "UTF-8"),
         (b"\xc3\x28\xa0\xa1", "UTF-8"),
-        (b'{"model": "smollm2-135m", "prompt": "ok"' + b"\x00" * 8, "JSON"),
-        (b'{"model": "smollm2-135m", "max_tokens": ' + b"9" * 5000 + b"}", "JSON"),
+        (b'{"model": "%s", "prompt": "ok"' % MODEL.encode() + b"\x00" * 8, "JSON"),
+        (b'{"model": "%s", "max_tokens": ' % MODEL.encode() + b"9" * 5000 + b"}", "JSON"),
         (b"[" * 100_000 + b"]" * 100_000, "nested"),
-        (b'{"model": "smollm2-135m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested"),
+        (
+            b'{"model": "%s", "messages": ' % MODEL.encode() + b"[" * 5000 + b"]" * 5000 + b"}",
+            "nested",
+        ),
     ],
     ids=[
         "bad-utf8-in-string",

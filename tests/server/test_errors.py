@@ -74,7 +74,7 @@ def test_body_not_an_object(http):
 
 
 def test_nan_rejected(http):
-    raw = b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], '
+    raw = b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], ' % MODEL.encode()
     raw += b'"temperature": NaN}'
     assert_openai_error(
         http.post(CHAT, content=raw, headers={"Content-Type": "application/json"}), 400

@@ -22,7 +22,12 @@ def test_health_503_while_loading_then_ready(own_server, notify_socket):
     ready = notify_socket.wait_for("READY=1", timeout=5)
     loading = notify_socket.times("STATUS=loading models")
     assert loading and loading[0] <= ready
-    assert httpx.get(own_server.url + "/health").json()["status"] == "ok"
+    assert notify_socket.times(f"STATUS=serving {MODEL}")  # the id /v1/models serves
+    assert httpx.get(own_server.url + "/health").json() | {"uptime_s": 0} == {
+        "status": "ok",
+        "model": MODEL,
+        "uptime_s": 0,
+    }
 
 
 def test_watchdog_pings_while_healthy(own_server, notify_socket):

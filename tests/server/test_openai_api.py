@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from launcher import MODEL
+from launcher import MODEL, TARGET_FILE
 
 from memspec.engine.sampling import SamplingParams
 
@@ -28,6 +28,24 @@ def test_models(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_one_model_id_everywhere(client, http, admin_http):
+    """The id made from the target's general.name: listed, in /health and status, and in every
+    answer, also to a request that names the target by its file."""
+    assert MODEL == "smollm2-135m-8k-lc100k-mix1-ep2"  # general.name "Smollm2 135M 8k Lc100K ..."
+    assert http.get("/health").json()["model"] == MODEL
+    status = admin_http.get("/admin/status").json()
+    assert status["model"] == MODEL
+    assert status["chat_template"] == {"source": "gguf", "warning": None}
+    assert client.models.retrieve(TARGET_FILE).id == MODEL
+    for asked in (MODEL, TARGET_FILE):
+        r = client.completions.create(model=asked, prompt="Hi", max_tokens=1, temperature=0)
+        assert r.model == MODEL, asked
+        chat = client.chat.completions.create(
+            model=asked, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0
+        )
+        assert chat.model == MODEL, asked
 
 
 def test_chat_greedy_matches_plain_decoding(client, reference):
