@@ -25,19 +25,19 @@ GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MARKUP = ("<start_of_turn>", "<end_of_turn>", "<|im_start|>", "<|im_end|>", "im_start", "im_end")
 
-try:  # the lead's helper, once tests/launcher.py has it
+try:  # tests/launcher.py's helper (the Gemma family set up by scripts/setup.sh)
     from launcher import require_gemma
-except ImportError:
+except ImportError:  # a launcher without it: this file's own check
 
-    def require_gemma() -> None:
+    def require_gemma() -> Path:
         if not (models_dir() / GEMMA_FILE).is_file():
-            pytest.skip(f"{GEMMA_FILE} missing: memspec testbed fetch --family gemma3")
+            pytest.fail(f"{GEMMA_FILE} missing: run scripts/setup.sh --family gemma3")
+        return models_dir() / GEMMA_FILE
 
 
 def gemma(chat_template: str | None = None) -> Backend:
-    require_gemma()
     opts = BackendOptions(n_ctx=512, n_threads=1, chat_template=chat_template)
-    return load_backend(models_dir() / GEMMA_FILE, opts)
+    return load_backend(require_gemma(), opts)
 
 
 def smollm(chat_template: str | None = None) -> Backend:
@@ -153,6 +153,25 @@ def test_setting_names_a_jinja_file(tmp_path):
         assert tokens.count(be.bos_token_id) == 1
     finally:
         be.close()
+
+
+def test_gemma_runtime_serves_its_own_id_and_builtin_template():
+    """What /admin/status and /v1/models report comes from here (chat_template, model_id)."""
+    from memspec.runtime import Runtime
+
+    settings = Settings.load(target=str(require_gemma()), drafts=[], n_ctx=512, n_threads=1)
+    rt = Runtime(settings, calibrate_costs=False)
+    try:
+        assert rt.model_id == "gemma-3-270m"
+        assert rt.chat_template.status() == {"source": "builtin:gemma", "warning": None}
+        tokens = rt.prompt_tokens(messages=QUESTION)
+        assert tokens.count(rt.target.bos_token_id) == 1 and tokens[0] == rt.target.bos_token_id
+        assert (
+            rt.target.detokenize(tokens[1:]).decode()
+            == "user\nWhat is the capital of France?\nmodel\n"
+        )
+    finally:
+        rt.close()
 
 
 def test_runtime_takes_the_setting_from_the_environment(monkeypatch):
