@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +12,10 @@ from memspec.cli import main
 from memspec.cli.flags import MODEL_SETTINGS, SERVE_SETTINGS, load_settings, settings_overrides
 from memspec.cli.main import build_parser
 from memspec.config import Settings
+from memspec.paths import models_dir
+
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"  # a second tokenizer (262k tokens)
+TESTBED_POOL = Path(__file__).resolve().parent.parent / "drafts"
 
 
 @pytest.fixture(autouse=True)
@@ -53,3 +59,45 @@ def test_a_failure_is_one_line_on_stderr(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("memspec: error: config file not found")
     assert err.count("\n") == 1
+
+
+def _require_gemma() -> None:
+    try:
+        from launcher import require_gemma
+    except ImportError:  # until tests/launcher.py has the shared helper
+        if not (models_dir() / GEMMA_FILE).is_file():
+            pytest.skip(f"{GEMMA_FILE} missing: run `memspec testbed fetch --family gemma3`")
+    else:
+        require_gemma()
+
+
+@pytest.fixture()
+def testbed_pool(tmp_path, monkeypatch):
+    """A manifest dir with the testbed's q4_0 and prompt-lookup (not a target's own family)."""
+    for name in ("q4_0.toml", "prompt-lookup.toml"):
+        (tmp_path / name).write_text((TESTBED_POOL / name).read_text())
+    monkeypatch.setenv("MEMSPEC_MANIFEST_DIR", str(tmp_path))
+
+
+def test_drafts_list_checks_the_targets_tokenizer(capsys, testbed_pool):
+    assert main(["drafts", "list", "--json"]) == 0  # the testbed target: its own drafts fit
+    rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["q4_0"]["compatible"] is True and rows["q4_0"]["reason"] is None
+    _require_gemma()
+    assert main(["drafts", "list", "--target", GEMMA_FILE]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"target {GEMMA_FILE}: a llama tokenizer of 262144 tokens")
+    assert "q4_0: not usable with this target: built for a gpt2 tokenizer of 49152" in out
+    assert main(["drafts", "list", "--json", "--target", GEMMA_FILE]) == 0
+    rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["q4_0"]["compatible"] is False and "262144" in rows["q4_0"]["reason"]
+    assert rows["prompt-lookup"]["compatible"] is True  # no tokenizer: speaks any
+
+
+def test_generate_with_an_incompatible_draft_is_one_line(capsys, testbed_pool):
+    _require_gemma()
+    argv = ["generate", "--prompt", "p", "--draft", "q4_0", "--target", GEMMA_FILE]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith("memspec: error: draft 'q4_0' cannot serve this target: built for a gpt2")

@@ -476,3 +476,17 @@ def test_bench_loopback_only():
 def test_bench_server_down():
     url = f"http://127.0.0.1:{free_port()}"
     assert_one_line_error(ctl("bench", url=url), 3, "refused")
+
+
+def test_drafts_table_says_why_a_draft_is_left_out():
+    from memspec.ctl.render import drafts_table
+
+    reason = "built for a gpt2 tokenizer of 49152 tokens (fingerprint 35a59a1a); ..."
+    rows = [
+        {"id": "prompt-lookup", "kind": "prompt_lookup", "bytes": 0, "compatible": True},
+        {"id": "q4_0", "kind": "model", "bytes": 0, "compatible": False, "reason": reason},
+    ]
+    lines = drafts_table(rows).splitlines()
+    assert [r.split()[0] for r in lines[1:3]] == ["prompt-lookup", "q4_0"]
+    assert lines[-2:] == ["not usable with this target (tokenizer):", f"  q4_0: {reason}"]
+    assert "not usable" not in drafts_table(rows[:1])

@@ -8,6 +8,7 @@ The two tokenizers are the testbed's SmolLM2 (BPE "gpt2", 49,152 tokens) and Gem
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 
@@ -49,9 +50,14 @@ def _smol() -> TokenizerFingerprint:
     return fp
 
 
+@functools.cache  # asked once, before the module's pool points MEMSPEC_DATA_DIR elsewhere
+def _gemma_path() -> Path:
+    got = require_gemma()  # the shared helper returns the file; the local one does not
+    return got if isinstance(got, Path) else models_dir() / GEMMA_FILE
+
+
 def _gemma() -> TokenizerFingerprint:
-    require_gemma()
-    fp = fingerprint_of(models_dir() / GEMMA_FILE)
+    fp = fingerprint_of(_gemma_path())
     assert fp is not None
     return fp
 
@@ -141,13 +147,13 @@ def pool(tmp_path_factory, monkeypatch_module) -> Path:
     """MEMSPEC_DATA_DIR with the real models linked in, datastores built for each tokenizer
     (and one in the format before fingerprints), and a manifest dir naming them all."""
     require_testbed()
-    require_gemma()
-    real = models_dir()
+    real = {name: models_dir() / name for name in (TARGET_FILE, SMOL_DRAFT_FILE)}
+    real[GEMMA_FILE] = _gemma_path()
     root = tmp_path_factory.mktemp("compat")
     models = root / "data" / "models"
     models.mkdir(parents=True)
-    for name in (TARGET_FILE, SMOL_DRAFT_FILE, GEMMA_FILE):
-        (models / name).symlink_to(real / name)
+    for name, path in real.items():
+        (models / name).symlink_to(path)
     monkeypatch_module.setenv("MEMSPEC_DATA_DIR", str(root / "data"))
     report = _tiny_datastore(models / TARGET_FILE, models / "ds-smol.npz")
     assert report["tokenizer"]["n_vocab"] == 49152 and report["package_tokens"] > 300
@@ -281,7 +287,7 @@ def test_daemon_answers_400_and_goes_on(tmp_path):
     import openai
 
     require_testbed()
-    require_gemma()
+    assert _gemma_path() == REAL_DATA_DIR / "models" / GEMMA_FILE
     mdir = tmp_path / "drafts"
     mdir.mkdir()
     for draft_id in ("prompt-lookup", "gemma"):
