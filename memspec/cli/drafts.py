@@ -93,12 +93,13 @@ def cmd_drafts_list(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         print(f"target {settings.target}: {target_note}")
-        print(f"{'id':16s} {'kind':14s} {'MB':>8s}  built  target  tags")
+        w = max([16, *(len(r["id"]) for r in rows)])
+        print(f"{'id':{w}s} {'kind':14s} {'MB':>8s}  built  target  tags")
         for r in rows:
             mb = f"{r['bytes'] / 1e6:.1f}" if r["bytes"] else "-"
             fits = {True: "yes", False: "no", None: "-"}[r["compatible"]]
             print(
-                f"{r['id']:16s} {r['kind']:14s} {mb:>8s}  {'yes' if r['built'] else 'no':5s}  "
+                f"{r['id']:{w}s} {r['kind']:14s} {mb:>8s}  {'yes' if r['built'] else 'no':5s}  "
                 f"{fits:6s}  {','.join(r['tags'])}"
             )
         for r in rows:
