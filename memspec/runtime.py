@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import jinja2
 
@@ -20,7 +19,8 @@ from memspec.backends.base import Backend, BackendOptions, load_backend
 from memspec.config import Settings
 from memspec.drafts.compat import fingerprint_of, incompatible_error
 from memspec.drafts.datastore import DatastoreDraft
-from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, DraftManifest, check_id, load_manifests
+from memspec.drafts.family import settings_pool_dir, skipped_recipes
+from memspec.drafts.manifest import DraftManifest, check_id, load_manifests
 from memspec.drafts.registry import PRIOR_ALPHA
 from memspec.engine.calibration import calibrate, measure_draft
 from memspec.engine.costs import AcceptanceEstimator, CostModel
@@ -36,7 +36,7 @@ from memspec.errors import (
 )
 from memspec.memory.footprint import Footprint, target_footprint
 from memspec.model_id import served_model_id
-from memspec.paths import DEFAULT_PREDICTOR, models_dir
+from memspec.paths import DEFAULT_PREDICTOR, resolve_model_path
 from memspec.predictor.model import load_or_fallback
 from memspec.scheduler.manifest_source import ManifestSource
 from memspec.scheduler.rounds import Scheduler
@@ -44,13 +44,6 @@ from memspec.scheduler.working_set import WorkingSet
 from memspec.units import format_size
 
 log = logging.getLogger(__name__)
-
-
-def resolve_model_path(name: str) -> Path:
-    p = Path(name)
-    if p.is_absolute() or p.parent != Path("."):
-        return p
-    return models_dir() / name
 
 
 @dataclass
@@ -89,9 +82,11 @@ class Runtime:
             device=settings.device,
             chat_template=settings.chat_template,
         )
-        self.manifests: dict[str, DraftManifest] = load_manifests(
-            settings.manifest_dir or DEFAULT_MANIFEST_DIR
-        )
+        pool = settings_pool_dir(settings)
+        self.manifests: dict[str, DraftManifest] = load_manifests(pool)
+        # Recipes a target's family skipped (e.g. a Q4 self-draft of a Q4 target): named in
+        # settings.drafts they are passed over with the reason, named in a request refused.
+        self.skipped_drafts: dict[str, str] = skipped_recipes(pool)
         self.calibrate_costs = calibrate_costs
         self.costs = CostModel(verify_s=[1.0] * (settings.k_max + 1))  # until calibrated
         self._measure_loads = False  # drafts loaded after calibration get their cost measured
@@ -166,6 +161,9 @@ class Runtime:
     def _preload(self, ws: WorkingSet, draft_ids: list[str]) -> None:
         """Settings.drafts, in order, as far as the budget allows (never evicting)."""
         for draft_id in draft_ids:
+            if draft_id in self.skipped_drafts and draft_id not in self.manifests:
+                log.warning("not preloading %s: %s", draft_id, self.skipped_drafts[draft_id])
+                continue
             self.manifest(draft_id)
             reason = self.incompatible.get(draft_id)
             if reason is not None:
@@ -211,6 +209,11 @@ class Runtime:
     # --- drafts -------------------------------------------------------------------------
     def manifest(self, draft_id: str) -> DraftManifest:
         check_id(draft_id)
+        if draft_id in self.skipped_drafts and draft_id not in self.manifests:
+            reason = self.skipped_drafts[draft_id]
+            raise UnknownDraft(
+                f"draft {draft_id!r} was not built for this target: {reason}", param="draft"
+            )
         if draft_id not in self.manifests:
             raise UnknownDraft(
                 f"unknown draft {draft_id!r}; known: {', '.join(sorted(self.manifests))}",

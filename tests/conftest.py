@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from launcher import TARGET_FILE, require_testbed
+from launcher import GEMMA_DRAFTS, TARGET_FILE, require_gemma, require_testbed
 
 from memspec.backends.base import BackendOptions, load_backend
 from memspec.config import Settings
@@ -31,6 +31,17 @@ def runtime(settings):
     from memspec.runtime import Runtime
 
     rt = Runtime(settings)
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(scope="session")
+def gemma_runtime():
+    """Gemma 3 270M (vocabulary 262,144) as the target, with its own derived pool."""
+    from memspec.runtime import Runtime
+
+    target = require_gemma()
+    rt = Runtime(Settings.load(target=str(target), drafts=GEMMA_DRAFTS, n_ctx=1024))
     yield rt
     rt.close()
 

@@ -64,6 +64,26 @@ def require_testbed() -> None:
         pytest.fail(f"testbed missing in {models_dir()}: run scripts/setup.sh", pytrace=False)
 
 
+# The second family's derived pool (memspec.drafts.family): what `drafts build --family gemma3`
+# builds for Gemma 3 270M (its Q4_0/Q8_0 self-drafts are skipped: the target is already Q4).
+GEMMA_DRAFTS = ["prompt-lookup", "q2_k", "datastore-ci"]
+
+
+def require_gemma() -> Path:
+    """The second family's target (Gemma 3 270M), fetched and its drafts built by
+    `scripts/setup.sh --family gemma3` (scripts/test.sh turns that on)."""
+    from memspec.drafts.family import family_dir
+    from memspec.testbed import family_target
+
+    target = family_target("gemma3")
+    if not target.is_file() or not (family_dir(target) / "family.json").is_file():
+        pytest.fail(
+            f"Gemma family missing ({target}): run scripts/setup.sh --family gemma3",
+            pytrace=False,
+        )
+    return target
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

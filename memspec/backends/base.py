@@ -31,6 +31,11 @@ class BackendOptions:
     device: str = "cpu"  # torch backend only: "cpu" or "cuda"
     seed: int = 0
     chat_template: str | None = None  # settings.chat_template (memspec.backends.chat)
+    # llama.cpp repacks some quantized weights (Q4_0, Q4_K, IQ4_NL...) for its CPU kernels,
+    # whose batched and single-token paths sum in different orders: a position's logits then
+    # depend on the batch, which breaks lossless verification. Off for a target; a draft,
+    # whose output is only ever a proposal, may take the speed.
+    weight_repack: bool = False
 
 
 @dataclass(frozen=True)

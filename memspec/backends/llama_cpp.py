@@ -7,8 +7,14 @@ so a prefill pays for one row and a verification for k+1.
 Lossless needs batch invariance: a position's logits must not depend on how many tokens share
 its batch, or a verification of k+1 tokens can flip a near-tie that single-token decoding
 resolves the other way. llama.cpp's CPU matmuls are invariant (one dot product per output, the
-same order for any batch) except its llamafile sgemm path, which `scripts/setup.sh` builds out
-(`-DGGML_LLAMAFILE=OFF`). `batch_invariant()` says whether the loaded library has it.
+same order for any batch) except three paths that sum in another order for a batch than for
+one row, all kept out of a target:
+- llamafile's sgemm, which `scripts/setup.sh` builds out (`-DGGML_LLAMAFILE=OFF`);
+- the tiled K-quant matmul (Q3_K..Q6_K, taken from 8 rows on), off through its switch
+  `GGML_CPU_TILED_MM=0`, which importing memspec sets before the library first reads it;
+- weight repacking (Q4_0, Q4_K, IQ4_NL... from 4 rows on), which a target loads without
+  (BackendOptions.weight_repack; drafts keep it: their output is only ever a proposal).
+`batch_invariant()` says whether this process has all three off.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import contextlib
 import ctypes
 import io
 import os
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +36,37 @@ from memspec.errors import ModelLoadError
 
 
 def batch_invariant() -> bool:
-    """Whether llama.cpp's CPU kernels give a position the same logits in any batch shape."""
+    """Whether llama.cpp's CPU kernels give a position the same logits in any batch shape
+    (for a model loaded without weight repacking)."""
     import llama_cpp
 
-    return "LLAMAFILE = 1" not in llama_cpp.llama_print_system_info().decode(errors="replace")
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    return "LLAMAFILE = 1" not in info and os.environ.get("GGML_CPU_TILED_MM") == "0"
+
+
+_params_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _weight_repack(enabled: bool) -> Iterator[None]:
+    """Load with llama.cpp's weight repacking (`use_extra_bufts`) on or off. `Llama` takes no
+    such argument: its model parameters come from llama_model_default_params, which we wrap
+    for the load (under a lock, so two loads never see each other's choice)."""
+    import llama_cpp.llama_cpp as lib
+
+    with _params_lock:
+        default = lib.llama_model_default_params
+
+        def params():  # type: ignore[no-untyped-def]
+            p = default()
+            p.use_extra_bufts = enabled
+            return p
+
+        lib.llama_model_default_params = params
+        try:
+            yield
+        finally:
+            lib.llama_model_default_params = default
 
 
 class LlamaCppBackend(Backend):
@@ -51,7 +86,7 @@ class LlamaCppBackend(Backend):
         try:
             # llama.cpp prints loader chatter on stderr; keep it unless loading fails.
             buf = io.StringIO()
-            with contextlib.redirect_stderr(buf):
+            with contextlib.redirect_stderr(buf), _weight_repack(options.weight_repack):
                 self._llm = llama_cpp.Llama(
                     model_path=str(path),
                     n_ctx=options.n_ctx,
@@ -87,7 +122,10 @@ class LlamaCppBackend(Backend):
         self.n_layers = int(meta.get(f"{arch}.block_count", 0))
         n_head = int(meta.get(f"{arch}.attention.head_count", 1))
         self.n_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
-        self.head_dim = int(meta.get(f"{arch}.embedding_length", 0)) // max(n_head, 1)
+        head_dim = int(meta.get(f"{arch}.embedding_length", 0)) // max(n_head, 1)
+        # Gemma 3 and others set the head size apart from embedding / heads (270M: 256 vs 160).
+        self.head_dim_k = int(meta.get(f"{arch}.attention.key_length", head_dim))
+        self.head_dim_v = int(meta.get(f"{arch}.attention.value_length", head_dim))
 
     # --- text -------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
@@ -126,7 +164,7 @@ class LlamaCppBackend(Backend):
         return self.chat_template.render(messages, self._bos_text, self._eos_text, self._add_bos)
 
     # --- compute ------------------------------------------------------------------------
-    def _forward(self, tokens: list[int], all_logits: bool) -> np.ndarray:
+    def _forward(self, tokens: list[int], all_logits: bool, copy: bool = True) -> np.ndarray:
         ctx, batch = self._llm._ctx, self._llm._batch
         n_past = len(self.tokens)
         rows = []
@@ -141,11 +179,15 @@ class LlamaCppBackend(Backend):
                 if all_logits or last_chunk:
                     n_out = len(chunk) if all_logits else 1
                     out = np.ctypeslib.as_array(ctx.get_logits(), shape=(n_out, self.n_vocab))
-                    rows.append(out.copy())
+                    # The next decode overwrites the buffer: only the last chunk may stay a view.
+                    rows.append(out if last_chunk and not copy else out.copy())
         except Exception:
             ctx.kv_cache_seq_rm(0, n_past, -1)  # leave the cache as `self.tokens` says
             raise
-        return rows[0] if len(rows) == 1 else np.concatenate(rows)
+        if len(rows) > 1:
+            return np.concatenate(rows)
+        rows[0].flags.writeable = copy  # a view of llama.cpp's buffer is read-only
+        return rows[0]
 
     def _truncate_kv(self, n: int) -> None:
         if not self._llm._ctx.kv_cache_seq_rm(0, n, -1):
@@ -190,9 +232,13 @@ class LlamaCppBackend(Backend):
             "n_threads": self.n_threads,
             "n_gpu_layers": self.options.n_gpu_layers,
             # Offloaded layers run GPU kernels, whose invariance this does not establish.
-            "batch_invariant": batch_invariant() and self.options.n_gpu_layers == 0,
+            "batch_invariant": batch_invariant()
+            and self.options.n_gpu_layers == 0
+            and not self.options.weight_repack,
         }
 
     # --- memory -------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * 2  # K and V in f16
+        # K and V in f16, every layer: llama.cpp's default (swa_full) gives sliding-window
+        # layers a full-size cache too.
+        return self.n_layers * self.n_kv_heads * (self.head_dim_k + self.head_dim_v) * 2

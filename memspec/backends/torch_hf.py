@@ -284,7 +284,7 @@ class TorchBackend(Backend):
         except TypeError:  # transformers < 4.56 builds its layers lazily, without a config
             return DynamicCache()
 
-    def _forward(self, tokens: list[int], all_logits: bool) -> np.ndarray:
+    def _forward(self, tokens: list[int], all_logits: bool, copy: bool = True) -> np.ndarray:
         import torch
 
         n_past = len(self.tokens)

@@ -31,7 +31,8 @@ from memspec.config import Settings
 from memspec.engine.costs import expected_tokens
 from memspec.engine.speculative import ROUND_PHASES
 from memspec.engine.types import SamplingParams
-from memspec.runtime import Runtime, resolve_model_path
+from memspec.paths import resolve_model_path
+from memspec.runtime import Runtime
 
 PEER = "llama-cpp-python prompt-lookup"
 POOL = ["prompt-lookup", "q8_0", "q4_0", "q2_k"]

@@ -19,8 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from memspec.config import Settings
-from memspec.paths import data_dir, models_dir
-from memspec.runtime import resolve_model_path
+from memspec.paths import data_dir, models_dir, resolve_model_path
 
 # llama-server's n-gram speculation as DESIGN.md measured it best on this CPU.
 NGRAM = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",

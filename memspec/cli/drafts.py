@@ -20,7 +20,7 @@ def cmd_testbed_fetch(args: argparse.Namespace) -> int:
 def cmd_drafts_build(args: argparse.Namespace) -> int:
     from memspec.drafts.build import build_all
     from memspec.drafts.family import build_family, family_dir, is_testbed_target
-    from memspec.runtime import resolve_model_path
+    from memspec.paths import resolve_model_path
     from memspec.testbed import family_target
 
     if args.family:
@@ -61,8 +61,7 @@ def cmd_drafts_list(args: argparse.Namespace) -> int:
     from memspec.drafts.family import settings_pool_dir
     from memspec.drafts.manifest import load_manifests
     from memspec.errors import ModelLoadError
-    from memspec.paths import models_dir
-    from memspec.runtime import resolve_model_path
+    from memspec.paths import models_dir, resolve_model_path
 
     settings = load_settings(args)
     target_path = resolve_model_path(settings.target)
@@ -112,8 +111,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from memspec.drafts.family import settings_pool_dir
     from memspec.drafts.manifest import load_manifests
     from memspec.memory.plan import format_plan, make_plan
-    from memspec.paths import models_dir
-    from memspec.runtime import resolve_model_path
+    from memspec.paths import models_dir, resolve_model_path
     from memspec.units import parse_size
 
     settings = load_settings(args)

@@ -22,8 +22,7 @@ def check_named_draft(settings: Settings, draft_id: str) -> None:
     from memspec.drafts.compat import fingerprint_of, require_compatible
     from memspec.drafts.family import settings_pool_dir
     from memspec.drafts.manifest import load_manifests
-    from memspec.paths import models_dir
-    from memspec.runtime import resolve_model_path
+    from memspec.paths import models_dir, resolve_model_path
 
     m = load_manifests(settings_pool_dir(settings)).get(draft_id)
     if m is not None:

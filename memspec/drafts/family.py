@@ -98,21 +98,26 @@ class Planned:
     reason: str  # why it is skipped ("" when planned)
 
 
-def _file_type(target: Path) -> int | None:
+def _header(target: Path) -> tuple[str, int, int | None]:
+    """(architecture, block count, general.file_type) from the GGUF header."""
     from memspec.drafts.gguf_header import open_header, scalar
 
-    value = scalar(open_header(target), "general.file_type")
-    return None if value is None else int(value)
+    reader = open_header(target)
+    arch = scalar(reader, "general.architecture") or "llama"
+    ftype = scalar(reader, "general.file_type")
+    return (
+        arch,
+        int(scalar(reader, f"{arch}.block_count") or 0),
+        None if ftype is None else int(ftype),
+    )
 
 
 def _skip_reason(m: DraftManifest, target: Path) -> str:
     """Why this testbed recipe cannot pay for `target` ("" when it can)."""
     if m.build is None:
         return ""
-    from memspec.memory.gguf_info import read_shape
-
+    arch, n_layers, src_type = _header(target)
     if m.build.recipe == "quantize":
-        src_type = _file_type(target)
         src_bits = FTYPE_BITS.get(src_type, 16.0) if src_type is not None else 16.0
         draft_type = FTYPE_BY_NAME.get(m.build.ftype)
         draft_bits = FTYPE_BITS.get(draft_type, 16.0) if draft_type is not None else 16.0
@@ -123,12 +128,12 @@ def _skip_reason(m: DraftManifest, target: Path) -> str:
             )
         return ""
     if m.build.recipe in ("distill", "layers"):
-        shape = read_shape(target)
-        if shape.arch != "llama":
-            recipe = m.build.recipe
-            return f"recipe {recipe} builds llama-architecture students; the target is {shape.arch}"
-        if any(i >= shape.n_layers for i in m.build.keep_layers or []):
-            return f"keeps blocks {m.build.keep_layers}; the target has {shape.n_layers}"
+        if arch != "llama":
+            return (
+                f"recipe {m.build.recipe} builds llama-architecture students; the target is {arch}"
+            )
+        if any(i >= n_layers for i in m.build.keep_layers or []):
+            return f"keeps blocks {m.build.keep_layers}; the target has {n_layers}"
     return ""
 
 

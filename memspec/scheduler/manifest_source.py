@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from memspec.backends.base import BackendOptions
 from memspec.drafts.compat import TokenizerFingerprint, check_draft
 from memspec.drafts.manifest import DraftManifest
@@ -27,7 +29,8 @@ class ManifestSource:
         target: TokenizerFingerprint | None = None,
     ):
         self.manifests = manifests
-        self.options = options
+        # Drafts may run llama.cpp's repacked weights: only the target must be batch-invariant.
+        self.options = dataclasses.replace(options, weight_repack=True)
         self.backend_kind = backend_kind
         self.target = target
         self.refused: dict[str, str] = {}  # draft id -> why it cannot serve the target

@@ -4,7 +4,8 @@ The exact joint distribution of the first two tokens is computed from the target
 logits; the empirical distribution of speculative samples must lie within the 99.9th
 percentile of total-variation distances that sampling from the exact distribution produces.
 The same harness with an argmax-only acceptance rule (a wrong implementation, injected on
-purpose) must fail it: the test has power.
+purpose) must fail it: the test has power. Both model families run it: SmolLM2 (vocabulary
+49,152) and Gemma 3 270M (262,144) with its own derived drafts.
 """
 
 from __future__ import annotations
@@ -65,25 +66,34 @@ def speculative_samples(runtime, prompt, draft_id: str) -> Counter:
     return counts
 
 
-@pytest.fixture(scope="module")
-def setup(runtime):
-    prompt = runtime.prompt_tokens(messages=[{"role": "user", "content": "Name a fruit."}])
-    exact = exact_joint(runtime, prompt)
-    threshold = null_threshold(exact, N_SAMPLES, np.random.default_rng(0))
-    return prompt, exact, threshold
+RUNTIME_OF = {"smollm2": "runtime", "gemma3": "gemma_runtime"}  # conftest fixtures
+_setups: dict[str, tuple] = {}
 
 
-@pytest.mark.parametrize("draft_id", ["q2_k", "prompt-lookup"])
-def test_speculative_sampling_matches_target(runtime, setup, draft_id):
-    prompt, exact, threshold = setup
+def family_setup(request, family: str):
+    """(runtime, prompt, exact joint, threshold), computed once per family."""
+    runtime = request.getfixturevalue(RUNTIME_OF[family])
+    if family not in _setups:
+        prompt = runtime.prompt_tokens(messages=[{"role": "user", "content": "Name a fruit."}])
+        exact = exact_joint(runtime, prompt)
+        threshold = null_threshold(exact, N_SAMPLES, np.random.default_rng(0))
+        _setups[family] = (prompt, exact, threshold)
+    return (runtime, *_setups[family])
+
+
+@pytest.mark.parametrize(
+    "family,draft_id", [("smollm2", "q2_k"), ("smollm2", "prompt-lookup"), ("gemma3", "q2_k")]
+)
+def test_speculative_sampling_matches_target(request, family, draft_id):
+    runtime, prompt, exact, threshold = family_setup(request, family)
     counts = speculative_samples(runtime, prompt, draft_id)
     n = sum(counts.values())
     assert n == N_SAMPLES
     assert tv(counts, exact, n) < threshold
 
 
-def test_argmax_only_acceptance_is_detected(runtime, setup, monkeypatch):
-    prompt, exact, threshold = setup
+def test_argmax_only_acceptance_is_detected(request, monkeypatch):
+    runtime, prompt, exact, threshold = family_setup(request, "smollm2")
 
     def argmax_accept(token, p, q, rng):  # wrong on purpose: accept iff it is p's argmax
         return int(np.argmax(p)) == token

@@ -37,16 +37,36 @@ def target_path():
 
 def test_gguf_shape_matches_what_llama_cpp_loads(small_backend, target_path):
     s = read_shape(target_path)
-    assert (s.n_layers, s.n_head_kv, s.head_dim_k) == (
+    assert (s.n_layers, s.n_head_kv, s.head_dim_k, s.head_dim_v) == (
         small_backend.n_layers,
         small_backend.n_kv_heads,
-        small_backend.head_dim,
+        small_backend.head_dim_k,
+        small_backend.head_dim_v,
     )
     assert s.n_vocab == small_backend.n_vocab
     assert s.kv_bytes_per_token == small_backend.kv_bytes_per_token()
     # F32 weights: 4 bytes per parameter, and the file is weights + a header.
     assert s.bytes_by_type == {"F32": s.weight_bytes}
     assert 0 < s.file_bytes - s.weight_bytes < 4_000_000
+
+
+def test_gguf_shape_of_the_second_family():
+    """Gemma 3 270M: a 262,144-token vocabulary and heads of 256 (not embedding / heads = 160)."""
+    from launcher import require_gemma
+
+    from memspec.backends.base import BackendOptions, load_backend
+
+    path = require_gemma()
+    s = read_shape(path)
+    be = load_backend(path, BackendOptions(n_ctx=256, n_threads=1))
+    try:
+        assert (
+            (s.n_vocab, s.head_dim_k, s.head_dim_v) == (be.n_vocab, 256, 256) == (262_144, 256, 256)
+        )
+        assert s.n_head_kv == be.n_kv_heads and s.n_layers == be.n_layers
+        assert s.kv_bytes_per_token == be.kv_bytes_per_token()
+    finally:
+        be.close()
 
 
 def test_footprint_parts_follow_n_ctx_and_k(target_path):
