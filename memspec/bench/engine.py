@@ -28,14 +28,18 @@ from tqdm import tqdm
 from memspec.bench.peer_server import PeerServer, peer_configs
 from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
+from memspec.drafts.manifest import DraftManifest
 from memspec.engine.costs import expected_tokens
 from memspec.engine.speculative import ROUND_PHASES
 from memspec.engine.types import SamplingParams
-from memspec.paths import resolve_model_path
+from memspec.paths import models_dir, resolve_model_path
 from memspec.runtime import Runtime
 
 PEER = "llama-cpp-python prompt-lookup"
+# The one-draft configs: those of the target's pool (its family: memspec.drafts.family) that are
+# built and speak its tokenizer. The first model draft of PEER_DRAFTS is llama-server's -md.
 POOL = ["prompt-lookup", "q8_0", "q4_0", "q2_k"]
+PEER_DRAFTS = ["q4_0", "q2_k", "q8_0"]
 
 
 class PeerPromptLookup:
@@ -147,13 +151,17 @@ def run_engine_bench(
     prompts = {w: load_workload(w, per_category, categories) for w in workloads}
     settings.drafts = [d for d in settings.drafts if d not in POOL] + POOL
     rt = Runtime(settings)
+    pool = [d for d in POOL if d in rt.manifests and d not in rt.incompatible]
     # (name, draft, k, policy): `memspec` is the default policy; `auto` the bare decision rule.
     configs: list[tuple[str, str, int | None, str | None]] = [("none", "none", None, None)]
-    for d in POOL:
+    for d in pool:
         configs += [(f"{d} k={k_fixed}", d, k_fixed, None), (f"{d} adaptive-k", d, None, None)]
     configs += [("memspec", "auto", None, "memspec"), ("auto", "auto", None, "auto")]
     peer = PeerPromptLookup(settings, k_fixed)
-    servers, skipped = _start_peer_servers(settings, peer_server)
+    peer_draft = next((d for d in PEER_DRAFTS if d in pool), None)
+    servers, skipped = _start_peer_servers(
+        settings, peer_server, (peer_draft, rt.manifest(peer_draft)) if peer_draft else None
+    )
     params = SamplingParams(max_tokens=max_tokens)
     results: dict[str, dict[str, list[dict]]] = {w: defaultdict(list) for w in workloads}
     try:
@@ -221,7 +229,9 @@ def run_engine_bench(
     return report
 
 
-def _start_peer_servers(settings: Settings, wanted: bool) -> tuple[dict[str, PeerServer], str]:
+def _start_peer_servers(
+    settings: Settings, wanted: bool, draft: tuple[str, DraftManifest] | None
+) -> tuple[dict[str, PeerServer], str]:
     if not wanted:
         return {}, "not asked for (--no-peer-server)"
     binary = PeerServer.find()
@@ -229,7 +239,8 @@ def _start_peer_servers(settings: Settings, wanted: bool) -> tuple[dict[str, Pee
         return {}, "llama-server not built: run scripts/setup.sh --peer"
     servers: dict[str, PeerServer] = {}
     try:
-        for name, flags in peer_configs(settings).items():
+        draft_file = (draft[0], draft[1].model_path(models_dir())) if draft else None
+        for name, flags in peer_configs(draft_file).items():
             servers[name] = PeerServer(binary, settings, flags)
     except Exception as e:  # a peer that will not start is reported, not fatal
         for server in servers.values():

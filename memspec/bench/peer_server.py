@@ -19,20 +19,20 @@ import urllib.request
 from pathlib import Path
 
 from memspec.config import Settings
-from memspec.paths import data_dir, models_dir, resolve_model_path
+from memspec.paths import data_dir, resolve_model_path
 
 # llama-server's n-gram speculation as DESIGN.md measured it best on this CPU.
 NGRAM = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
          "--spec-ngram-simple-size-m", "8"]  # fmt: skip
-DRAFT_MODEL = "smollm2-135m-q4_0.gguf"
 
 
-def peer_configs(settings: Settings) -> dict[str, list[str]]:
+def peer_configs(draft: tuple[str, Path] | None) -> dict[str, list[str]]:
+    """llama-server's configs: plain, n-gram, and with `draft` (id, GGUF) as its -md."""
     configs = {"llama-server plain": [], "llama-server ngram-simple": NGRAM}
-    draft = models_dir() / DRAFT_MODEL
-    if draft.is_file():
-        configs["llama-server -md q4_0"] = ["-md", str(draft)]
-        configs["llama-server ngram-simple + -md q4_0"] = NGRAM + ["-md", str(draft)]
+    if draft is not None and draft[1].is_file():
+        draft_id, path = draft
+        configs[f"llama-server -md {draft_id}"] = ["-md", str(path)]
+        configs[f"llama-server ngram-simple + -md {draft_id}"] = NGRAM + ["-md", str(path)]
     return configs
 
 

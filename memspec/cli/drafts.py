@@ -129,12 +129,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from memspec.engine.calibration import calibrate
+    from memspec.engine.calibration import calibrate, measure_verify
     from memspec.runtime import Runtime
 
     rt = Runtime(load_settings(args), calibrate_costs=False)
     try:
         costs = calibrate(rt.target, list(rt.drafts.values()), rt.settings.k_max, force=args.force)
+        full_rows = measure_verify(rt.target, rt.settings.k_max, True) if args.full_rows else None
     finally:
         rt.close()
     out = {
@@ -142,6 +143,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "draft_ms_per_token": {k: round(v * 1e3, 3) for k, v in costs.draft_s.items()},
         "draft_overhead_ms": {k: round(v * 1e3, 3) for k, v in costs.draft_overhead_s.items()},
     }
+    if full_rows is not None:
+        out["verify_ms_full_rows"] = [round(s * 1e3, 3) for s in full_rows]
     print(json.dumps(out, indent=2))
     return 0
 
@@ -221,4 +224,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure verify cost per batch and draft cost per token")
     model_flags(p)
     p.add_argument("--force", action="store_true", help="re-measure even if cached")
+    p.add_argument(
+        "--full-rows",
+        action="store_true",
+        help="also time verification copying every logits row out (verify_ms_full_rows): "
+        "what reading rows in place saves, which grows with the vocabulary",
+    )
     p.set_defaults(func=cmd_calibrate)

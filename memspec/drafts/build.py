@@ -55,14 +55,18 @@ def all_build_manifests(manifest_dir: Path = DEFAULT_MANIFEST_DIR) -> list[Draft
     return [m for m in found if m.build is not None]
 
 
-def _recipe_key(m: DraftManifest, source_sha: str) -> str:
+def _recipe_key(m: DraftManifest, src: Path, source_sha: str) -> str:
     assert m.build is not None
     recipe = m.build.model_dump()
     parts: list = [recipe, source_sha]
     if m.build.recipe in ("datastore", "distill"):  # these also depend on the seed prompts
-        from memspec.drafts.corpus import SEEDS_FILE
+        from memspec.drafts.corpus import SEEDS_FILE, chat_template_of
 
         parts.append(sha256_file(SEEDS_FILE))
+        # ... and on the chat template they were put with (a GGUF's own: part of its sha)
+        template = chat_template_of(src).source
+        if template != "gguf":
+            parts.append(template)
     if m.build.recipe == "datastore":  # a new file format rebuilds files of the old one
         from memspec.drafts.datastore import FORMAT_VERSION
 
@@ -118,7 +122,7 @@ def build_one(m: DraftManifest, directory: Path, force: bool = False) -> tuple[P
         raise FileNotFoundError(f"{m.id}: source {src} missing (run `memspec testbed fetch`)")
     dst = directory / m.file
     stamp = dst.with_name(dst.name + ".build.json")
-    key = _recipe_key(m, sha256_file(src))
+    key = _recipe_key(m, src, sha256_file(src))
     if not force and dst.is_file() and stamp.is_file():
         info = json.loads(stamp.read_text())
         if info.get("recipe_key") == key and info.get("sha256") == sha256_file(dst):

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from memspec.backends.chat import ChatTemplate, resolve_chat_template
 from memspec.paths import cache_dir
 
 SEEDS_FILE = Path(__file__).resolve().parent.parent.parent / "drafts" / "seeds" / "prompts.jsonl"
@@ -76,10 +77,7 @@ class BatchedGreedy:
     ):
         import llama_cpp
 
-        from memspec.backends.chat import render_chat
-
         self._lc = llama_cpp
-        self._render = render_chat
         self.batch = batch
         self.n_ctx_per_seq = n_ctx_per_seq
         buf = io.StringIO()
@@ -115,15 +113,17 @@ class BatchedGreedy:
         if eot >= 0:
             eos.add(eot)
         self.eos = eos
-        meta = self.llm.metadata
-        self.template = meta.get("tokenizer.chat_template")
+        # The target's own chat template, resolved as the runtime resolves it: a corpus of
+        # answers to prompts the target never sees in serving would index the wrong text.
+        self.template = chat_template_of(model_path)
+        self.adds_bos = self.llm.metadata.get("tokenizer.ggml.add_bos_token", "true") == "true"
         bos = self.llm.token_bos()
         self.bos_text = self.llm._model.token_get_text(bos) if bos >= 0 else ""
         self.eos_text = self.llm._model.token_get_text(self.llm.token_eos())
 
     def chat_tokens(self, prompt: str) -> list[int]:
-        text = self._render(
-            self.template, [{"role": "user", "content": prompt}], self.bos_text, self.eos_text
+        text = self.template.render(
+            [{"role": "user", "content": prompt}], self.bos_text, self.eos_text, self.adds_bos
         )
         return self.llm.tokenize(text.encode(), add_bos=True, special=True)
 
@@ -215,9 +215,25 @@ class BatchedGreedy:
         self.llm.close()
 
 
+def chat_template_of(model_path: Path) -> ChatTemplate:
+    """The chat template a runtime with no chat_template setting uses for this model."""
+    from memspec.drafts.gguf_header import open_header, scalar
+
+    reader = open_header(model_path)
+    keys = ("general.architecture", "tokenizer.chat_template", "tokenizer.ggml.pre")
+    metadata = {k: str(v) for k in keys if (v := scalar(reader, k)) is not None}
+    return resolve_chat_template(None, metadata, model_path.name)
+
+
 def _model_tag(model_path: Path) -> str:
+    """The model and the template its answers were prompted with (a model with its own
+    template keeps the tag it had before templates were resolved)."""
     st = model_path.stat()
-    return hashlib.sha256(f"{model_path.name}:{st.st_size}".encode()).hexdigest()[:10]
+    key = f"{model_path.name}:{st.st_size}"
+    source = chat_template_of(model_path).source
+    if source != "gguf":
+        key += f":{source}"
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
 def generated_corpus_path(model_path: Path) -> Path:

@@ -23,6 +23,8 @@ from memspec.paths import cache_dir
 
 CONTEXT_TOKENS = 128  # a typical context length at which the costs are measured
 REPS = 7
+# Bumped when what is measured changes (2: verification reads each row's argmax in place).
+MEASURE_VERSION = 2
 
 
 def _median_time(fn, reps: int = REPS) -> float:
@@ -48,14 +50,18 @@ def cache_key(target: Backend, drafts: list[Draft], k_max: int, extra: str = "")
         platform.processor(),
         k_max,
         extra,
+        MEASURE_VERSION,
         sorted((d.id, _file_key(d.backend.path)) for d in drafts if isinstance(d, ModelBacked)),
     ]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
-def measure(target: Backend, drafts: list[Draft], k_max: int) -> CostModel:
+def measure_verify(target: Backend, k_max: int, full_rows: bool = False) -> list[float]:
+    """Seconds to verify 1..k_max+1 tokens at CONTEXT_TOKENS of context, reading what greedy
+    acceptance reads (each row's argmax); `full_rows`: copying every row out instead (what
+    verification cost before it read rows in place: the gap grows with the vocabulary)."""
     rng = np.random.default_rng(0)
-    warm = [int(t) for t in rng.integers(100, 10000, size=CONTEXT_TOKENS)]
+    warm = [int(t) for t in rng.integers(100, min(10000, target.n_vocab), size=CONTEXT_TOKENS)]
     target.reset()
     target.eval(warm, all_logits=False)
     verify_s = []
@@ -63,13 +69,20 @@ def measure(target: Backend, drafts: list[Draft], k_max: int) -> CostModel:
         probe = warm[:batch]
 
         def step(probe=probe) -> None:
-            target.eval(probe)
+            if full_rows:
+                target.eval(probe, copy=True)
+            else:
+                target.eval_argmax(probe)
             target.truncate(CONTEXT_TOKENS)
 
         step()  # warm-up
         verify_s.append(_median_time(step))
     target.reset()
-    costs = CostModel(verify_s=verify_s)
+    return verify_s
+
+
+def measure(target: Backend, drafts: list[Draft], k_max: int) -> CostModel:
+    costs = CostModel(verify_s=measure_verify(target, k_max))
     for d in drafts:
         measure_draft(d, costs, k_max)
     return costs
