@@ -23,6 +23,49 @@ def test_batch_logits_match_single_steps(small_backend):
     assert np.array_equal(batch, singles)
 
 
+def test_k_quant_target_is_batch_invariant_at_every_batch_size():
+    """Gemma 3 270M Q4_K_M: with weight repacking (from 4 rows) or ggml's tiled K-quant matmul
+    (from 8 rows) a batch's logits differed from single steps by up to 1.3, and greedy output
+    diverged at k >= 7. A target loads without both; every batch size must equal single steps,
+    read after a rollback as verification reads them."""
+    from launcher import require_gemma
+
+    be = load_backend(require_gemma(), BackendOptions(n_ctx=256, n_threads=1))
+    try:
+        assert be.describe()["batch_invariant"]
+        toks = be.tokenize(
+            "The three primary colors are red, yellow and blue; mixed two at a time, they make "
+            "the secondary colors orange, green and purple."
+        )
+        assert len(toks) >= 16
+        be.eval(toks[:4])
+        singles = np.stack([be.eval([t])[0] for t in toks[4:16]])
+        for n in range(1, 13):
+            be.truncate(4)
+            assert np.array_equal(be.eval(toks[4 : 4 + n]), singles[:n]), f"batch of {n}"
+        be.truncate(4)
+        assert be.eval_argmax(toks[4:16]) == singles.argmax(axis=1).tolist()
+    finally:
+        be.close()
+
+
+def test_drafts_may_repack_but_the_target_does_not():
+    """A draft's output is only a proposal: it keeps llama.cpp's faster repacked weights."""
+    from memspec.scheduler.manifest_source import ManifestSource
+
+    target_options = BackendOptions(n_ctx=256, n_threads=1)
+    assert not target_options.weight_repack
+    assert ManifestSource({}, target_options, "llama_cpp").options.weight_repack
+    be = load_backend(
+        models_dir() / "smollm2-135m-q4_0.gguf",
+        BackendOptions(n_ctx=128, n_threads=1, weight_repack=True),
+    )
+    try:
+        assert not be.describe()["batch_invariant"]  # honest about what it runs
+    finally:
+        be.close()
+
+
 def test_truncate_then_reeval_is_exact(small_backend):
     be = small_backend
     toks = be.tokenize("One two three four five six", add_bos=True)
