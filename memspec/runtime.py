@@ -19,7 +19,7 @@ from memspec.backends.base import Backend, BackendOptions, load_backend
 from memspec.config import Settings
 from memspec.drafts.compat import fingerprint_of, incompatible_error
 from memspec.drafts.datastore import DatastoreDraft
-from memspec.drafts.family import settings_pool_dir, skipped_recipes
+from memspec.drafts.family import settings_pool_dir, skipped_error, skipped_recipes
 from memspec.drafts.manifest import DraftManifest, check_id, load_manifests
 from memspec.drafts.registry import PRIOR_ALPHA
 from memspec.engine.calibration import calibrate, measure_draft
@@ -210,10 +210,7 @@ class Runtime:
     def manifest(self, draft_id: str) -> DraftManifest:
         check_id(draft_id)
         if draft_id in self.skipped_drafts and draft_id not in self.manifests:
-            reason = self.skipped_drafts[draft_id]
-            raise UnknownDraft(
-                f"draft {draft_id!r} was not built for this target: {reason}", param="draft"
-            )
+            raise skipped_error(draft_id, self.skipped_drafts[draft_id])
         if draft_id not in self.manifests:
             raise UnknownDraft(
                 f"unknown draft {draft_id!r}; known: {', '.join(sorted(self.manifests))}",

@@ -18,13 +18,18 @@ ROUND_DIGITS = {"acceptance": 4, "tokens_per_s": 2, "elapsed_s": 4}
 
 def check_named_draft(settings: Settings, draft_id: str) -> None:
     """DraftIncompatible (one line, exit 2) for a draft that speaks another tokenizer than
-    the target, before any model loads; an unknown id is left to the runtime to name."""
+    the target, UnknownDraft for one its family skipped, before any model loads; any other
+    unknown id is left to the runtime to name."""
     from memspec.drafts.compat import fingerprint_of, require_compatible
-    from memspec.drafts.family import settings_pool_dir
+    from memspec.drafts.family import settings_pool_dir, skipped_error, skipped_recipes
     from memspec.drafts.manifest import load_manifests
     from memspec.paths import models_dir, resolve_model_path
 
-    m = load_manifests(settings_pool_dir(settings)).get(draft_id)
+    pool = settings_pool_dir(settings)
+    m = load_manifests(pool).get(draft_id)
+    skipped = skipped_recipes(pool)
+    if m is None and draft_id in skipped:
+        raise skipped_error(draft_id, skipped[draft_id])
     if m is not None:
         target = fingerprint_of(resolve_model_path(settings.target))
         require_compatible(target, m, models_dir())

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from memspec.config import Settings
 from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, DraftManifest, load_manifests
+from memspec.errors import UnknownDraft
 from memspec.paths import data_dir, models_dir, resolve_model_path
 
 # Nominal bits per weight of llama.cpp file types (general.file_type), for the self-draft rule.
@@ -89,6 +90,13 @@ def skipped_recipes(directory: Path) -> dict[str, str]:
     if not report.is_file():
         return {}
     return {s["id"]: s["reason"] for s in json.loads(report.read_text()).get("skipped", [])}
+
+
+def skipped_error(draft_id: str, reason: str) -> UnknownDraft:
+    """What naming a draft the target's family skipped gets: the reason, not "unknown"."""
+    return UnknownDraft(
+        f"draft {draft_id!r} was not built for this target: {reason}", param="draft"
+    )
 
 
 @dataclass(frozen=True)
