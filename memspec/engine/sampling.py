@@ -21,7 +21,7 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     p = np.exp(z)
     p /= p.sum()
     if params.top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
+        order = nucleus_order(p, params.top_p)
         cum = np.cumsum(p[order])
         keep = int(np.searchsorted(cum, params.top_p) + 1)  # smallest set reaching top_p
         mask = np.zeros_like(p, dtype=bool)
@@ -29,6 +29,23 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         p = np.where(mask, p, 0.0)
         p /= p.sum()
     return p
+
+
+def nucleus_order(p: np.ndarray, top_p: float) -> np.ndarray:
+    """A prefix of the stable descending order of p (ties: lower id first) whose mass reaches
+    top_p: what top-p keeps, without sorting a whole vocabulary (262k ids: ~20 ms a row).
+
+    Takes the m most likely ids and every id tied with the m-th (so the prefix is exactly the
+    full sort's), doubling m until their mass reaches top_p."""
+    m = 64
+    while m < len(p):
+        threshold = np.partition(p, len(p) - m)[len(p) - m]
+        top = np.flatnonzero(p >= threshold)  # ascending ids: the stable sort keeps them so
+        order = top[np.argsort(-p[top], kind="stable")]
+        if p[order].sum() >= top_p:
+            return order
+        m *= 8
+    return np.argsort(-p, kind="stable")
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:

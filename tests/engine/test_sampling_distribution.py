@@ -67,6 +67,10 @@ def speculative_samples(runtime, prompt, draft_id: str) -> Counter:
 
 
 RUNTIME_OF = {"smollm2": "runtime", "gemma3": "gemma_runtime"}  # conftest fixtures
+# A prompt whose first token's top-p nucleus is small: the exact joint takes one target eval per
+# first token (Gemma's nucleus after a chat turn holds ~7,000 tokens; after this text, 3).
+CHAT_PROMPT = [{"role": "user", "content": "Name a fruit."}]
+TEXT_PROMPT = {"gemma3": "Monday, Tuesday,"}
 _setups: dict[str, tuple] = {}
 
 
@@ -74,7 +78,10 @@ def family_setup(request, family: str):
     """(runtime, prompt, exact joint, threshold), computed once per family."""
     runtime = request.getfixturevalue(RUNTIME_OF[family])
     if family not in _setups:
-        prompt = runtime.prompt_tokens(messages=[{"role": "user", "content": "Name a fruit."}])
+        text = TEXT_PROMPT.get(family)
+        prompt = (
+            runtime.prompt_tokens(text) if text else runtime.prompt_tokens(messages=CHAT_PROMPT)
+        )
         exact = exact_joint(runtime, prompt)
         threshold = null_threshold(exact, N_SAMPLES, np.random.default_rng(0))
         _setups[family] = (prompt, exact, threshold)
@@ -92,8 +99,9 @@ def test_speculative_sampling_matches_target(request, family, draft_id):
     assert tv(counts, exact, n) < threshold
 
 
-def test_argmax_only_acceptance_is_detected(request, monkeypatch):
-    runtime, prompt, exact, threshold = family_setup(request, "smollm2")
+@pytest.mark.parametrize("family", ["smollm2", "gemma3"])
+def test_argmax_only_acceptance_is_detected(request, monkeypatch, family):
+    runtime, prompt, exact, threshold = family_setup(request, family)
 
     def argmax_accept(token, p, q, rng):  # wrong on purpose: accept iff it is p's argmax
         return int(np.argmax(p)) == token
