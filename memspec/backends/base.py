@@ -36,6 +36,18 @@ class BackendOptions:
     # depend on the batch, which breaks lossless verification. Off for a target; a draft,
     # whose output is only ever a proposal, may take the speed.
     weight_repack: bool = False
+    # Keep the target's final hidden state (the output layer's input, after the final norm)
+    # for every row eval returns: Backend.last_features(). For drafts that read the target's
+    # features (issue 11's head); off, nothing extra is computed or copied.
+    features: bool = False
+
+
+class FeaturesDisabled(RuntimeError):
+    """last_features() on a backend loaded without BackendOptions.features.
+
+    A RuntimeError, not a MemSpecError: it is a wiring bug (a draft that reads features
+    attached to a target loaded without them), never a user's input or a bad file. The engine
+    can catch it by this class (and drop that draft); one that escapes is a clean 500."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +71,10 @@ class Backend(ABC):
     supports_kv_snapshot: ClassVar[bool] = False
 
     path: Path
+    options: BackendOptions
     n_ctx: int
     n_vocab: int
+    n_embd: int  # width of a features row (the hidden size the output layer reads)
     bos_token_id: int | None
     eos_token_ids: frozenset[int]
     metadata: dict[str, str]  # the GGUF's scalar keys it read (general.*, tokenizer.*), as text
@@ -69,6 +83,8 @@ class Backend(ABC):
         self.tokens: list[int] = []  # exactly what the KV cache holds, in order
         self.forward_s = 0.0  # cumulative seconds inside forward passes (engine overhead)
         self.decode_s = 0.0  # the part of forward_s in the model itself (no batch set-up, copies)
+        # The last eval's features rows (options.features only); _forward sets them.
+        self._features: np.ndarray | None = None
 
     # --- text -------------------------------------------------------------------------
     @abstractmethod
@@ -90,7 +106,8 @@ class Backend(ABC):
     # --- compute ------------------------------------------------------------------------
     @abstractmethod
     def _forward(self, tokens: list[int], all_logits: bool, copy: bool = True) -> np.ndarray:
-        """copy=False may return a view of the backend's own logits buffer (see eval)."""
+        """copy=False may return a view of the backend's own logits buffer (see eval).
+        With options.features, also sets `_features`: one row per logits row returned."""
 
     @abstractmethod
     def _truncate_kv(self, n: int) -> None: ...
@@ -112,11 +129,26 @@ class Backend(ABC):
             raise ContextOverflow(
                 f"context of {self.n_ctx} tokens exceeded ({len(self.tokens)} + {len(tokens)})"
             )
+        self._features = None  # a failed eval leaves no stale rows behind
         t = time.perf_counter()
         logits = self._forward(tokens, all_logits, copy)
         self.forward_s += time.perf_counter() - t
         self.tokens.extend(tokens)
         return logits
+
+    def last_features(self) -> np.ndarray:
+        """The final hidden state (input of the output layer, after the final norm) of every
+        row the last eval returned: float32 (n_rows, n_embd), row i belonging to logits row i;
+        (0, n_embd) before any eval. A read-only array the backend copied out at eval time, so
+        it stays valid after later evals. Raises FeaturesDisabled unless options.features."""
+        if not self.options.features:
+            raise FeaturesDisabled(
+                f"{self.path.name} was loaded without features: load it with "
+                "BackendOptions(features=True) to read its hidden states"
+            )
+        if self._features is None:
+            return np.zeros((0, self.n_embd), dtype=np.float32)
+        return self._features
 
     def eval_argmax(self, tokens: list[int]) -> list[int]:
         """Append `tokens`; the argmax of every position's logits: all greedy decoding reads,
@@ -154,7 +186,10 @@ class Backend(ABC):
         """What determines this backend's speed (calibration cache key). Backends add
         `batch_invariant`: whether a position's logits are bit-identical in any batch shape,
         which makes greedy speculative output bit-for-bit plain decoding's."""
-        return {"backend": type(self).__name__, "file": self.path.name}
+        out: dict[str, object] = {"backend": type(self).__name__, "file": self.path.name}
+        if self.options.features:  # extra output rows and copies: part of the verify cost
+            out["features"] = True
+        return out
 
     # --- memory -------------------------------------------------------------------------
     def weight_bytes(self) -> int:

@@ -15,6 +15,10 @@ one row, all kept out of a target:
 - weight repacking (Q4_0, Q4_K, IQ4_NL... from 4 rows on), which a target loads without
   (BackendOptions.weight_repack; drafts keep it: their output is only ever a proposal).
 `batch_invariant()` says whether this process has all three off.
+
+Features (BackendOptions.features): the final hidden state of each returned row, read from
+llama.cpp's embeddings mode (its `t_embd`, the output layer's input), on only for the batches
+whose rows are returned. The graph is the same with it on, so logits keep their bits.
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ class LlamaCppBackend(Backend):
         # look slower than verification. Use the same count for both.
         n_threads = options.n_threads or os.cpu_count() or 1
         self.n_threads = n_threads
+        # Features are read per token (no pooling): a model whose GGUF names a pooling (an
+        # embedding model) would otherwise hand back one pooled row per sequence.
+        extra = {"pooling_type": llama_cpp.LLAMA_POOLING_TYPE_NONE} if options.features else {}
         try:
             # llama.cpp prints loader chatter on stderr; keep it unless loading fails.
             buf = io.StringIO()
@@ -98,11 +105,15 @@ class LlamaCppBackend(Backend):
                     logits_all=False,
                     seed=options.seed,
                     verbose=False,
+                    **extra,
                 )
         except Exception as e:  # llama.cpp reports a corrupt file as a bare ValueError
             raise ModelLoadError(f"failed to load {path.name}: {e}", param="model") from e
         self.n_ctx = self._llm.n_ctx()
         self.n_vocab = self._llm.n_vocab()
+        self.n_embd = llama_cpp.llama_model_n_embd_out(self._llm._model.model)
+        # Created without embeddings (Llama's default): _forward turns them on per batch.
+        self._embeddings_on = False
         self._pieces: dict[int, bytes] = {}
         self._n_batch = self._llm.n_batch
         meta = self._llm.metadata
@@ -166,28 +177,61 @@ class LlamaCppBackend(Backend):
     # --- compute ------------------------------------------------------------------------
     def _forward(self, tokens: list[int], all_logits: bool, copy: bool = True) -> np.ndarray:
         ctx, batch = self._llm._ctx, self._llm._batch
+        features = self.options.features
         n_past = len(self.tokens)
-        rows = []
+        rows, feats = [], []
+        starts = list(range(0, len(tokens), self._n_batch))
+        if features and not all_logits and len(tokens) - starts[-1] > 1:
+            # Prefill: the last token alone in a batch of its own. In embeddings mode llama.cpp
+            # outputs every token of a batch, and the rest of the prompt's last chunk would
+            # pay logits (and output buffer: rows x vocabulary floats) for nothing; kernels
+            # that are batch-invariant give that token the same bits either way.
+            starts.append(len(tokens) - 1)
         try:
-            for i in range(0, len(tokens), self._n_batch):
-                chunk = tokens[i : i + self._n_batch]
-                last_chunk = i + self._n_batch >= len(tokens)
-                batch.set_batch(chunk, n_past + i, logits_all=all_logits)
+            for j, i in enumerate(starts):
+                chunk = tokens[i : starts[j + 1] if j + 1 < len(starts) else i + self._n_batch]
+                last_chunk = j + 1 == len(starts)
+                wanted = all_logits or last_chunk
+                # Embeddings mode outputs every token of a batch (llama.cpp overrides the
+                # batch's flags, and logs that it did): ask for them all.
+                every_row = all_logits or (features and wanted)
+                if features:
+                    self._set_embeddings(wanted)
+                batch.set_batch(chunk, n_past + i, logits_all=every_row)
                 t = time.perf_counter()
                 ctx.decode(batch)
                 self.decode_s += time.perf_counter() - t
-                if all_logits or last_chunk:
-                    n_out = len(chunk) if all_logits else 1
+                if wanted:
+                    n_out = len(chunk) if every_row else 1
                     out = np.ctypeslib.as_array(ctx.get_logits(), shape=(n_out, self.n_vocab))
+                    if not all_logits:
+                        out = out[-1:]
                     # The next decode overwrites the buffer: only the last chunk may stay a view.
                     rows.append(out if last_chunk and not copy else out.copy())
+                    if features:
+                        emb = np.ctypeslib.as_array(
+                            ctx.get_embeddings(), shape=(n_out, self.n_embd)
+                        )
+                        feats.append((emb if all_logits else emb[-1:]).copy())
         except Exception:
             ctx.kv_cache_seq_rm(0, n_past, -1)  # leave the cache as `self.tokens` says
             raise
+        if features:
+            self._features = feats[0] if len(feats) == 1 else np.concatenate(feats)
+            self._features.flags.writeable = False
         if len(rows) > 1:
             return np.concatenate(rows)
         rows[0].flags.writeable = copy  # a view of llama.cpp's buffer is read-only
         return rows[0]
+
+    def _set_embeddings(self, on: bool) -> None:
+        """Embeddings mode on only for the batches whose rows are returned: in it llama.cpp
+        outputs (and pays logits for) every token, which the rest of a prompt need not."""
+        if on != self._embeddings_on:
+            import llama_cpp
+
+            llama_cpp.llama_set_embeddings(self._llm._ctx.ctx, on)
+            self._embeddings_on = on
 
     def _truncate_kv(self, n: int) -> None:
         if not self._llm._ctx.kv_cache_seq_rm(0, n, -1):

@@ -221,6 +221,17 @@ class TorchBackend(Backend):
         self._chat_template: ChatTemplate | None = None
         self._piece_bytes = self._build_piece_table(pieces, types, meta["tokenizer_model"])
         self._cache = self._new_cache()
+        self.n_embd = int(cfg.hidden_size)
+        self._captured: Any = None
+        if options.features:
+            # The output layer's input is the features by definition (after the final norm,
+            # already cut to the rows logits_to_keep keeps), whatever the architecture or the
+            # transformers release calls it; output_hidden_states would also keep every layer.
+            head = self._model.get_output_embeddings()
+            head.register_forward_pre_hook(self._capture_features)
+
+    def _capture_features(self, module: Any, args: tuple[Any, ...]) -> None:
+        self._captured = args[0]
 
     def _build_piece_table(
         self, pieces: list[str], types: np.ndarray | None, tokenizer_model: str | None
@@ -298,6 +309,11 @@ class TorchBackend(Backend):
             with torch.inference_mode():
                 out = self._model(input_ids=ids, position_ids=pos, use_cache=True, **kwargs)
                 logits = out.logits[0].float()
+                if self._captured is not None:
+                    feats = self._captured[0].float().cpu().numpy()
+                    self._captured = None
+                    feats.flags.writeable = False
+                    self._features = feats
                 if logits.is_cuda:
                     torch.cuda.synchronize()  # so decode_s holds the kernels, not their launch
         except Exception:

@@ -129,13 +129,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from memspec.engine.calibration import calibrate, measure_verify
+    from memspec.engine.calibration import calibrate, measure_features_cost, measure_verify
     from memspec.runtime import Runtime
 
     rt = Runtime(load_settings(args), calibrate_costs=False)
     try:
         costs = calibrate(rt.target, list(rt.drafts.values()), rt.settings.k_max, force=args.force)
         full_rows = measure_verify(rt.target, rt.settings.k_max, True) if args.full_rows else None
+        features = measure_features_cost(rt.target, rt.settings.k_max) if args.features else None
     finally:
         rt.close()
     out = {
@@ -145,6 +146,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     }
     if full_rows is not None:
         out["verify_ms_full_rows"] = [round(s * 1e3, 3) for s in full_rows]
+    if features is not None:  # measured side by side now, not read from the cache
+        out["verify_ms_features_off"] = [round(s * 1e3, 3) for s in features[0]]
+        out["verify_ms_features_on"] = [round(s * 1e3, 3) for s in features[1]]
     print(json.dumps(out, indent=2))
     return 0
 
@@ -229,5 +233,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also time verification copying every logits row out (verify_ms_full_rows): "
         "what reading rows in place saves, which grows with the vocabulary",
+    )
+    p.add_argument(
+        "--features",
+        action="store_true",
+        help="also time verification with the target's features (final hidden states) kept "
+        "and read, against without, side by side (verify_ms_features_on/off); loads the "
+        "target a second time meanwhile",
     )
     p.set_defaults(func=cmd_calibrate)

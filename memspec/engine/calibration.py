@@ -12,6 +12,7 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,39 @@ def measure_verify(target: Backend, k_max: int, full_rows: bool = False) -> list
         verify_s.append(_median_time(step))
     target.reset()
     return verify_s
+
+
+def measure_features_cost(target: Backend, k_max: int) -> tuple[list[float], list[float]]:
+    """Seconds to verify 1..k_max+1 tokens without and with target features (issue 11: what
+    a draft that reads the target's hidden states costs the target). `target` is timed as it
+    is loaded, against a twin loaded from the same file with `features` the other way (its
+    weights are held twice meanwhile), batch sizes alternating between the two so that load
+    from other processes falls on both alike. A features run reads what such a draft reads:
+    each row's argmax, then last_features(). Returns (off, on); the twin is closed."""
+    twin = type(target)(target.path, replace(target.options, features=not target.options.features))
+    off, on = (twin, target) if target.options.features else (target, twin)
+    rng = np.random.default_rng(0)
+    warm = [int(t) for t in rng.integers(100, min(10000, target.n_vocab), size=CONTEXT_TOKENS)]
+    times: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for be in (off, on):
+            be.reset()
+            be.eval(warm, all_logits=False)
+        for batch in range(1, k_max + 2):
+            for features, be in ((False, off), (True, on)):
+
+                def step(be: Backend = be, probe: list[int] = warm[:batch]) -> None:
+                    be.eval_argmax(probe)
+                    if be.options.features:
+                        be.last_features()
+                    be.truncate(CONTEXT_TOKENS)
+
+                step()  # warm-up
+                times[features].append(_median_time(step))
+    finally:
+        target.reset()
+        twin.close()
+    return times[False], times[True]
 
 
 def measure(target: Backend, drafts: list[Draft], k_max: int) -> CostModel:
