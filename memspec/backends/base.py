@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from memspec.backends.chat import ChatTemplate
+from memspec.backends.chat import ChatTemplate, resolve_chat_template
 from memspec.errors import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
@@ -85,6 +85,10 @@ class Backend(ABC):
         self.decode_s = 0.0  # the part of forward_s in the model itself (no batch set-up, copies)
         # The last eval's features rows (options.features only); _forward sets them.
         self._features: np.ndarray | None = None
+        # Chat rendering: the backend sets its BOS/EOS texts and whether its tokenizer adds BOS.
+        self._chat_template: ChatTemplate | None = None
+        self._bos_text = self._eos_text = ""
+        self._add_bos = True
 
     # --- text -------------------------------------------------------------------------
     @abstractmethod
@@ -95,13 +99,18 @@ class Backend(ABC):
     def detokenize(self, tokens: list[int]) -> bytes: ...
 
     @property
-    @abstractmethod
     def chat_template(self) -> ChatTemplate:
-        """The template chats are rendered with, resolved once (memspec.backends.chat)."""
+        """The template chats are rendered with, resolved on first use (a draft never renders
+        a chat) from the setting and the GGUF's metadata (memspec.backends.chat)."""
+        if self._chat_template is None:
+            self._chat_template = resolve_chat_template(
+                self.options.chat_template, self.metadata, self.path.name
+            )
+        return self._chat_template
 
-    @abstractmethod
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         """Render messages with `chat_template`, ready for tokenize(add_bos=True, special=True)."""
+        return self.chat_template.render(messages, self._bos_text, self._eos_text, self._add_bos)
 
     # --- compute ------------------------------------------------------------------------
     @abstractmethod

@@ -35,7 +35,6 @@ from pathlib import Path
 import numpy as np
 
 from memspec.backends.base import Backend, BackendOptions, KVSnapshot
-from memspec.backends.chat import ChatTemplate, resolve_chat_template
 from memspec.errors import ModelLoadError
 
 
@@ -128,7 +127,6 @@ class LlamaCppBackend(Backend):
         self._add_bos = meta.get("tokenizer.ggml.add_bos_token", "true") == "true"
         self._bos_text = self._llm._model.token_get_text(bos) if bos >= 0 else ""
         self._eos_text = self._llm._model.token_get_text(eos) if eos >= 0 else ""
-        self._chat_template: ChatTemplate | None = None
         arch = meta.get("general.architecture", "llama")
         self.n_layers = int(meta.get(f"{arch}.block_count", 0))
         n_head = int(meta.get(f"{arch}.attention.head_count", 1))
@@ -162,17 +160,6 @@ class LlamaCppBackend(Backend):
                 size = -n
             piece = self._pieces[token] = buf.raw[:n]
         return piece
-
-    @property
-    def chat_template(self) -> ChatTemplate:
-        if self._chat_template is None:  # on first use: a draft never renders a chat
-            self._chat_template = resolve_chat_template(
-                self.options.chat_template, self.metadata, self.path.name
-            )
-        return self._chat_template
-
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        return self.chat_template.render(messages, self._bos_text, self._eos_text, self._add_bos)
 
     # --- compute ------------------------------------------------------------------------
     def _forward(self, tokens: list[int], all_logits: bool, copy: bool = True) -> np.ndarray:

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from memspec.backends.base import Backend, BackendOptions
-from memspec.backends.chat import ChatTemplate, resolve_chat_template
 from memspec.errors import ModelLoadError
 
 # GGUF tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
@@ -218,7 +217,6 @@ class TorchBackend(Backend):
         self._bos_text = pieces[bos] if bos is not None else ""
         self._eos_text = pieces[tok.eos_token_id] if tok.eos_token_id is not None else ""
         self.metadata: dict[str, str] = meta["metadata"]
-        self._chat_template: ChatTemplate | None = None
         self._piece_bytes = self._build_piece_table(pieces, types, meta["tokenizer_model"])
         self._cache = self._new_cache()
         self.n_embd = int(cfg.hidden_size)
@@ -274,17 +272,6 @@ class TorchBackend(Backend):
 
     def detokenize(self, tokens: list[int]) -> bytes:
         return b"".join(self._piece_bytes[t] for t in tokens)
-
-    @property
-    def chat_template(self) -> ChatTemplate:
-        if self._chat_template is None:  # on first use: a draft never renders a chat
-            self._chat_template = resolve_chat_template(
-                self.options.chat_template, self.metadata, self.path.name
-            )
-        return self._chat_template
-
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        return self.chat_template.render(messages, self._bos_text, self._eos_text, self._add_bos)
 
     # --- compute ------------------------------------------------------------------------
     def _new_cache(self) -> Any:

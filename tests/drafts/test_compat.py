@@ -255,26 +255,22 @@ def _check_refused(rt, refused: set[str], served: set[str], caplog) -> None:
         assert set(gen.drafts_used) <= served, draft
 
 
-def test_smollm_target_leaves_gemma_drafts_out(pool, caplog):
+@pytest.mark.parametrize(
+    "target_file,fingerprint,refused,served",
+    [
+        (TARGET_FILE, _smol, {"gemma", "ds-gemma", "ds-old"}, {"prompt-lookup", "q4_0", "ds-smol"}),
+        (GEMMA_FILE, _gemma, {"q4_0", "ds-smol", "ds-old"}, {"prompt-lookup", "gemma", "ds-gemma"}),
+    ],
+    ids=["smollm2-target", "gemma-target"],
+)
+def test_target_leaves_the_other_familys_drafts_out(
+    pool, caplog, target_file, fingerprint, refused, served
+):
     caplog.set_level(logging.WARNING, logger="memspec.runtime")
-    rt = _runtime(pool, TARGET_FILE)
+    rt = _runtime(pool, target_file)
     try:
-        assert rt.target_tokenizer == _smol()
-        _check_refused(
-            rt, {"gemma", "ds-gemma", "ds-old"}, {"prompt-lookup", "q4_0", "ds-smol"}, caplog
-        )
-    finally:
-        rt.close()
-
-
-def test_gemma_target_leaves_smollm_drafts_out(pool, caplog):
-    caplog.set_level(logging.WARNING, logger="memspec.runtime")
-    rt = _runtime(pool, GEMMA_FILE)
-    try:
-        assert rt.target_tokenizer == _gemma()
-        _check_refused(
-            rt, {"q4_0", "ds-smol", "ds-old"}, {"prompt-lookup", "gemma", "ds-gemma"}, caplog
-        )
+        assert rt.target_tokenizer == fingerprint()
+        _check_refused(rt, refused, served, caplog)
     finally:
         rt.close()
 
