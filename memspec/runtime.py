@@ -9,6 +9,8 @@ it. A client's request is checked once, by `request()`, into a GenerationRequest
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ import jinja2
 
 from memspec.backends.base import Backend, BackendOptions, load_backend
 from memspec.config import Settings
-from memspec.drafts.compat import fingerprint_of, incompatible_error
+from memspec.drafts.compat import check_draft, fingerprint_of, incompatible_error
 from memspec.drafts.datastore import DatastoreDraft
 from memspec.drafts.family import settings_pool_dir, skipped_error, skipped_recipes
 from memspec.drafts.manifest import DraftManifest, check_id, load_manifests
@@ -36,7 +38,7 @@ from memspec.errors import (
 )
 from memspec.memory.footprint import Footprint, target_footprint
 from memspec.model_id import served_model_id
-from memspec.paths import DEFAULT_PREDICTOR, resolve_model_path
+from memspec.paths import DEFAULT_PREDICTOR, models_dir, resolve_model_path
 from memspec.predictor.model import load_or_fallback
 from memspec.scheduler.manifest_source import ManifestSource
 from memspec.scheduler.rounds import Scheduler
@@ -108,6 +110,9 @@ class Runtime:
         # Every manifest is checked against the target's tokenizer once: the drafts that
         # speak another are left out of the pool (draft_status says why).
         self.target_tokenizer = fingerprint_of(target_path)
+        # A head drafts from the target's features: a target with one it can use loads them.
+        if any(self._usable_head(m) for m in self.manifests.values()):
+            self.options = dataclasses.replace(self.options, features=True)
         self.target: Backend = load_backend(target_path, self.options, settings.backend)
         # What the target is served as and how its chats are rendered, from its own metadata.
         self.model_id = served_model_id(
@@ -119,7 +124,7 @@ class Runtime:
             self.target.close()
             raise
         self.draft_source = ManifestSource(
-            self.manifests, self.options, settings.backend, self.target_tokenizer
+            self.manifests, self.options, settings.backend, self.target_tokenizer, self.target
         )
         self.working_set: WorkingSet | None = None
         try:
@@ -147,6 +152,15 @@ class Runtime:
         except Exception:
             self.close()
             raise
+
+    def _usable_head(self, m: DraftManifest) -> bool:
+        """A built head of this target's tokenizer, with torch there to run it."""
+        return (
+            m.kind == "head"
+            and m.is_built(models_dir())
+            and check_draft(self.target_tokenizer, m, models_dir()) is None
+            and importlib.util.find_spec("torch") is not None
+        )
 
     @property
     def reserved_bytes(self) -> int:

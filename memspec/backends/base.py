@@ -85,6 +85,7 @@ class Backend(ABC):
         self.decode_s = 0.0  # the part of forward_s in the model itself (no batch set-up, copies)
         # The last eval's features rows (options.features only); _forward sets them.
         self._features: np.ndarray | None = None
+        self._features_pos = 0  # the position of the token of _features' row 0
         # Chat rendering: the backend sets its BOS/EOS texts and whether its tokenizer adds BOS.
         self._chat_template: ChatTemplate | None = None
         self._bos_text = self._eos_text = ""
@@ -139,10 +140,12 @@ class Backend(ABC):
                 f"context of {self.n_ctx} tokens exceeded ({len(self.tokens)} + {len(tokens)})"
             )
         self._features = None  # a failed eval leaves no stale rows behind
+        n_past = len(self.tokens)
         t = time.perf_counter()
         logits = self._forward(tokens, all_logits, copy)
         self.forward_s += time.perf_counter() - t
         self.tokens.extend(tokens)
+        self._features_pos = n_past if all_logits else len(self.tokens) - 1
         return logits
 
     def last_features(self) -> np.ndarray:
@@ -158,6 +161,15 @@ class Backend(ABC):
         if self._features is None:
             return np.zeros((0, self.n_embd), dtype=np.float32)
         return self._features
+
+    def features_at(self, position: int) -> np.ndarray | None:
+        """The feature of the token at `position` of the KV cache if the last eval returned
+        it (a draft reading the target's hidden state at the last verified token), else None.
+        Rows of tokens truncated away since are never returned."""
+        if self._features is None or position >= len(self.tokens):
+            return None
+        row = position - self._features_pos
+        return self._features[row] if 0 <= row < len(self._features) else None
 
     def eval_argmax(self, tokens: list[int]) -> list[int]:
         """Append `tokens`; the argmax of every position's logits: all greedy decoding reads,

@@ -242,6 +242,7 @@ class LlamaCppBackend(Backend):
 
         if self._llm is None or len(snapshot.tokens) > self.n_ctx:
             return False
+        self._features = None  # rows of the tokens being replaced
         src = (ctypes.c_uint8 * len(snapshot.data)).from_buffer_copy(snapshot.data)
         if llama_cpp.llama_state_seq_set_data(self._llm._ctx.ctx, src, len(src), 0) == 0:
             self._llm._ctx.kv_cache_seq_rm(0, 0, -1)  # a failed load leaves the cache unknown

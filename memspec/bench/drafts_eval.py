@@ -12,7 +12,8 @@ every position: coverage and first-token acceptance independent of the decision 
 
 `--replay-only` skips the timed decoding: the target's greedy answers to every chosen question
 are made in one batched pass, and every draft, model drafts included (teacher-forced: the
-draft's argmax at each position of the answer), is replayed along them. That is the cheap,
+draft's argmax at each position of the answer; a head from the target's feature at each
+position), is replayed along them. That is the cheap,
 deterministic comparison of drafts' accuracy per category (domain variants against each other).
 
 Datastore drafts do not learn from outputs during the run: every configuration decodes the
@@ -79,6 +80,18 @@ def replay_model(draft, prompt: list[int], output: list[int]) -> dict[str, int]:
     return {"positions": n, "positions_proposed": n, "first_ok": ok, "proposed": 0, "accepted": 0}
 
 
+def replay_head(draft, prompt: list[int], output: list[int]) -> dict[str, int]:
+    """A head asked at every position of the target's output, from the target's own feature
+    there (one eval of the whole sequence gives them all): as replay_lookup."""
+    target = draft.target
+    target.reset()
+    target.eval(prompt + output, all_logits=True, copy=False)
+    try:
+        return replay_lookup(draft, prompt, output)
+    finally:
+        target.reset()
+
+
 def run_drafts_replay(
     settings: Settings,
     out: str,
@@ -90,6 +103,7 @@ def run_drafts_replay(
     """First-token acceptance of every draft along the target's greedy answers, per category."""
     from memspec.drafts.corpus import BatchedGreedy
     from memspec.drafts.datastore import DatastoreDraft
+    from memspec.drafts.head import HeadDraft
     from memspec.drafts.model import ModelDraft
     from memspec.runtime import Runtime
 
@@ -142,6 +156,8 @@ def run_drafts_replay(
             for i, q in enumerate(questions):
                 if isinstance(draft, ModelDraft):
                     rep = replay_model(draft, prompts[i], answers[i])
+                elif isinstance(draft, HeadDraft):
+                    rep = replay_head(draft, prompts[i], answers[i])
                 else:
                     rep = replay_lookup(draft, prompts[i], answers[i])
                 rows_d.append({"category": q["category"], "replay": rep})

@@ -8,7 +8,9 @@ Recipes (from manifests under drafts/):
   are cached as they are generated, so an interrupted build resumes.
 - distill: a student of a few of the target's blocks trained with torch on the target's
   distribution over the same corpus, exported to GGUF and quantized (memspec.drafts.distill);
-  it needs the torch extra and checkpoints as it trains. `on_demand` recipes (the
+  it needs the torch extra and checkpoints as it trains.
+- head: an EAGLE-style head trained with torch on the target's features over the same corpus
+  (memspec.drafts.head_build); torch extra, checkpoints. `on_demand` recipes (the
   full-size ones) are built only when named with --only.
 
 Deterministic and cached: each output records the SHA-256 of its source and its recipe in a
@@ -59,7 +61,7 @@ def _recipe_key(m: DraftManifest, src: Path, source_sha: str) -> str:
     assert m.build is not None
     recipe = m.build.model_dump()
     parts: list = [recipe, source_sha]
-    if m.build.recipe in ("datastore", "distill"):  # these also depend on the seed prompts
+    if m.build.recipe in ("datastore", "distill", "head"):  # these also read the seed prompts
         from memspec.drafts.corpus import SEEDS_FILE, chat_template_of
 
         parts.append(sha256_file(SEEDS_FILE))
@@ -71,6 +73,10 @@ def _recipe_key(m: DraftManifest, src: Path, source_sha: str) -> str:
         from memspec.drafts.datastore import FORMAT_VERSION
 
         parts.append(FORMAT_VERSION)
+    if m.build.recipe == "head":
+        from memspec.drafts.head import FORMAT_VERSION as HEAD_FORMAT
+
+        parts.append(["head", HEAD_FORMAT])
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -139,6 +145,10 @@ def build_one(m: DraftManifest, directory: Path, force: bool = False) -> tuple[P
         from memspec.drafts.distill import build_distilled_file
 
         report = build_distilled_file(m.build, src, part, key)
+    elif m.build.recipe == "head":
+        from memspec.drafts.head_build import build_head_file
+
+        report = build_head_file(m.build, src, part, key)
     else:
         from memspec.drafts.layers import write_layer_subset
 

@@ -169,10 +169,24 @@ def _datastore_tokenizer(m: DraftManifest, path: Path) -> TokenizerFingerprint:
         raise _Unverifiable(f"its tokenizer fingerprint is damaged ({e}): {rebuild}") from e
 
 
+def _head_tokenizer(m: DraftManifest, path: Path) -> TokenizerFingerprint:
+    from memspec.drafts.head import read_meta
+
+    d = read_meta(path).get("tokenizer")
+    try:
+        return TokenizerFingerprint.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise _Unverifiable(
+            f"its tokenizer fingerprint is missing or damaged ({e}): rebuild it with "
+            f"`memspec drafts build --only {m.id}`"
+        ) from e
+
+
 # Per kind: where a draft's tokenizer comes from (None: the kind has none and speaks any).
 _TOKENIZER_OF: dict[str, Callable[[DraftManifest, Path], TokenizerFingerprint] | None] = {
     "model": _model_tokenizer,
     "datastore": _datastore_tokenizer,
+    "head": _head_tokenizer,
     "prompt_lookup": None,
 }
 

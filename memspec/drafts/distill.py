@@ -156,6 +156,19 @@ def _order(n_train: int, seed: int, steps: int, batch: int) -> np.ndarray:
     return np.concatenate(epochs)[:need].reshape(steps, batch)
 
 
+def warmup_cosine(opt: Any, steps: int) -> Any:
+    """Linear warm-up over the first 5% of `steps`, then a cosine decay to zero."""
+    import torch
+
+    warmup = max(1, steps // 20)
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+        ),
+    )
+
+
 def agreement(
     model: Any, teacher: Any, seqs: list[list[int]], domains: list[str]
 ) -> dict[str, float]:
@@ -216,15 +229,7 @@ def build_distilled_file(
         model = load_student(src, keep)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
-        warmup = max(1, recipe.steps // 20)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt,
-            lambda s: (
-                min(1.0, (s + 1) / warmup)
-                * 0.5
-                * (1 + math.cos(math.pi * min(s, recipe.steps) / recipe.steps))
-            ),
-        )
+        sched = warmup_cosine(opt, recipe.steps)
         step, losses = 0, []
         if ckpt.is_file():
             state = torch.load(ckpt, weights_only=False)

@@ -51,7 +51,7 @@ def check_file_name(name: str) -> str:
 
 
 class BuildRecipe(BaseModel, extra="forbid"):
-    recipe: Literal["quantize", "layers", "datastore", "distill"]
+    recipe: Literal["quantize", "layers", "datastore", "distill", "head"]
     source: str  # file name in the models directory (the testbed GGUF or another built file)
     ftype: str = "F32"  # llama.cpp file type: F32, F16, Q8_0, Q4_0, Q4_1, Q2_K, ...
     keep_layers: list[int] | None = None  # recipes "layers", "distill": blocks to keep
@@ -72,6 +72,12 @@ class BuildRecipe(BaseModel, extra="forbid"):
     lr: float = 3e-4
     ckpt_every: int = 20  # steps between checkpoints (an interrupted build resumes there)
     eval_seqs: int = 64  # held-out sequences for the agreement report
+    # recipe "head" (memspec.drafts.head_build): the same corpus (gen_tokens 0: the seed
+    # prompts alone, teacher-forced), the target's features at every position; a head with a
+    # gated MLP of `hidden` units drafting over the `subvocab` most frequent target tokens,
+    # trained `steps` batches of `batch_size` positions.
+    subvocab: int = 4096
+    hidden: int = 1024
     # On-demand recipes are built only when named (`--only ID`): the full-size datastores
     # take tens of minutes of target decoding, more than a default build should.
     on_demand: bool = False
@@ -84,9 +90,9 @@ class BuildRecipe(BaseModel, extra="forbid"):
 
 class DraftManifest(BaseModel, extra="forbid"):
     id: str
-    kind: Literal["model", "prompt_lookup", "datastore"]
+    kind: Literal["model", "prompt_lookup", "datastore", "head"]
     description: str = ""
-    file: str | None = None  # kind "model": GGUF file name in the models directory
+    file: str | None = None  # model: a GGUF; datastore: .npz; head: .safetensors (models dir)
     tags: list[str] = Field(default_factory=list)
     params: dict[str, int | float | str] = Field(default_factory=dict)
     build: BuildRecipe | None = None
@@ -104,6 +110,10 @@ class DraftManifest(BaseModel, extra="forbid"):
     def _file(cls, v: str | None) -> str | None:
         return None if v is None else check_file_name(v)
 
+    def is_built(self, models_dir: Path) -> bool:
+        """Whether the file it names is there (weightless kinds: always)."""
+        return self.file is None or (models_dir / self.file).is_file()
+
     def model_path(self, models_dir: Path) -> Path:
         if self.file is None:
             raise ManifestError(f"draft {self.id} has no model file")
@@ -120,7 +130,7 @@ def load_manifest(path: Path) -> DraftManifest:
     except ValidationError as e:
         errs = "; ".join(f"field '{'.'.join(map(str, x['loc']))}': {x['msg']}" for x in e.errors())
         raise ManifestError(f"{path}: {errs}") from e
-    if m.kind in ("model", "datastore") and not m.file:
+    if m.kind in ("model", "datastore", "head") and not m.file:
         raise ManifestError(f"{path}: field 'file': required for kind '{m.kind}'")
     m.source_path = path
     return m

@@ -54,6 +54,13 @@ def cache_key(target: Backend, drafts: list[Draft], k_max: int, extra: str = "")
         MEASURE_VERSION,
         sorted((d.id, _file_key(d.backend.path)) for d in drafts if isinstance(d, ModelBacked)),
     ]
+    heads = sorted(
+        (d.id, _file_key(d.path) if hasattr(d, "path") else None)
+        for d in drafts
+        if d.token_step() is not None
+    )
+    if heads:  # (appended only when present: earlier caches keep their keys)
+        parts.append(heads)
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
@@ -138,6 +145,9 @@ def measure_draft(d: Draft, costs: CostModel, k_max: int) -> None:
         one()
         costs.draft_s[d.id] = _median_time(one)
         be.reset()
+    elif (step := d.token_step()) is not None:  # per-token drafts without a Backend (heads)
+        step()
+        costs.draft_s[d.id] = _median_time(step)
     else:  # lookup-style drafts: a per-round overhead, measured on a long context
         ctx = warm * 4
         costs.draft_overhead_s[d.id] = _median_time(

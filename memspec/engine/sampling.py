@@ -49,8 +49,10 @@ def nucleus_order(p: np.ndarray, top_p: float) -> np.ndarray:
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    # Inverse-CDF draw; clamp guards the last bucket against rounding of the cumsum.
-    return int(min(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"), len(p) - 1))
+    # Inverse-CDF draw. A draw past the cumsum's end (its rounding) takes the last token that
+    # has mass: never one of probability zero (a head's proposal is zero outside its tokens).
+    i = int(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"))
+    return i if i < len(p) else int(np.flatnonzero(p)[-1])
 
 
 def accept_draft_token(

@@ -7,6 +7,7 @@ tokens, a round policy anything that picks (draft, k) each round.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -58,6 +59,11 @@ class Draft(ABC):
         """Context tokens the draft must feed before it can propose after `context` (a model
         draft's KV cache is behind the target's: the whole prompt at its first use)."""
         return 0
+
+    def token_step(self) -> Callable[[], None] | None:
+        """A stand-in for one drafted token's work, for calibration to time (drafts whose
+        cost is per token but which run no Backend, e.g. heads); None: not such a draft."""
+        return None
 
     def memory_bytes(self) -> int:
         return 0

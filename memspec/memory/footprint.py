@@ -170,6 +170,10 @@ def draft_footprint(
         return Footprint()
     if not path.is_file():
         raise ModelLoadError(f"draft file not found: {path}", param="draft")
+    if kind == "head":  # its float16 tensors, plus the token -> sub-vocabulary index
+        from memspec.drafts.head import head_bytes
+
+        return Footprint(weights=head_bytes(path))
     if zipfile.is_zipfile(path):  # .npz: arrays are held uncompressed once loaded
         with zipfile.ZipFile(path) as z:
             return Footprint(weights=sum(i.file_size for i in z.infolist()))

@@ -86,11 +86,14 @@ def measure_draft(
         r = measure_model(m.model_path(models_dir()), n_ctx, 1, n_threads, resident)
         return {"id": draft_id, "kind": m.kind, **r}
     opts = BackendOptions(n_ctx=n_ctx, n_threads=n_threads)
-    keep = load_backend(resident, BackendOptions(n_ctx=256)) if resident else None
-    instantiate(m, opts, "llama_cpp").close()  # the kind's code is imported once per process
+    # A head drafts from the resident target's features (it must be given one).
+    keep_opts = BackendOptions(n_ctx=256, features=m.kind == "head")
+    keep = load_backend(resident, keep_opts) if resident else None
+    # The kind's code (and torch, for a head) is imported once per process.
+    instantiate(m, opts, "llama_cpp", target_backend=keep).close()
     gc.collect()
     before = sample()
-    draft = instantiate(m, opts, "llama_cpp")
+    draft = instantiate(m, opts, "llama_cpp", target_backend=keep)
     loaded = sample()
     draft.close()
     if keep is not None:

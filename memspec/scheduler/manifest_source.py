@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from memspec.backends.base import BackendOptions
+from memspec.backends.base import Backend, BackendOptions
 from memspec.drafts.compat import TokenizerFingerprint, check_draft
 from memspec.drafts.manifest import DraftManifest
 from memspec.drafts.registry import instantiate
@@ -27,12 +27,15 @@ class ManifestSource:
         options: BackendOptions,
         backend_kind: str,
         target: TokenizerFingerprint | None = None,
+        target_backend: Backend | None = None,
     ):
         self.manifests = manifests
         # Drafts may run llama.cpp's repacked weights: only the target must be batch-invariant.
-        self.options = dataclasses.replace(options, weight_repack=True)
+        # Only the target's features are read (by heads).
+        self.options = dataclasses.replace(options, weight_repack=True, features=False)
         self.backend_kind = backend_kind
         self.target = target
+        self.target_backend = target_backend  # what head drafts draft from
         self.refused: dict[str, str] = {}  # draft id -> why it cannot serve the target
         for m in manifests.values():
             reason = check_draft(target, m, models_dir())
@@ -56,4 +59,10 @@ class ManifestSource:
         return self.footprint(draft_id).total
 
     def load_draft(self, draft_id: str) -> Draft:
-        return instantiate(self.manifests[draft_id], self.options, self.backend_kind, self.target)
+        return instantiate(
+            self.manifests[draft_id],
+            self.options,
+            self.backend_kind,
+            self.target,
+            self.target_backend,
+        )

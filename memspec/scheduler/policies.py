@@ -42,6 +42,9 @@ class Residency(Protocol):
     def prefetch(self, wanted: list[tuple[str, float]]) -> None: ...
 
 
+LOOKUP_KINDS = frozenset({"prompt_lookup", "datastore"})
+
+
 @dataclass(frozen=True)
 class DraftInfo:
     id: str
@@ -51,8 +54,16 @@ class DraftInfo:
 
     @property
     def peek(self) -> bool:
-        """Cheap proposers are asked first; their proposal length says whether they apply."""
-        return self.kind != "model"
+        """Lookups are asked first: cheap and deterministic, their proposal length says
+        whether they apply. (A head samples its proposal: asking it before choosing would
+        make what is verified depend on what was drawn, and cost every round.)"""
+        return self.kind in LOOKUP_KINDS
+
+    @property
+    def catches_up(self) -> bool:
+        """A model draft's KV cache trails the context and pays to catch up (a head starts
+        from the target's own feature, a lookup from the context)."""
+        return self.kind == "model"
 
     @property
     def always_resident(self) -> bool:
@@ -346,7 +357,9 @@ class MemSpecPolicy(Policy):
         self.mean_len = 0.0  # running mean output length (tokens)
         self.recent: dict[str, float] = {}  # seconds saved per token on recent requests
         self.plan: dict[str, float] = {}
-        self._drafts = [(d.id, d.peek, d.always_resident) for d in env.drafts.values()]
+        self._drafts = [
+            (d.id, d.peek, d.catches_up, d.always_resident) for d in env.drafts.values()
+        ]
         self.seen: dict[str, int] = {}  # context tokens each model draft's KV holds (this request)
         self.mean_prompt = 0.0
 
@@ -416,7 +429,7 @@ class MemSpecPolicy(Policy):
         left = max(self._tokens_left(pos), 1.0)
 
         def options():
-            for d, peek, always in self._drafts:
+            for d, peek, catches_up, always in self._drafts:
                 if not always and d not in resident:
                     continue
                 key, limit = rnd.peek(d) if peek else (d, cap)
@@ -424,7 +437,7 @@ class MemSpecPolicy(Policy):
                 if limit <= 0:
                     continue
                 k, rate = self._best(d, self.predictor.alpha(state, key, pos), limit)
-                if k > 0 and not peek:  # catching up is paid once, then spread over what is left
+                if k > 0 and catches_up:  # paid once, then spread over what is left
                     rate = self.env.costs.with_catchup(rate, d, self._gap(d, pos), left)
                 yield d, k, rate
 
@@ -443,7 +456,7 @@ class MemSpecPolicy(Policy):
     def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
         if draft is None or self.state is None or self.req is None:
             return
-        if not self.env.drafts[draft].peek:  # its KV now holds the context up to here
+        if self.env.drafts[draft].catches_up:  # its KV now holds the context up to here
             self.seen[draft] = len(self.req.prompt) + position + min(accepted, proposed - 1)
         self.predictor.update(self.state, key, position, proposed, accepted)
         self.rounds += 1
@@ -464,7 +477,8 @@ class MemSpecPolicy(Policy):
             k, rate = self._best(d.id, alpha, self.env.k_max)
             per_token = max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
             # Net seconds it would have saved on this request, catch-up of the prompt paid.
-            saved = per_token * n - self.env.costs.catchup_s(d.id) * len(self.req.prompt)
+            catchup = self.env.costs.catchup_s(d.id) * len(self.req.prompt) if d.catches_up else 0
+            saved = per_token * n - catchup
             prev = self.recent.get(d.id, saved)
             self.recent[d.id] = self.recent_decay * prev + (1 - self.recent_decay) * saved
             if saved > best_saved:

@@ -51,7 +51,7 @@ class Profile:
     def draft(self, draft_id: str, bytes_hint: int = 0, kind: str = "model") -> DraftCost:
         if draft_id in self.drafts:
             return self.drafts[draft_id]
-        if kind != "model":
+        if kind not in ("model", "head"):  # lookups: a cost per round
             return DraftCost(bytes=bytes_hint, overhead_s=self.default_overhead_s)
         per_token = self.default_s_per_token + self.default_s_per_byte * bytes_hint
         return DraftCost(bytes=bytes_hint, s_per_token=per_token, prefill_s_per_token=per_token / 8)
@@ -92,6 +92,12 @@ def profile_from_trace(trace) -> Profile:
                 bytes=int(info["bytes"]),
                 s_per_token=float(costs["draft_s"].get(d, 0.0)),
                 prefill_s_per_token=median(timing(f"prefill_s_per_token/{d}")),
+                load_s=float(info.get("load_s_median", 0.0)),
+            )
+        elif info["kind"] == "head":  # per token, nothing to catch up
+            drafts[d] = DraftCost(
+                bytes=int(info["bytes"]),
+                s_per_token=float(costs["draft_s"].get(d, 0.0)),
                 load_s=float(info.get("load_s_median", 0.0)),
             )
         else:

@@ -40,3 +40,15 @@ def test_nucleus_order_is_a_prefix_of_the_stable_sort():
     order = nucleus_order(p, 0.5)
     assert order.tolist() == np.argsort(-p, kind="stable")[: len(order)].tolist()
     assert p[order].sum() >= 0.5
+
+
+def test_a_draw_past_the_end_takes_a_token_with_mass():
+    """The inverse-CDF draw can land past the cumsum's end (rounding); it must not return a
+    token of probability zero (a head's proposal is zero outside its sub-vocabulary)."""
+    from memspec.engine.sampling import sample
+
+    class EdgeRng:  # the largest draw, injected on purpose
+        def random(self) -> float:
+            return 1.0
+
+    assert sample(np.array([0.25, 0.75, 0.0, 0.0]), EdgeRng()) == 1

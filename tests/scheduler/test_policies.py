@@ -253,3 +253,13 @@ def test_daemon_policies_are_lossless_and_report_a_broken_predictor(tmp_path):
         assert set(status["scheduling"]["policies"]) >= {"memspec", "ucb", "exp3"}
     finally:
         rt.close()
+
+
+def test_only_lookups_are_peeked_and_only_models_catch_up():
+    """A head samples its proposal: asking it before the choice would make what is verified
+    depend on what was drawn (inexact sampling) and cost a head run every round."""
+    kinds = {"prompt_lookup": (True, False), "datastore": (True, False)}
+    kinds |= {"model": (False, True), "head": (False, False)}
+    for kind, (peek, catches_up) in kinds.items():
+        info = DraftInfo("d", kind, 1)
+        assert (info.peek, info.catches_up) == (peek, catches_up), kind

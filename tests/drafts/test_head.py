@@ -1,0 +1,218 @@
+"""Draft kind "head": built by its recipe, lossless with the real target, refused cleanly when
+its artifact or target is wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+from launcher import TARGET_FILE, require_testbed
+
+pytest.importorskip("torch")
+
+import memspec.engine.speculative as spec  # noqa: E402
+from memspec.backends.base import BackendOptions, load_backend  # noqa: E402
+from memspec.drafts.build import build_all  # noqa: E402
+from memspec.drafts.compat import check_draft, fingerprint_of  # noqa: E402
+from memspec.drafts.head import HeadDraft, read_meta  # noqa: E402
+from memspec.drafts.manifest import load_manifests  # noqa: E402
+from memspec.engine.calibration import measure  # noqa: E402
+from memspec.engine.costs import AcceptanceEstimator  # noqa: E402
+from memspec.engine.policy import DecisionRulePolicy, FixedPolicy  # noqa: E402
+from memspec.engine.sampling import SamplingParams  # noqa: E402
+from memspec.errors import ModelLoadError  # noqa: E402
+from memspec.paths import models_dir  # noqa: E402
+
+TEXTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+@pytest.fixture(scope="module")
+def head_ci():
+    """The CI-size head, built by the real command path (cached once built)."""
+    require_testbed()
+    [(draft_id, path, _)] = build_all(only=["head-ci"])
+    assert draft_id == "head-ci"
+    return path
+
+
+@pytest.fixture(scope="module")
+def target():
+    be = load_backend(models_dir() / TARGET_FILE, BackendOptions(n_ctx=512, features=True))
+    yield be
+    be.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    return [
+        target.tokenize(target.chat_prompt([{"role": "user", "content": t}]), special=True)
+        for t in TEXTS
+    ]
+
+
+def plain(target, prompt, params):
+    target.reset()
+    return spec.speculative_generate(target, prompt, params, FixedPolicy(None, 0))
+
+
+def test_recipe_trained_and_reports(head_ci):
+    info = json.loads(head_ci.with_name(head_ci.name + ".build.json").read_text())
+    report = info["report"]
+    assert report["loss_last"] < report["loss_first"] / 2
+    held = report["heldout"]["all"]
+    # A head that learned nothing agrees with the target about 1 time in 4,096.
+    assert held["top1_agreement"] > 0.2
+    assert 0.0 <= held["alpha1"] <= held["subvocab_coverage"] <= 1.0
+    meta = read_meta(head_ci)
+    assert meta["subvocab"] == 4096 and meta["n_embd"] == 576
+    # The artifact names the target's tokenizer: compatible with it, refused for another.
+    m = load_manifests()["head-ci"]
+    assert check_draft(fingerprint_of(models_dir() / TARGET_FILE), m, models_dir()) is None
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_lossless_for_every_k(head_ci, target, prompts, k):
+    head = HeadDraft("head-ci", head_ci, target)
+    params = SamplingParams(max_tokens=40)
+    for prompt in prompts:
+        want = plain(target, prompt, params).token_ids
+        target.reset()
+        gen = spec.speculative_generate(target, prompt, params, FixedPolicy(head, k))
+        assert gen.token_ids == want
+        assert gen.proposed > 0  # the head drafted every round it could
+        assert 0 < gen.accepted < gen.proposed
+
+
+def test_greedy_lossless_under_the_decision_rule(head_ci, target, prompts):
+    head = HeadDraft("head-ci", head_ci, target)
+    costs = measure(target, [head], k_max=8)
+    assert 0 < costs.draft_s["head-ci"] < costs.verify_s[0]  # calibrated per drafted token
+    policy = DecisionRulePolicy([head], costs, AcceptanceEstimator(prior_alpha=0.9))
+    params = SamplingParams(max_tokens=40)
+    for prompt in prompts:
+        want = plain(target, prompt, params).token_ids
+        target.reset()
+        assert spec.speculative_generate(target, prompt, params, policy).token_ids == want
+
+
+def test_sampling_matches_the_target(head_ci, target, monkeypatch):
+    """The proposal is a distribution over the whole vocabulary (zero outside the head's
+    sub-vocabulary); speculative samples of two tokens follow the target's exact joint, and
+    an argmax-only acceptance rule is caught by the same harness."""
+    from test_sampling_distribution import N_SAMPLES, PARAMS, null_threshold, tv
+
+    from memspec.engine.sampling import probs_from_logits
+
+    head = HeadDraft("head-ci", head_ci, target)
+    prompt = target.tokenize(
+        target.chat_prompt([{"role": "user", "content": "Name a fruit."}]), special=True
+    )
+    params = SamplingParams(**PARAMS)
+    target.reset()
+    target.eval(prompt[:-1], all_logits=False)
+    p1 = probs_from_logits(target.eval([prompt[-1]])[-1], params)
+    exact = {}
+    for t1 in np.flatnonzero(p1):
+        target.truncate(len(prompt))
+        p2 = probs_from_logits(target.eval([int(t1)])[-1], params)
+        for t2 in np.flatnonzero(p2):
+            exact[(int(t1), int(t2))] = float(p1[t1] * p2[t2])
+    threshold = null_threshold(exact, N_SAMPLES, np.random.default_rng(0))
+
+    def samples() -> Counter:
+        counts: Counter = Counter()
+        for seed in range(N_SAMPLES):
+            target.reset()
+            sp = SamplingParams(max_tokens=2, seed=seed, **PARAMS)
+            gen = spec.speculative_generate(target, prompt, sp, FixedPolicy(head, 2))
+            counts[tuple(gen.token_ids)] += 1
+        return counts
+
+    proposal = head.propose(prompt, 2, params, np.random.default_rng(0))
+    target.reset()
+    assert proposal.probs is not None and len(proposal.probs[0]) == target.n_vocab
+    assert np.isclose(proposal.probs[0].sum(), 1.0)
+    assert tv(samples(), exact, N_SAMPLES) < threshold
+
+    def argmax_accept(token, p, q, rng):  # wrong on purpose: accept iff it is p's argmax
+        return int(np.argmax(p)) == token
+
+    monkeypatch.setattr(spec, "accept_draft_token", argmax_accept)
+    assert tv(samples(), exact, N_SAMPLES) > threshold
+
+
+def test_bad_artifacts_and_targets(head_ci, target, tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        HeadDraft("h", tmp_path / "missing.safetensors", target)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(head_ci.read_bytes()[: head_ci.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="damaged|readable"):
+        HeadDraft("h", cut, target)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x00" * 64)
+    with pytest.raises(ModelLoadError):
+        HeadDraft("h", junk, target)
+    # A head trained for another target: the hidden size does not match.
+    from memspec.drafts.head import load_head_net, save_head
+
+    net, sub_ids, meta = load_head_net(head_ci)
+    other = tmp_path / "other.safetensors"
+    save_head(net, sub_ids, other, {**meta, "n_embd": 640})
+    with pytest.raises(ModelLoadError, match="n_embd 640"):
+        HeadDraft("h", other, target)
+    # A target loaded without features cannot feed a head: refused before anything loads.
+    bare = load_backend(models_dir() / TARGET_FILE, BackendOptions(n_ctx=64))
+    try:
+        with pytest.raises(ModelLoadError, match="without"):
+            HeadDraft("h", head_ci, bare)
+    finally:
+        bare.close()
+
+
+def test_runtime_serves_a_head(head_ci, tmp_path):
+    """In the pool: the target gets features, the head loads, drafts and stays lossless; a
+    damaged head file is a load failure with the reason, the runtime keeps serving."""
+    from memspec.config import Settings
+    from memspec.runtime import Runtime
+
+    rt = Runtime(Settings.load(drafts=["prompt-lookup", "head-ci"], n_ctx=512))
+    try:
+        assert rt.target.options.features
+        assert "head-ci" in rt.drafts
+        prompt, params = rt.prompt_tokens(TEXTS[0]), SamplingParams(max_tokens=32)
+        want = rt.generate(prompt, params, draft="none").token_ids
+        gen = rt.generate(prompt, params, draft="head-ci", k=4)
+        assert gen.token_ids == want
+        assert gen.per_draft["head-ci"]["proposed"] > 0
+    finally:
+        rt.close()
+
+
+def test_damaged_head_in_the_pool_is_reported(head_ci, tmp_path, monkeypatch):
+    from memspec.config import Settings
+    from memspec.runtime import Runtime
+
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    shutil.copy(load_manifests()["head-ci"].source_path, pool / "head-ci.toml")
+    models = tmp_path / "data" / "models"
+    models.mkdir(parents=True)
+    (models / TARGET_FILE).symlink_to(models_dir() / TARGET_FILE)
+    (models / "head-ci.safetensors").write_bytes(head_ci.read_bytes()[:1000])
+    monkeypatch.setenv("MEMSPEC_DATA_DIR", str(tmp_path / "data"))
+    settings = Settings.load(drafts=["head-ci"], n_ctx=256, manifest_dir=str(pool))
+    rt = Runtime(settings, calibrate_costs=False)
+    try:
+        assert "head-ci" not in rt.drafts
+        row = next(r for r in rt.draft_status() if r["id"] == "head-ci")
+        assert "damaged" in json.dumps(row) or "readable" in json.dumps(row)
+        gen = rt.generate(rt.prompt_tokens("Hello"), SamplingParams(max_tokens=4))
+        assert gen.completion_tokens == 4
+    finally:
+        rt.close()
