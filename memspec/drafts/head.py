@@ -147,8 +147,11 @@ def load_head_net(path: Path, device: str = "cpu") -> tuple[Any, np.ndarray, dic
     meta = read_meta(path)
     from safetensors.torch import load_file
 
+    torch = _torch()
     try:
-        tensors = load_file(str(path), device="cpu")
+        # Copied out of the file's pages into process memory once; the module then takes
+        # these very tensors (built on the meta device, assigned): nothing is held twice.
+        tensors = {k: v.clone() for k, v in load_file(str(path), device="cpu").items()}
         sub_ids = tensors.pop("sub_ids").numpy()
         n_embd, n_vocab = int(meta["n_embd"]), int(meta["n_vocab"])
         rows = [tensors["out_rows"]] + ([tensors["in_rows"]] if "in_rows" in tensors else [])
@@ -162,9 +165,9 @@ def load_head_net(path: Path, device: str = "cpu") -> tuple[Any, np.ndarray, dic
             raise ValueError("the sub-vocabulary is empty or repeats a token")
         if sub_ids.min() < 0 or sub_ids.max() >= n_vocab:
             raise ValueError(f"sub-vocabulary ids outside the vocabulary of {n_vocab}")
-        net = head_net(n_embd, int(meta["hidden"]), rows[0], rows[1] if len(rows) > 1 else None)
-        net.half()  # the artifact's dtype: no float32 copy of its tensors is ever made
-        net.load_state_dict(tensors, strict=True)
+        with torch.device("meta"):
+            net = head_net(n_embd, int(meta["hidden"]), rows[0], rows[1] if len(rows) > 1 else None)
+        net.load_state_dict(tensors, strict=True, assign=True)
     except Exception as e:  # truncated data, a missing tensor, shapes that do not fit
         raise ModelLoadError(f"{path.name}: damaged head file: {e}", param="draft") from e
     return net.to(device).eval(), sub_ids, meta

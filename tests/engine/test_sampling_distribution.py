@@ -14,45 +14,11 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from sampling_check import N_SAMPLES, PARAMS, exact_joint, null_threshold, tv
 
 import memspec.engine.speculative as spec
 from memspec.engine.policy import FixedPolicy
-from memspec.engine.sampling import SamplingParams, probs_from_logits
-
-N_SAMPLES = 1200
-PARAMS = dict(temperature=1.0, top_p=0.9)
-
-
-def exact_joint(runtime, prompt: list[int]) -> dict[tuple[int, int], float]:
-    target = runtime.target
-    params = SamplingParams(**PARAMS)
-    target.reset()
-    target.eval(prompt[:-1], all_logits=False)
-    p1 = probs_from_logits(target.eval([prompt[-1]])[-1], params)
-    joint = {}
-    for t1 in np.flatnonzero(p1):
-        target.truncate(len(prompt))
-        p2 = probs_from_logits(target.eval([int(t1)])[-1], params)
-        for t2 in np.flatnonzero(p2):
-            joint[(int(t1), int(t2))] = float(p1[t1] * p2[t2])
-    target.reset()
-    return joint
-
-
-def tv(counts: Counter, exact: dict, n: int) -> float:
-    keys = set(counts) | set(exact)
-    return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
-
-
-def null_threshold(exact: dict, n: int, rng: np.random.Generator) -> float:
-    keys = list(exact)
-    p = np.array([exact[k] for k in keys])
-    p /= p.sum()
-    dists = []
-    for _ in range(400):
-        draws = rng.multinomial(n, p)
-        dists.append(0.5 * np.abs(draws / n - p).sum())
-    return float(np.quantile(dists, 0.999))
+from memspec.engine.sampling import SamplingParams
 
 
 def speculative_samples(runtime, prompt, draft_id: str) -> Counter:
@@ -82,7 +48,7 @@ def family_setup(request, family: str):
         prompt = (
             runtime.prompt_tokens(text) if text else runtime.prompt_tokens(messages=CHAT_PROMPT)
         )
-        exact = exact_joint(runtime, prompt)
+        exact = exact_joint(runtime.target, prompt)
         threshold = null_threshold(exact, N_SAMPLES, np.random.default_rng(0))
         _setups[family] = (prompt, exact, threshold)
     return (runtime, *_setups[family])

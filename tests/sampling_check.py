@@ -1,0 +1,45 @@
+"""The harness of the sampling-distribution tests: the exact joint of a prompt's first two
+tokens under the target, and the total-variation distance that sampling from it would reach."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from memspec.backends.base import Backend
+from memspec.engine.sampling import SamplingParams, probs_from_logits
+
+N_SAMPLES = 1200
+PARAMS = dict(temperature=1.0, top_p=0.9)
+
+
+def exact_joint(target: Backend, prompt: list[int]) -> dict[tuple[int, int], float]:
+    params = SamplingParams(**PARAMS)
+    target.reset()
+    target.eval(prompt[:-1], all_logits=False)
+    p1 = probs_from_logits(target.eval([prompt[-1]])[-1], params)
+    joint = {}
+    for t1 in np.flatnonzero(p1):
+        target.truncate(len(prompt))
+        p2 = probs_from_logits(target.eval([int(t1)])[-1], params)
+        for t2 in np.flatnonzero(p2):
+            joint[(int(t1), int(t2))] = float(p1[t1] * p2[t2])
+    target.reset()
+    return joint
+
+
+def tv(counts: Counter, exact: dict, n: int) -> float:
+    keys = set(counts) | set(exact)
+    return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
+
+
+def null_threshold(exact: dict, n: int, rng: np.random.Generator) -> float:
+    keys = list(exact)
+    p = np.array([exact[k] for k in keys])
+    p /= p.sum()
+    dists = []
+    for _ in range(400):
+        draws = rng.multinomial(n, p)
+        dists.append(0.5 * np.abs(draws / n - p).sum())
+    return float(np.quantile(dists, 0.999))
