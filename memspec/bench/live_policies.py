@@ -85,7 +85,11 @@ def pool_source(rt, sizes: dict[str, int]):
 
     kinds = {d: rt.manifest(d).kind for d in sizes}
     return FactorySource(
-        lambda d: instantiate(rt.manifest(d), rt.options, rt.settings.backend), sizes, kinds
+        lambda d: instantiate(
+            rt.manifest(d), rt.options, rt.settings.backend, target_backend=rt.target
+        ),
+        sizes,
+        kinds,
     )
 
 

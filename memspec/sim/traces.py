@@ -305,7 +305,7 @@ def measure_loads(rt, draft_ids: list[str], reps: int) -> dict[str, list[float]]
         times = []
         for _ in range(reps if m.kind == "model" else 1):
             t = time.perf_counter()
-            draft = instantiate(m, rt.options, rt.settings.backend)
+            draft = instantiate(m, rt.options, rt.settings.backend, target_backend=rt.target)
             times.append(time.perf_counter() - t)
             draft.close()
         out[d] = times
