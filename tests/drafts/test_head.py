@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -26,6 +28,7 @@ from memspec.engine.costs import AcceptanceEstimator  # noqa: E402
 from memspec.engine.policy import DecisionRulePolicy, FixedPolicy  # noqa: E402
 from memspec.engine.sampling import SamplingParams  # noqa: E402
 from memspec.errors import ModelLoadError  # noqa: E402
+from memspec.memory.footprint import draft_footprint  # noqa: E402
 from memspec.paths import models_dir  # noqa: E402
 
 TEXTS = [
@@ -35,14 +38,29 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def head_ci():
-    """The CI-size head, built by the real command path (cached once built)."""
+def head_data(tmp_path_factory):
+    """A data directory of this module's own (the testbed target linked in, the target's
+    cached answers shared): the head built here never joins the other tests' pool."""
     require_testbed()
-    # Both cores (pytest runs one test at a time): the recipe's CI size is sized for that.
+    shared = models_dir().parent
+    data = tmp_path_factory.mktemp("head-data")
+    (data / "models").mkdir()
+    (data / "models" / TARGET_FILE).symlink_to(shared / "models" / TARGET_FILE)
+    (data / "cache").mkdir()
+    if (shared / "cache" / "corpus").is_dir():
+        (data / "cache" / "corpus").symlink_to(shared / "cache" / "corpus")
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEMSPEC_DATA_DIR", str(data))
+        # Both cores (pytest runs one test at a time): the recipe's CI size is sized for that.
         mp.setenv("MEMSPEC_BUILD_THREADS", os.environ.get("MEMSPEC_BUILD_THREADS", "2"))
-        [(draft_id, path, _)] = build_all(only=["head-ci"])
-    assert draft_id == "head-ci"
+        yield data
+
+
+@pytest.fixture(scope="module")
+def head_ci(head_data):
+    """The CI-size head, built by the real command path."""
+    [(draft_id, path, _)] = build_all(only=["head-ci"])
+    assert draft_id == "head-ci" and path.parent == head_data / "models"
     return path
 
 
@@ -173,6 +191,24 @@ def test_bad_artifacts_and_targets(head_ci, target, tmp_path):
             HeadDraft("h", head_ci, bare)
     finally:
         bare.close()
+
+
+def test_footprint_matches_measured_memory(head_ci):
+    """The footprint model against the RSS a real load adds, beside the resident target, in
+    a process of its own (as tests/memory/test_footprint_measured.py does for every draft)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "memspec.memory.probe", "head-ci", "--draft", "--n-ctx", "512"]
+        + ["--resident", str(models_dir() / TARGET_FILE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    model = draft_footprint("head", head_ci, 512).total
+    for phase in ("at_load", "steady"):
+        rss = measured[phase]["rss"]
+        assert abs(model - rss) <= max(0.15 * rss, 2_000_000), (phase, model, rss)
 
 
 def test_runtime_serves_a_head(head_ci, tmp_path):
