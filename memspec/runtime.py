@@ -9,11 +9,10 @@ it. A client's request is checked once, by `request()`, into a GenerationRequest
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jinja2
 
@@ -112,7 +111,7 @@ class Runtime:
         self.target_tokenizer = fingerprint_of(target_path)
         # A head drafts from the target's features: a target with one it can use loads them.
         if any(self._usable_head(m) for m in self.manifests.values()):
-            self.options = dataclasses.replace(self.options, features=True)
+            self.options = replace(self.options, features=True)
         self.target: Backend = load_backend(target_path, self.options, settings.backend)
         # What the target is served as and how its chats are rendered, from its own metadata.
         self.model_id = served_model_id(

@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from memspec.drafts import corpus
 from memspec.drafts.layers import write_layer_subset
+from memspec.drafts.training import batch_order, heldout_split, seeded_torch, train
 from memspec.paths import cache_dir
-
-HELDOUT_EVERY = 10  # every 10th sequence is held out to measure agreement
 
 # transformers' Llama parameter names -> GGUF tensor names (llama.cpp's convert_hf_to_gguf).
 _BLOCK_NAMES = {
@@ -148,27 +145,6 @@ def _teacher_logprobs(teacher: Any, seqs: list[list[int]], n: int) -> np.ndarray
     return out
 
 
-def _order(n_train: int, seed: int, steps: int, batch: int) -> np.ndarray:
-    """Sequence indices for every step: seeded epochs of a permutation."""
-    rng = np.random.default_rng(seed)
-    need = steps * batch
-    epochs = [rng.permutation(n_train) for _ in range(math.ceil(need / max(n_train, 1)))]
-    return np.concatenate(epochs)[:need].reshape(steps, batch)
-
-
-def warmup_cosine(opt: Any, steps: int) -> Any:
-    """Linear warm-up over the first 5% of `steps`, then a cosine decay to zero."""
-    import torch
-
-    warmup = max(1, steps // 20)
-    return torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: (
-            min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-        ),
-    )
-
-
 def agreement(
     model: Any, teacher: Any, seqs: list[list[int]], domains: list[str]
 ) -> dict[str, float]:
@@ -200,17 +176,11 @@ def build_distilled_file(
     recipe: Any, src: Path, dst: Path, key: str, progress: bool = True
 ) -> dict[str, Any]:
     """Recipe "distill": train (or resume) the student, export it, quantize it to recipe.ftype."""
-    try:
-        import torch
-    except ImportError as e:
-        raise RuntimeError("recipe 'distill' needs torch: pip install 'memspec[torch]'") from e
     from memspec.backends.base import BackendOptions, load_backend
     from memspec.drafts.build import quantize
 
     t0 = time.perf_counter()
-    threads = corpus.default_threads()
-    torch.manual_seed(recipe.seed)
-    torch.set_num_threads(threads)
+    torch, threads = seeded_torch("distill", recipe.seed)
     keep = recipe.keep_layers or [0]
     work = cache_dir() / "distill" / key[:16]
     work.mkdir(parents=True, exist_ok=True)
@@ -221,64 +191,28 @@ def build_distilled_file(
         seqs, domains = training_sequences(recipe, teacher, progress)
         if not seqs:
             raise ValueError("recipe 'distill': empty corpus (no seed prompts, no package text)")
-        held = [i for i in range(len(seqs)) if i % HELDOUT_EVERY == 0][: recipe.eval_seqs]
-        held_set = set(held)
-        train = [i for i in range(len(seqs)) if i not in held_set]
-        order = _order(len(train), recipe.seed, recipe.steps, recipe.batch_size)
-
+        held, train_ids = heldout_split(len(seqs), recipe.eval_seqs)
+        order = batch_order(len(train_ids), recipe.seed, recipe.steps, recipe.batch_size)
         model = load_student(src, keep)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
-        sched = warmup_cosine(opt, recipe.steps)
-        step, losses = 0, []
-        if ckpt.is_file():
-            state = torch.load(ckpt, weights_only=False)
-            model.load_state_dict(state["model"], strict=False)
-            opt.load_state_dict(state["opt"])
-            sched.load_state_dict(state["sched"])
-            step, losses = state["step"], state["losses"]
 
-        def save() -> None:
-            trainable = {n: p for n, p in model.state_dict().items() if "embed_tokens" not in n}
-            state = {
-                "model": trainable,
-                "opt": opt.state_dict(),
-                "sched": sched.state_dict(),
-                "step": step,
-                "losses": losses,
-            }
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save(state, tmp)
-            tmp.replace(ckpt)  # a kill mid-save leaves the previous checkpoint whole
+        def loss_at(step: int) -> Any:
+            batch = [seqs[train_ids[j]] for j in order[step]]
+            ids, mask = _batch(batch, pad=0)
+            t_logp = torch.from_numpy(_teacher_logprobs(teacher, batch, ids.shape[1]))
+            m = torch.from_numpy(mask)
+            s_logp = torch.log_softmax(model(torch.from_numpy(ids)).logits, dim=-1)
+            kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
+            return (kl * m).sum() / m.sum()
 
-        model.train()
-        bar = tqdm(
-            total=recipe.steps,
-            initial=step,
-            desc=f"distill {len(keep)} layers",
-            unit="step",
-            disable=not progress,
+        losses = train(
+            model,
+            recipe,
+            ckpt,
+            loss_at,
+            f"distill {len(keep)} layers",
+            progress,
+            kept=lambda name: "embed_tokens" not in name,  # frozen: the target's own
         )
-        with bar:
-            while step < recipe.steps:
-                batch = [seqs[train[j]] for j in order[step]]
-                ids, mask = _batch(batch, pad=0)
-                t_logp = torch.from_numpy(_teacher_logprobs(teacher, batch, ids.shape[1]))
-                m = torch.from_numpy(mask)
-                s_logp = torch.log_softmax(model(torch.from_numpy(ids)).logits, dim=-1)
-                kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
-                loss = (kl * m).sum() / m.sum()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                opt.step()
-                sched.step()
-                step += 1
-                losses.append(round(loss.item(), 4))
-                bar.set_postfix(kl=f"{losses[-1]:.3f}")
-                bar.update(1)
-                if step % recipe.ckpt_every == 0 or step == recipe.steps:
-                    save()
         agree = agreement(model, teacher, [seqs[i] for i in held], [domains[i] for i in held])
     finally:
         teacher.close()
@@ -293,7 +227,7 @@ def build_distilled_file(
     report = {
         "keep_layers": keep,
         "steps": recipe.steps,
-        "train_tokens": int(sum(len(seqs[train[j]]) for j in order.ravel())),
+        "train_tokens": int(sum(len(seqs[train_ids[j]]) for j in order.ravel())),
         "sequences": len(seqs),
         "kl_first": losses[0] if losses else None,
         "kl_last": float(np.mean(losses[-10:])) if losses else None,

@@ -31,8 +31,7 @@ from typing import Any
 import numpy as np
 
 from memspec.backends.base import Backend
-from memspec.drafts.model import top_probability
-from memspec.engine.sampling import probs_from_logits, sample
+from memspec.drafts.model import choose_token
 from memspec.engine.types import Draft, Proposal, SamplingParams
 from memspec.errors import ModelLoadError
 
@@ -230,16 +229,11 @@ class HeadDraft(Draft):
             for i in range(k):
                 f = self.net(f, torch.tensor(index, device=self.device))
                 logits = self.net.logits(f).float().cpu().numpy()
-                if params.greedy:
-                    index = int(np.argmax(logits))
-                    confidence = top_probability(logits, index)
-                else:
-                    q_sub = probs_from_logits(logits, params)
-                    index = sample(q_sub, rng)
+                index, q_sub, confidence = choose_token(logits, params, rng)
+                if probs is not None:
                     q = np.zeros(self.target.n_vocab)  # zero outside the sub-vocabulary
                     q[self.sub_ids] = q_sub
-                    probs.append(q)  # type: ignore[union-attr]
-                    confidence = float(q_sub[index])
+                    probs.append(q)
                 tokens.append(int(self.sub_ids[index]))
                 if i > 0 and confidence < self.min_confidence:
                     break  # keep the unsure token (one try is cheap), stop paying for more

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from memspec.drafts import corpus
-from memspec.drafts.distill import HELDOUT_EVERY, _order, training_sequences, warmup_cosine
+from memspec.drafts.distill import training_sequences
+from memspec.drafts.training import batch_order, heldout_split, seeded_torch, train
 from memspec.paths import cache_dir
 
 
@@ -193,21 +193,14 @@ def build_head_file(
     recipe: Any, src: Path, dst: Path, key: str, progress: bool = True
 ) -> dict[str, Any]:
     """Recipe "head": features, sub-vocabulary, training (or resume), artifact at `dst`."""
-    try:
-        import torch
-    except ImportError as e:
-        raise RuntimeError("recipe 'head' needs torch: pip install 'memspec[torch]'") from e
     from memspec.backends.base import BackendOptions, load_backend
     from memspec.drafts.compat import fingerprint_of
     from memspec.drafts.head import head_net, save_head
 
     t0 = time.perf_counter()
-    threads = corpus.default_threads()
-    torch.manual_seed(recipe.seed)
-    torch.set_num_threads(threads)
+    torch, threads = seeded_torch("head", recipe.seed)
     work = cache_dir() / "head" / key[:16]
     work.mkdir(parents=True, exist_ok=True)
-    ckpt = work / "checkpoint.pt"
 
     options = BackendOptions(n_ctx=recipe.seq_len + 8, n_threads=threads, features=True)
     teacher = load_backend(src, options)
@@ -221,10 +214,9 @@ def build_head_file(
     finally:
         teacher.close()
 
-    held = [i for i in range(len(seqs)) if i % HELDOUT_EVERY == 0][: recipe.eval_seqs]
-    train = [i for i in range(len(seqs)) if i not in set(held)]
+    held, train_ids = heldout_split(len(seqs), recipe.eval_seqs)
     sub_ids = rank_subvocab(
-        [tops[i] for i in train], [seqs[i] for i in train], recipe.subvocab, n_vocab
+        [tops[i] for i in train_ids], [seqs[i] for i in train_ids], recipe.subvocab, n_vocab
     )
     out_rows, in_rows = output_rows(src, sub_ids)
     net = head_net(
@@ -236,50 +228,16 @@ def build_head_file(
     sub_index = torch.full((n_vocab,), len(sub_ids), dtype=torch.int64)
     sub_index[torch.from_numpy(sub_ids)] = torch.arange(len(sub_ids))
 
-    data = Positions(seqs, feats, train)
+    data = Positions(seqs, feats, train_ids)
     if len(data.starts) == 0:
         raise ValueError("recipe 'head': no training positions (sequences too short)")
-    order = _order(len(data.starts), recipe.seed, recipe.steps, recipe.batch_size)
-    params = [p for p in net.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
-    sched = warmup_cosine(opt, recipe.steps)
-    step, losses = 0, []
-    if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False)
-        net.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        step, losses = state["step"], state["losses"]
+    order = batch_order(len(data.starts), recipe.seed, recipe.steps, recipe.batch_size)
 
-    def save() -> None:
-        state = {
-            "model": net.state_dict(),
-            "opt": opt.state_dict(),
-            "sched": sched.state_dict(),
-            "step": step,
-            "losses": losses,
-        }
-        tmp = ckpt.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(ckpt)  # a kill mid-save leaves the previous checkpoint whole
+    def loss_at(step: int) -> Any:
+        batch = {k: torch.from_numpy(v) for k, v in data.batch(order[step]).items()}
+        return head_loss(net, batch, sub_index)
 
-    net.train()
-    bar = tqdm(total=recipe.steps, initial=step, desc="head", unit="step", disable=not progress)
-    with bar:
-        while step < recipe.steps:
-            b = {k: torch.from_numpy(v) for k, v in data.batch(order[step]).items()}
-            loss = head_loss(net, b, sub_index)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            losses.append(round(loss.item(), 4))
-            bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
-            bar.update(1)
-            if step % recipe.ckpt_every == 0 or step == recipe.steps:
-                save()
+    losses = train(net, recipe, work / "checkpoint.pt", loss_at, "head", progress)
     net.eval().half()
     report_held = replay_report(net, seqs, feats, tops, domains, held, sub_ids, sub_index)
     fingerprint = fingerprint_of(src)
@@ -311,5 +269,5 @@ def build_head_file(
     }
     (work / "report.json").write_text(json.dumps({**report, "loss": losses}, indent=1))
     with contextlib.suppress(OSError):
-        ckpt.unlink()  # done: the artifact is the result; a rebuild starts over
+        (work / "checkpoint.pt").unlink()  # done: the artifact is the result; a rebuild starts over
     return report

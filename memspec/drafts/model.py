@@ -42,14 +42,9 @@ class ModelDraft(Draft):
         tokens: list[int] = []
         probs: list[np.ndarray] | None = None if params.greedy else []
         for i in range(k):
-            if params.greedy:
-                tok = int(np.argmax(logits))
-                confidence = top_probability(logits, tok)
-            else:
-                q = probs_from_logits(logits, params)
-                tok = sample(q, rng)
-                probs.append(q)  # type: ignore[union-attr]
-                confidence = float(q[tok])
+            tok, q, confidence = choose_token(logits, params, rng)
+            if probs is not None:
+                probs.append(q)
             tokens.append(tok)
             if i > 0 and confidence < self.min_confidence:
                 break  # keep the unsure token (one try is cheap), stop paying for more
@@ -71,6 +66,20 @@ class ModelDraft(Draft):
 
     def close(self) -> None:
         self.backend.close()
+
+
+def choose_token(
+    logits: np.ndarray, params: SamplingParams, rng: np.random.Generator
+) -> tuple[int, np.ndarray | None, float]:
+    """A draft's next token from its logits: the argmax (greedy) or a draw from the user's
+    distribution q, which is returned too (sampling); and the token's probability, by which
+    a draft stops early."""
+    if params.greedy:
+        tok = int(np.argmax(logits))
+        return tok, None, top_probability(logits, tok)
+    q = probs_from_logits(logits, params)
+    tok = sample(q, rng)
+    return tok, q, float(q[tok])
 
 
 def top_probability(logits: np.ndarray, token: int) -> float:
