@@ -40,6 +40,10 @@ class BackendOptions:
     # for every row eval returns: Backend.last_features(). For drafts that read the target's
     # features (issue 11's head); off, nothing extra is computed or copied.
     features: bool = False
+    # Sequence slots sharing the model (batched decoding): each has a KV cache of its own of
+    # n_ctx tokens (llama.cpp per-sequence streams, which keep a sequence's logits bit-identical
+    # whatever else shares its batch). Backend.slots lists them; slot 0 is the backend itself.
+    n_seq: int = 1
 
 
 class FeaturesDisabled(RuntimeError):
@@ -63,7 +67,8 @@ class KVSnapshot:
 
 
 class Backend(ABC):
-    """One model + one KV cache. All token lists are plain Python ints."""
+    """One model + one KV cache (more with BackendOptions.n_seq: `slots`). All token lists
+    are plain Python ints."""
 
     # Capability flag: True when kv_snapshot()/kv_restore() copy the KV cache out and back in.
     # Backends without it keep the defaults below (no snapshot; restore refuses), and callers
@@ -78,6 +83,8 @@ class Backend(ABC):
     bos_token_id: int | None
     eos_token_ids: frozenset[int]
     metadata: dict[str, str]  # the GGUF's scalar keys it read (general.*, tokenizer.*), as text
+
+    seq_id: int = 0  # which of the context's sequences this is (SequenceSlot: others)
 
     def __init__(self) -> None:
         self.tokens: list[int] = []  # exactly what the KV cache holds, in order
@@ -177,6 +184,63 @@ class Backend(ABC):
         rows = self.eval(tokens, copy=False)
         return rows.argmax(axis=1).tolist()
 
+    # --- sequence slots (batched decoding) ----------------------------------------------
+    @property
+    def slots(self) -> list[Backend]:
+        """One Backend per sequence slot of this context; slot 0 is this backend. Each is a
+        whole Backend (tokens, eval, truncate, KV snapshots) over its own KV cache."""
+        return [self]
+
+    @property
+    def kv_owner(self) -> Backend:
+        """The backend whose KV snapshots this one can restore (a slot's: its context's)."""
+        return self
+
+    def eval_many(self, items: list[tuple[Backend, list[int], int]]) -> list[np.ndarray]:
+        """Append tokens to several slots of this context in one forward pass: items are
+        (slot, tokens, rows), `rows` the number of final positions whose logits come back
+        (0: none, a prefill chunk; len(tokens): all, a verification). Returns one read-only
+        view per item, valid until the next eval on this context. Each slot's output is
+        bit-identical to evaluating it alone (per-sequence KV streams)."""
+        for slot, tokens, _ in items:
+            if slot.kv_owner is not self:
+                raise ValueError(f"slot {slot.seq_id} belongs to another context")
+            if not tokens:
+                raise ValueError("eval_many() needs at least one token per slot")
+            if len(slot.tokens) + len(tokens) > self.n_ctx:
+                from memspec.errors import ContextOverflow
+
+                raise ContextOverflow(
+                    f"context of {self.n_ctx} tokens exceeded ({len(slot.tokens)} + {len(tokens)})"
+                )
+        for slot, _, _ in items:
+            slot._features = None
+        n_past = [len(slot.tokens) for slot, _, _ in items]
+        t = time.perf_counter()
+        entries = [
+            (slot.seq_id, past, tokens, rows)
+            for (slot, tokens, rows), past in zip(items, n_past, strict=True)
+        ]
+        outs, feats = self._forward_many(entries)
+        self.forward_s += time.perf_counter() - t
+        for (slot, tokens, rows), f in zip(items, feats, strict=True):
+            slot.tokens.extend(tokens)
+            slot._features, slot._features_pos = f, len(slot.tokens) - rows
+        return outs
+
+    def _forward_many(
+        self, entries: list[tuple[int, int, list[int], int]]
+    ) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+        """(seq_id, n_past, tokens, rows) per slot, one forward pass: logits and features
+        rows per entry. Backends without slots take one entry for their only sequence."""
+        if len(entries) != 1 or entries[0][0] != 0:
+            raise NotImplementedError(f"{type(self).__name__} has one sequence slot")
+        _, _, tokens, rows = entries[0]
+        if rows not in (0, 1, len(tokens)):
+            raise NotImplementedError("a backend without slots returns no row, the last or all")
+        out = self._forward(tokens, all_logits=rows > 1, copy=False)
+        return [out[len(out) - rows :]], [self._features if rows else None]
+
     def truncate(self, n: int) -> None:
         """Keep the first n tokens of the KV cache, drop the rest (rejected candidates)."""
         if n < len(self.tokens):
@@ -195,6 +259,22 @@ class Backend(ABC):
     def kv_snapshot(self) -> KVSnapshot | None:
         """Copy the KV cache (all of `tokens`) out; None when unsupported or empty."""
         return None
+
+    # Slot support (SequenceSlot calls these on its root; backends with n_seq > 1 define them).
+    def _forward_seq(
+        self, seq_id: int, n_past: int, tokens: list[int], all_logits: bool, copy: bool
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """_forward for sequence `seq_id` (prompts in chunks): logits and features rows."""
+        raise NotImplementedError
+
+    def _truncate_seq(self, seq_id: int, n: int) -> None:
+        raise NotImplementedError
+
+    def _snapshot_seq(self, seq_id: int, tokens: list[int]) -> KVSnapshot | None:
+        return None
+
+    def _restore_seq(self, seq_id: int, snapshot: KVSnapshot) -> bool:
+        return False
 
     def kv_restore(self, snapshot: KVSnapshot) -> bool:
         """Replace the KV cache by `snapshot`; False (cache left empty or as it was) if it fails."""
@@ -219,6 +299,62 @@ class Backend(ABC):
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache per token (both K and V, all layers)."""
         return 0
+
+
+class SequenceSlot(Backend):
+    """Sequence `seq_id` of a multi-sequence backend's context: its own tokens and KV cache,
+    the model, tokenizer and metadata of its root (slot 0), which does the compute."""
+
+    def __init__(self, root: Backend, seq_id: int):
+        super().__init__()
+        self.root, self.seq_id = root, seq_id
+        self.supports_kv_snapshot = root.supports_kv_snapshot  # type: ignore[misc]
+        self.path, self.options, self.metadata = root.path, root.options, root.metadata
+        self.n_ctx, self.n_vocab, self.n_embd = root.n_ctx, root.n_vocab, root.n_embd
+        self.bos_token_id, self.eos_token_ids = root.bos_token_id, root.eos_token_ids
+        self._bos_text, self._eos_text = root._bos_text, root._eos_text
+        self._add_bos = root._add_bos
+
+    @property
+    def kv_owner(self) -> Backend:
+        return self.root
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        return self.root.chat_template
+
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        return self.root.tokenize(text, add_bos, special)
+
+    def detokenize(self, tokens: list[int]) -> bytes:
+        return self.root.detokenize(tokens)
+
+    def _forward(self, tokens: list[int], all_logits: bool, copy: bool = True) -> np.ndarray:
+        logits, self._features = self.root._forward_seq(
+            self.seq_id, len(self.tokens), tokens, all_logits, copy
+        )
+        return logits
+
+    def _truncate_kv(self, n: int) -> None:
+        self.root._truncate_seq(self.seq_id, n)
+
+    def kv_snapshot(self) -> KVSnapshot | None:
+        return self.root._snapshot_seq(self.seq_id, self.tokens)
+
+    def kv_restore(self, snapshot: KVSnapshot) -> bool:
+        self._features = None
+        ok = self.root._restore_seq(self.seq_id, snapshot)
+        self.tokens = list(snapshot.tokens) if ok else []
+        return ok
+
+    def describe(self) -> dict[str, object]:
+        return self.root.describe()
+
+    def weight_bytes(self) -> int:
+        return 0  # the root's
+
+    def kv_bytes_per_token(self) -> int:
+        return self.root.kv_bytes_per_token()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

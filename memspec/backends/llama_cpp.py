@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from memspec.backends.base import Backend, BackendOptions, KVSnapshot
+from memspec.backends.base import Backend, BackendOptions, KVSnapshot, SequenceSlot
 from memspec.errors import ModelLoadError
 
 
@@ -51,25 +51,37 @@ _params_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _weight_repack(enabled: bool) -> Iterator[None]:
-    """Load with llama.cpp's weight repacking (`use_extra_bufts`) on or off. `Llama` takes no
-    such argument: its model parameters come from llama_model_default_params, which we wrap
-    for the load (under a lock, so two loads never see each other's choice)."""
+def _load_params(weight_repack: bool, n_seq: int) -> Iterator[None]:
+    """Load with llama.cpp's weight repacking (`use_extra_bufts`) on or off, and a context of
+    `n_seq` sequences on per-sequence KV streams (`kv_unified` off: a unified cache gives a
+    sequence other logits when others share its batch; measured). `Llama` takes neither as
+    an argument: its parameters start from llama_model_default_params and
+    llama_context_default_params, which we wrap for the load (under a lock, so two loads
+    never see each other's choice)."""
     import llama_cpp.llama_cpp as lib
 
     with _params_lock:
-        default = lib.llama_model_default_params
+        model_default = lib.llama_model_default_params
+        context_default = lib.llama_context_default_params
 
-        def params():  # type: ignore[no-untyped-def]
-            p = default()
-            p.use_extra_bufts = enabled
+        def model_params():  # type: ignore[no-untyped-def]
+            p = model_default()
+            p.use_extra_bufts = weight_repack
             return p
 
-        lib.llama_model_default_params = params
+        def context_params():  # type: ignore[no-untyped-def]
+            p = context_default()
+            p.n_seq_max = n_seq
+            p.kv_unified = False
+            return p
+
+        lib.llama_model_default_params = model_params
+        lib.llama_context_default_params = context_params
         try:
             yield
         finally:
-            lib.llama_model_default_params = default
+            lib.llama_model_default_params = model_default
+            lib.llama_context_default_params = context_default
 
 
 class LlamaCppBackend(Backend):
@@ -92,11 +104,12 @@ class LlamaCppBackend(Backend):
         try:
             # llama.cpp prints loader chatter on stderr; keep it unless loading fails.
             buf = io.StringIO()
-            with contextlib.redirect_stderr(buf), _weight_repack(options.weight_repack):
+            n_seq = max(1, options.n_seq)
+            with contextlib.redirect_stderr(buf), _load_params(options.weight_repack, n_seq):
                 self._llm = llama_cpp.Llama(
                     model_path=str(path),
-                    n_ctx=options.n_ctx,
-                    n_batch=min(options.n_ctx, 512),
+                    n_ctx=options.n_ctx * n_seq,  # n_ctx per sequence
+                    n_batch=min(options.n_ctx * n_seq, 512),
                     n_threads=n_threads,
                     n_threads_batch=n_threads,
                     n_gpu_layers=options.n_gpu_layers,
@@ -108,7 +121,7 @@ class LlamaCppBackend(Backend):
                 )
         except Exception as e:  # llama.cpp reports a corrupt file as a bare ValueError
             raise ModelLoadError(f"failed to load {path.name}: {e}", param="model") from e
-        self.n_ctx = self._llm.n_ctx()
+        self.n_ctx = self._llm.n_ctx() // n_seq  # what each slot holds
         self.n_vocab = self._llm.n_vocab()
         self.n_embd = llama_cpp.llama_model_n_embd_out(self._llm._model.model)
         # Created without embeddings (Llama's default): _forward turns them on per batch.
@@ -135,6 +148,7 @@ class LlamaCppBackend(Backend):
         # Gemma 3 and others set the head size apart from embedding / heads (270M: 256 vs 160).
         self.head_dim_k = int(meta.get(f"{arch}.attention.key_length", head_dim))
         self.head_dim_v = int(meta.get(f"{arch}.attention.value_length", head_dim))
+        self._slots: list[Backend] = [self] + [SequenceSlot(self, i) for i in range(1, n_seq)]
 
     # --- text -------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
@@ -162,10 +176,20 @@ class LlamaCppBackend(Backend):
         return piece
 
     # --- compute ------------------------------------------------------------------------
+    @property
+    def slots(self) -> list[Backend]:
+        return self._slots
+
     def _forward(self, tokens: list[int], all_logits: bool, copy: bool = True) -> np.ndarray:
-        ctx, batch = self._llm._ctx, self._llm._batch
+        logits, self._features = self._forward_seq(0, len(self.tokens), tokens, all_logits, copy)
+        return logits
+
+    def _forward_seq(
+        self, seq_id: int, n_past: int, tokens: list[int], all_logits: bool, copy: bool
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """One sequence's tokens in chunks of n_batch: its logits (and features) rows."""
+        ctx = self._llm._ctx
         features = self.options.features
-        n_past = len(self.tokens)
         rows, feats = [], []
         starts = list(range(0, len(tokens), self._n_batch))
         if features and not all_logits and len(tokens) - starts[-1] > 1:
@@ -184,32 +208,93 @@ class LlamaCppBackend(Backend):
                 every_row = all_logits or (features and wanted)
                 if features:
                     self._set_embeddings(wanted)
-                batch.set_batch(chunk, n_past + i, logits_all=every_row)
+                n_rows = len(chunk) if every_row else 1  # llama.cpp: at least one output
+                self._fill_batch([(seq_id, n_past + i, chunk, n_rows)])
                 t = time.perf_counter()
-                ctx.decode(batch)
+                ctx.decode(self._llm._batch)
                 self.decode_s += time.perf_counter() - t
                 if wanted:
-                    n_out = len(chunk) if every_row else 1
-                    out = np.ctypeslib.as_array(ctx.get_logits(), shape=(n_out, self.n_vocab))
+                    out = np.ctypeslib.as_array(ctx.get_logits(), shape=(n_rows, self.n_vocab))
                     if not all_logits:
                         out = out[-1:]
                     # The next decode overwrites the buffer: only the last chunk may stay a view.
                     rows.append(out if last_chunk and not copy else out.copy())
                     if features:
                         emb = np.ctypeslib.as_array(
-                            ctx.get_embeddings(), shape=(n_out, self.n_embd)
+                            ctx.get_embeddings(), shape=(n_rows, self.n_embd)
                         )
                         feats.append((emb if all_logits else emb[-1:]).copy())
         except Exception:
-            ctx.kv_cache_seq_rm(0, n_past, -1)  # leave the cache as `self.tokens` says
+            ctx.kv_cache_seq_rm(seq_id, n_past, -1)  # leave the cache as the slot's tokens say
             raise
+        out_features = None
         if features:
-            self._features = feats[0] if len(feats) == 1 else np.concatenate(feats)
-            self._features.flags.writeable = False
+            out_features = feats[0] if len(feats) == 1 else np.concatenate(feats)
+            out_features.flags.writeable = False
         if len(rows) > 1:
-            return np.concatenate(rows)
+            return np.concatenate(rows), out_features
         rows[0].flags.writeable = copy  # a view of llama.cpp's buffer is read-only
-        return rows[0]
+        return rows[0], out_features
+
+    def _forward_many(
+        self, entries: list[tuple[int, int, list[int], int]]
+    ) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+        total = sum(len(tokens) for _, _, tokens, _ in entries)
+        if total > self._n_batch:
+            raise ValueError(f"a batch of {total} tokens exceeds n_batch {self._n_batch}")
+        ctx = self._llm._ctx
+        features = self.options.features and any(rows for *_, rows in entries)
+        if self.options.features:
+            self._set_embeddings(features)
+        if features:  # embeddings mode outputs every token (see _forward_seq)
+            entries_out = [(seq, past, tokens, len(tokens)) for seq, past, tokens, _ in entries]
+        else:
+            entries_out = entries
+        n_out = self._fill_batch(entries_out)
+        t = time.perf_counter()
+        try:
+            ctx.decode(self._llm._batch)
+        except Exception:
+            for seq_id, n_past, _, _ in entries:
+                ctx.kv_cache_seq_rm(seq_id, n_past, -1)
+            raise
+        self.decode_s += time.perf_counter() - t
+        if n_out:
+            logits = np.ctypeslib.as_array(ctx.get_logits(), shape=(n_out, self.n_vocab))
+            logits.flags.writeable = False
+        else:
+            logits = np.zeros((0, self.n_vocab), dtype=np.float32)
+        emb = None
+        if features:
+            emb = np.ctypeslib.as_array(ctx.get_embeddings(), shape=(n_out, self.n_embd)).copy()
+            emb.flags.writeable = False
+        outs: list[np.ndarray] = []
+        feats: list[np.ndarray | None] = []
+        at = 0
+        for (*_, rows), (*_, out_rows) in zip(entries, entries_out, strict=True):
+            skip = out_rows - rows  # rows output only because embeddings mode outputs all
+            outs.append(logits[at + skip : at + out_rows])
+            feats.append(emb[at + skip : at + out_rows] if emb is not None and rows else None)
+            at += out_rows
+        return outs, feats
+
+    def _fill_batch(self, entries: list[tuple[int, int, list[int], int]]) -> int:
+        """Write (seq_id, n_past, tokens, rows) entries into the batch, asking for logits of
+        each entry's last `rows` tokens. Returns the number of rows asked for."""
+        b = self._llm._batch.batch
+        n = n_out = 0
+        for seq_id, n_past, tokens, rows in entries:
+            first_out = len(tokens) - rows
+            for i, tok in enumerate(tokens):
+                b.token[n] = tok
+                b.pos[n] = n_past + i
+                b.seq_id[n][0] = seq_id
+                b.n_seq_id[n] = 1
+                b.logits[n] = i >= first_out
+                n += 1
+            n_out += rows
+        b.n_tokens = n
+        return n_out
 
     def _set_embeddings(self, on: bool) -> None:
         """Embeddings mode on only for the batches whose rows are returned: in it llama.cpp
@@ -221,34 +306,44 @@ class LlamaCppBackend(Backend):
             self._embeddings_on = on
 
     def _truncate_kv(self, n: int) -> None:
-        if not self._llm._ctx.kv_cache_seq_rm(0, n, -1):
-            raise RuntimeError(f"llama.cpp refused to truncate the KV cache to {n}")
+        self._truncate_seq(0, n)
+
+    def _truncate_seq(self, seq_id: int, n: int) -> None:
+        if not self._llm._ctx.kv_cache_seq_rm(seq_id, n, -1):
+            raise RuntimeError(f"llama.cpp refused to truncate sequence {seq_id} to {n}")
 
     def kv_snapshot(self) -> KVSnapshot | None:
-        import llama_cpp
-
-        if not self.tokens or self._llm is None:
-            return None
-        ctx = self._llm._ctx.ctx
-        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0)
-        if n == 0 or n > size:
-            return None
-        return KVSnapshot(tokens=tuple(self.tokens), data=ctypes.string_at(buf, n))
+        return self._snapshot_seq(0, self.tokens)
 
     def kv_restore(self, snapshot: KVSnapshot) -> bool:
+        self._features = None  # rows of the tokens being replaced
+        ok = self._restore_seq(0, snapshot)
+        self.tokens = list(snapshot.tokens) if ok else []
+        return ok
+
+    def _snapshot_seq(self, seq_id: int, tokens: list[int]) -> KVSnapshot | None:
+        import llama_cpp
+
+        if not tokens or self._llm is None:
+            return None
+        ctx = self._llm._ctx.ctx
+        size = llama_cpp.llama_state_seq_get_size(ctx, seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(ctx, buf, size, seq_id)
+        if n == 0 or n > size:
+            return None
+        return KVSnapshot(tokens=tuple(tokens), data=ctypes.string_at(buf, n))
+
+    def _restore_seq(self, seq_id: int, snapshot: KVSnapshot) -> bool:
+        """Load a snapshot (of any slot of this context) into sequence `seq_id`."""
         import llama_cpp
 
         if self._llm is None or len(snapshot.tokens) > self.n_ctx:
             return False
-        self._features = None  # rows of the tokens being replaced
         src = (ctypes.c_uint8 * len(snapshot.data)).from_buffer_copy(snapshot.data)
-        if llama_cpp.llama_state_seq_set_data(self._llm._ctx.ctx, src, len(src), 0) == 0:
-            self._llm._ctx.kv_cache_seq_rm(0, 0, -1)  # a failed load leaves the cache unknown
-            self.tokens = []
+        if llama_cpp.llama_state_seq_set_data(self._llm._ctx.ctx, src, len(src), seq_id) == 0:
+            self._llm._ctx.kv_cache_seq_rm(seq_id, 0, -1)  # a failed load leaves it unknown
             return False
-        self.tokens = list(snapshot.tokens)
         return True
 
     def close(self) -> None:
@@ -263,6 +358,7 @@ class LlamaCppBackend(Backend):
             **super().describe(),
             "n_threads": self.n_threads,
             "n_gpu_layers": self.options.n_gpu_layers,
+            **({"n_seq": self.options.n_seq} if self.options.n_seq > 1 else {}),
             # Offloaded layers run GPU kernels, whose invariance this does not establish.
             "batch_invariant": batch_invariant()
             and self.options.n_gpu_layers == 0

@@ -68,7 +68,12 @@ class CostModel:
     # Per context token a model draft feeds to catch up (batched), e.g. the prompt at its
     # first use in a request. Unknown: CATCHUP_SHARE of a draft step.
     prefill_s: dict[str, float] = field(default_factory=dict)
+    # Batched decoding: seconds for one forward pass of n tokens spread over several sequence
+    # slots, calibrated at a few n (memspec.engine.calibration.measure_batch); between them
+    # interpolated, beyond them extended from the last two.
+    batch_s: dict[int, float] = field(default_factory=dict)
     version: int = 0
+    _batch_seen: dict[int, float] = field(default_factory=dict, repr=False)
     _verify_seen: dict[int, float] = field(default_factory=dict, repr=False)
     _draft_seen: dict[str, float] = field(default_factory=dict, repr=False)
     _log_scale: float | None = field(default=None, repr=False)  # mean log(measured / calib.)
@@ -89,6 +94,29 @@ class CostModel:
         if draft_id in self.draft_s and drafted > 0 and draft_s > 0 and gap <= 2:
             self._update(self._draft_seen, draft_id, draft_s / drafted)
             self._republish(("draft", draft_id), self._draft_seen[draft_id])
+
+    def observe_batch(self, n_tokens: int, seconds: float) -> None:
+        """One batched forward pass as measured (n_tokens over all its sequences)."""
+        if seconds > 0:
+            self._update(self._batch_seen, n_tokens, seconds)
+
+    def batch(self, n_tokens: int) -> float:
+        """Seconds for a forward pass of n_tokens over several sequences: measured in use,
+        else calibrated (without a batch calibration: the single-sequence verify cost)."""
+        seen = self._batch_seen.get(n_tokens)
+        if seen is not None:
+            return seen
+        if not self.batch_s:
+            return self.verify(n_tokens)
+        pts = sorted(self.batch_s.items())
+        if n_tokens <= pts[0][0]:
+            return pts[0][1]
+        for (n0, s0), (n1, s1) in zip(pts, pts[1:], strict=False):
+            if n_tokens <= n1:
+                return s0 + (s1 - s0) * (n_tokens - n0) / (n1 - n0)
+        (n0, s0), (n1, s1) = pts[-2] if len(pts) > 1 else pts[-1], pts[-1]
+        slope = (s1 - s0) / (n1 - n0) if n1 > n0 else 0.0
+        return s1 + slope * (n_tokens - n1)
 
     @staticmethod
     def _update(seen: dict, key: object, value: float) -> None:
@@ -179,6 +207,78 @@ class CostModel:
         if force and best_k == 0 and k_max > 0:
             return 1, self.rate(draft_id, alpha, 1, alpha_cont=alpha_cont)
         return best_k, best_rate
+
+
+@dataclass
+class BatchOption:
+    """One sequence's round as the batch-level rule sees it: at most `k` tokens from
+    `draft_id` (None: no draft) at acceptance α₁/α_c. `fixed`: k as asked (a fixed policy)."""
+
+    draft_id: str | None
+    k: int
+    alpha: float = 0.0
+    alpha_cont: float | None = None
+    fixed: bool = False
+    serial: bool = False  # the draft runs its own forward passes (a model draft, a head)
+
+
+def plan_batch(options: list[BatchOption], costs: CostModel) -> list[int]:
+    """The decision rule for a batch of sequences: k per sequence maximising the expected
+    tokens of the whole batch per second of its round,
+
+        Σ tokens_per_round(α_i, k_i) / (batch_cost(Σ (k_i + 1)) + Σ draft_cost_i(k_i)),
+
+    one verification pass shared by every sequence. Drafted tokens are added one at a time
+    where they add the most, while the batch's rate grows; so speculation shrinks by itself as
+    the batch grows (a token's share of the pass rises) and never plans a round slower than
+    drafting nothing. Drafts that run serial forward passes (model drafts, heads) stall every
+    sequence while they draft: the plan is made with and without them and the better kept.
+    """
+
+    def greedy(allow_serial: bool) -> tuple[list[int], float]:
+        ks = [o.k if o.fixed else 0 for o in options]
+        usable = [
+            not o.fixed and o.draft_id is not None and o.k > 0 and (allow_serial or not o.serial)
+            for o in options
+        ]
+        # A serial draft used at all pays its per-round overhead (and its catch-up) once.
+        fixed_s = sum(
+            costs.draft_cost(o.draft_id) * ks[i] + costs.draft_overhead_s.get(o.draft_id, 0.0)
+            for i, o in enumerate(options)
+            if o.fixed and o.draft_id is not None and ks[i] > 0
+        )
+        tokens = sum(ks) + len(options)
+        expect = sum(expected_tokens(o.alpha, ks[i], o.alpha_cont) for i, o in enumerate(options))
+        serial_s = fixed_s
+        rate = expect / (costs.batch(tokens) + serial_s)
+        while True:
+            best_i, best_rate, best_gain, best_cost = -1, rate, 0.0, 0.0
+            for i, o in enumerate(options):
+                if not usable[i] or ks[i] >= o.k:
+                    continue
+                gain = expected_tokens(o.alpha, ks[i] + 1, o.alpha_cont) - expected_tokens(
+                    o.alpha, ks[i], o.alpha_cont
+                )
+                cost = costs.draft_cost(o.draft_id) if o.serial else 0.0
+                if ks[i] == 0:
+                    cost += costs.draft_overhead_s.get(o.draft_id, 0.0)
+                r = (expect + gain) / (costs.batch(tokens + 1) + serial_s + cost)
+                if r > best_rate:
+                    best_i, best_rate, best_gain, best_cost = i, r, gain, cost
+            if best_i < 0:
+                return ks, rate
+            ks[best_i] += 1
+            tokens, expect, serial_s, rate = (
+                tokens + 1,
+                expect + best_gain,
+                serial_s + best_cost,
+                best_rate,
+            )
+
+    plans = [greedy(False)]
+    if any(o.serial and not o.fixed and o.k > 0 for o in options):
+        plans.append(greedy(True))
+    return max(plans, key=lambda p: p[1])[0]
 
 
 def best_choice(options: Iterable[tuple[D, int, float]], plain_rate: float) -> tuple[D | None, int]:

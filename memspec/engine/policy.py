@@ -88,7 +88,7 @@ class DecisionRulePolicy:
             if k > 0 and rate > best_rate:
                 if proposal is not None:
                     proposal.tokens = proposal.tokens[:k]
-                best, best_rate = Choice(draft, k, proposal), rate
+                best, best_rate = Choice(draft, k, proposal, alpha, cont), rate
         return best
 
     def observe_costs(self, draft_id, drafted, draft_s, gap, verify_s) -> None:

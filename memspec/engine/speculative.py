@@ -1,9 +1,15 @@
-"""The speculative decoding loop.
+"""The speculative decoding loop, for one sequence or a batch of them.
 
-Invariant: the target's KV cache holds every context token but the last ("pending") one.
-Each round feeds [pending] + k draft tokens in one batch, which scores all k proposals and
-yields one more token from the target; k = 0 is plain decoding. Rejected candidates are
-dropped from the KV cache by truncation.
+Invariant: a sequence's KV cache (its slot of the target) holds every context token but the
+last ("pending") one. Each round feeds [pending] + k draft tokens, which scores all k
+proposals and yields one more token from the target; k = 0 is plain decoding. Rejected
+candidates are dropped from the KV cache by truncation.
+
+A round (`decode_round`) takes every active sequence: each chooses (draft, k) by its policy and
+proposes; with more than one, the batch-level rule (costs.plan_batch) re-plans the ks for the
+batch as a whole; then one forward pass of the target scores every sequence's tokens (and
+feeds a chunk of any joining sequence's prompt); each accepts, truncates and emits on its own.
+`speculative_generate` is a batch of one: the same rounds, no second engine.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from memspec.backends.base import Backend
+from memspec.engine.costs import BatchOption, CostModel, plan_batch
 from memspec.engine.sampling import (
     SamplingParams,
     accept_draft_token,
@@ -24,13 +31,17 @@ from memspec.engine.sampling import (
     sample,
 )
 from memspec.engine.text import TextAssembler
-from memspec.engine.types import Proposal, RoundPolicy
+from memspec.engine.types import Choice, Proposal, RoundPolicy
 from memspec.errors import ContextOverflow, InvalidRequest
 
 # on_token(text_delta, token_id): once per accepted token, in order; a last call with
 # token_id None flushes text held back while it could still begin a stop string.
 TokenCallback = Callable[[str, int | None], None]
 
+
+# A joining sequence's prompt is fed in chunks of at most this many tokens per round while
+# other sequences decode (about 0.3 s here), so a long prompt never stalls them for long.
+PREFILL_CHUNK = 128
 
 # prefill: the prompt tokens not in the KV cache (once per request). Then per round:
 # choose: the policy (lookups peeked, rule evaluated); draft_catchup: a model draft feeding
@@ -117,6 +128,269 @@ def accept_sampled(
     return new + [sample(probs_from_logits(logits[len(drafted)], params), rng)]
 
 
+class Sequence:
+    """One generation in flight on a slot of the target: its context, its policy's rounds,
+    its sampling state and its output. `decode_round` moves it on by one round."""
+
+    def __init__(
+        self,
+        target: Backend,
+        prompt: list[int],
+        params: SamplingParams,
+        policy: RoundPolicy,
+        on_token: TokenCallback | None = None,
+        cancel: threading.Event | None = None,
+    ):
+        if not prompt:
+            raise InvalidRequest("prompt is empty", param="prompt")
+        if len(prompt) >= target.n_ctx:
+            raise ContextOverflow(
+                f"prompt has {len(prompt)} tokens; the context holds {target.n_ctx}",
+                param="prompt",
+            )
+        self.target, self.params, self.policy = target, params, policy
+        self.on_token, self.cancel = on_token, cancel
+        self.t0 = time.perf_counter()
+        self.rng = np.random.default_rng(params.seed)
+        self.gen = Generation(prompt_tokens=len(prompt))
+        self.text = TextAssembler(target, params.stop)
+        self.ctx = list(prompt)
+        self.done = False
+        self.error: BaseException | None = None  # what ended it, if it failed
+        # Prefill everything but the last prompt token, reusing any KV prefix already there.
+        self.gen.cached_tokens = target.reuse_prefix(prompt[:-1])
+        self.to_prefill = prompt[self.gen.cached_tokens : -1]
+        # The round in flight.
+        self._choice = Choice(None, 0)
+        self._proposal: Proposal | None = None
+        self.drafted: list[int] = []
+        self._t: dict[str, float] = {}
+
+    @property
+    def room(self) -> int:
+        left = self.params.max_tokens - len(self.gen.token_ids)
+        return min(left, self.target.n_ctx - len(self.ctx))
+
+    def prefill(self, n: int | None = None) -> list[int]:
+        """The next `n` (all: None) prompt tokens still to feed, taken off the queue."""
+        chunk = self.to_prefill if n is None else self.to_prefill[:n]
+        self.to_prefill = self.to_prefill[len(chunk) :]
+        return chunk
+
+    def choose(self) -> bool:
+        """1. The policy picks (draft, k); False when the sequence is over (cancelled, no room)."""
+        room = self.room
+        if room <= 0 or (self.cancel is not None and self.cancel.is_set()):
+            self.gen.finish_reason = "cancelled" if room > 0 else "length"
+            self.done = True
+            return False
+        self._t = {"draft": time.perf_counter()}
+        self._choice = self.policy.choose(self.ctx, room - 1, self.params, self.rng)
+        self._t["propose"] = time.perf_counter()
+        return True
+
+    def option(self) -> BatchOption:
+        """This round's choice as the batch-level rule sees it."""
+        c = self._choice
+        k = min(c.k, len(c.proposal.tokens)) if c.proposal is not None else c.k
+        draft = c.draft
+        return BatchOption(
+            draft.id if draft is not None and k > 0 else None,
+            k,
+            c.alpha or 0.0,
+            c.alpha_cont,
+            fixed=c.alpha is None,
+            serial=draft is not None and not draft.free,
+        )
+
+    def propose(self, k: int | None = None) -> list[int]:
+        """The draft proposes (≤ k tokens; none is fine): [pending] + drafted, to verify."""
+        c = self._choice
+        k = c.k if k is None else k
+        proposal = c.proposal
+        if c.draft is not None and k > 0 and proposal is None:
+            proposal = c.draft.propose(self.ctx, k, self.params, self.rng)
+        self._proposal = proposal
+        self.drafted = proposal.tokens[: min(k, self.room - 1)] if proposal and k > 0 else []
+        self._t["verify"] = time.perf_counter()
+        self.gen.draft_s += self._t["verify"] - self._t["draft"]
+        return [self.ctx[-1]] + self.drafted
+
+    def verify_alone(self) -> None:
+        """2. The target scores [pending] + drafted on this slot alone: greedy reads only each
+        row's argmax; sampling reads rows up to the first rejection, in place."""
+        tokens = [self.ctx[-1]] + self.drafted
+        if self.params.greedy:
+            new = accept_greedy(self.drafted, self.target.eval_argmax(tokens))
+        else:
+            logits = self.target.eval(tokens, copy=False)
+            self._t["logits"] = time.perf_counter()
+            new = accept_sampled(self.drafted, logits, self._proposal, self.params, self.rng)
+        self._accept(new)
+
+    def verify_rows(self, logits: np.ndarray) -> None:
+        """2. The same with rows a batched pass returned for this sequence."""
+        if self.params.greedy:
+            new = accept_greedy(self.drafted, logits.argmax(axis=1).tolist())
+        else:
+            new = accept_sampled(self.drafted, logits, self._proposal, self.params, self.rng)
+        self._accept(new)
+
+    def _accept(self, new: list[int]) -> None:
+        """3. Keep the accepted prefix and the target's token; drop the rest from the KV."""
+        self._t["accept"] = self._t.get("logits", time.perf_counter())
+        self._new = new
+        self.target.truncate(len(self.ctx) + len(new) - 1)
+        self._t["emit"] = time.perf_counter()
+
+    def finish_round(self, decode_s: float, batched: bool) -> None:
+        """4. Bookkeeping and feedback; 5. emit in order, stop on EOS, a stop string or
+        max_tokens. `decode_s`: the target's forward-pass time in this round."""
+        gen, t, c, proposal, drafted = self.gen, self._t, self._choice, self._proposal, self.drafted
+        new = self._new
+        n_accepted = len(new) - 1
+        verify_s = t["accept"] - t["verify"]
+        gen.target_s += verify_s
+        catchup = proposal.catchup_s if proposal is not None else 0.0
+        if not batched:  # a batched pass's time is the batch's (costs.observe_batch)
+            self.policy.observe_costs(
+                c.draft.id if drafted and c.draft is not None else None,
+                len(drafted),
+                t["verify"] - t["propose"],
+                proposal.catchup_tokens if proposal is not None else 0,
+                verify_s,
+            )
+        for phase, seconds in (
+            ("choose", t["propose"] - t["draft"]),
+            ("draft_catchup", catchup),
+            ("draft_steps", t["verify"] - t["propose"] - catchup),
+            ("verify_decode", decode_s),
+            ("verify_copy", max(0.0, verify_s - decode_s)),
+            ("accept", t["emit"] - t["accept"]),
+        ):
+            gen.phases[phase] += seconds
+        gen.rounds += 1
+        gen.k_per_round.append(len(drafted))
+        if drafted and c.draft is not None and proposal is not None:
+            gen.proposed += len(drafted)
+            gen.accepted += n_accepted
+            gen.drafts_used[c.draft.id] = gen.drafts_used.get(c.draft.id, 0) + 1
+            per = gen.per_draft.setdefault(c.draft.id, {"proposed": 0, "accepted": 0})
+            per["proposed"] += len(drafted)
+            per["accepted"] += n_accepted
+            seconds = time.perf_counter() - t["draft"]
+            self.policy.observe(proposal.key, len(drafted), n_accepted, seconds)
+        t_emit = time.perf_counter()
+        for tok in new:
+            if tok in self.target.eos_token_ids:
+                gen.finish_reason, self.done = "stop", True
+                break
+            self.ctx.append(tok)
+            gen.token_ids.append(tok)
+            if gen.ttft_s == 0.0:
+                gen.ttft_s = time.perf_counter() - self.t0
+            delta, hit_stop = self.text.push(tok)
+            if self.on_token is not None:
+                self.on_token(delta, tok)
+            if hit_stop:
+                gen.finish_reason, self.done = "stop", True
+                break
+            if len(gen.token_ids) >= self.params.max_tokens:
+                self.done = True
+                break
+        gen.phases["emit"] += time.perf_counter() - t_emit
+
+    def fail(self, error: BaseException) -> None:
+        """End this sequence with `error` (its request fails; the batch goes on): its
+        uncommitted tokens leave the KV cache."""
+        self.error, self.done = error, True
+        try:
+            self.target.truncate(len(self.ctx) - 1)
+        except Exception:  # noqa: BLE001 - a broken slot: forget what it holds
+            self.target.tokens.clear()
+
+    def result(self) -> Generation:
+        """The finished generation (text held back for a possible stop string flushed)."""
+        tail = self.text.flush()
+        if tail and self.on_token is not None:
+            self.on_token(tail, None)
+        self.gen.text = self.text.text
+        self.gen.elapsed_s = time.perf_counter() - self.t0
+        return self.gen
+
+
+def decode_round(
+    target: Backend,
+    sequences: list[Sequence],
+    costs: CostModel | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
+) -> None:
+    """One round of every sequence in `sequences` (slots of `target`, which is their context's
+    root). Sequences still feeding their prompt get a chunk of it; the others choose, draft
+    and are verified, all in one forward pass. A sequence whose draft raises fails alone.
+    With one sequence and no prompt to feed, this is the single-sequence round exactly."""
+    feeding = [s for s in sequences if s.to_prefill and not s.done]
+    deciding = []
+    for s in sequences:
+        if s.done or s.to_prefill:
+            continue
+        try:
+            if s.choose():
+                deciding.append(s)
+        except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+            s.fail(e)
+    batched = len(deciding) + len(feeding) > 1
+    if batched and costs is not None and len(deciding) > 1:
+        ks: list[int | None] = list(plan_batch([s.option() for s in deciding], costs))
+    else:
+        ks = [None] * len(deciding)
+    verifying = []
+    for s, k in zip(deciding, ks, strict=True):
+        try:
+            s.propose(k)
+            verifying.append(s)
+        except Exception as e:  # noqa: BLE001
+            s.fail(e)
+    decode0 = target.decode_s
+    if not batched:
+        if feeding:  # one sequence joining alone: its whole prompt, in n_batch chunks
+            s = feeding[0]
+            t = time.perf_counter()
+            s.target.eval(s.prefill(), all_logits=False)
+            s.gen.phases["prefill"] += time.perf_counter() - t
+        for s in verifying:
+            s.verify_alone()
+            s.finish_round(target.decode_s - decode0, batched=False)
+        return
+    # One pass: each verifying sequence's tokens, then prompt chunks in the room left.
+    items = [(s.target, [s.ctx[-1]] + s.drafted, len(s.drafted) + 1) for s in verifying]
+    room = max(prefill_chunk, 1)
+    chunks: list[tuple[Sequence, list[int]]] = []
+    for s in feeding:
+        if room <= 0:
+            break
+        chunk = s.prefill(room)
+        room -= len(chunk)
+        chunks.append((s, chunk))
+        items.append((s.target, chunk, 0))
+    t = time.perf_counter()
+    try:
+        outs = target.eval_many(items)
+    except Exception as e:  # noqa: BLE001 - the pass failed: so does every request in it
+        for s in verifying + [s for s, _ in chunks]:
+            s.fail(e)
+        return
+    seconds = time.perf_counter() - t
+    if costs is not None:
+        costs.observe_batch(sum(len(toks) for _, toks, _ in items), seconds)
+    for s, _ in chunks:
+        s.gen.phases["prefill"] += seconds
+    decode_s = target.decode_s - decode0
+    for s, rows in zip(verifying, outs, strict=False):
+        s.verify_rows(rows)
+        s.finish_round(decode_s, batched=True)
+
+
 def speculative_generate(
     target: Backend,
     prompt: list[int],
@@ -125,112 +399,10 @@ def speculative_generate(
     on_token: TokenCallback | None = None,
     cancel: threading.Event | None = None,
 ) -> Generation:
-    if not prompt:
-        raise InvalidRequest("prompt is empty", param="prompt")
-    if len(prompt) >= target.n_ctx:
-        raise ContextOverflow(
-            f"prompt has {len(prompt)} tokens; the context holds {target.n_ctx}", param="prompt"
-        )
-    t0 = time.perf_counter()
-    rng = np.random.default_rng(params.seed)
-    gen = Generation(prompt_tokens=len(prompt))
-    text = TextAssembler(target, params.stop)
-
-    # Prefill everything but the last prompt token, reusing any KV prefix already there.
-    gen.cached_tokens = target.reuse_prefix(prompt[:-1])
-    if gen.cached_tokens < len(prompt) - 1:
-        target.eval(prompt[gen.cached_tokens : -1], all_logits=False)
-    gen.phases["prefill"] = time.perf_counter() - t0
-    ctx = list(prompt)
-
-    while True:
-        room = min(params.max_tokens - len(gen.token_ids), target.n_ctx - len(ctx))
-        if room <= 0 or (cancel is not None and cancel.is_set()):
-            gen.finish_reason = "cancelled" if room > 0 else "length"
-            break
-        # 1. Policy picks (draft, k); the draft proposes (≤ k tokens; none is fine).
-        t_draft = time.perf_counter()
-        choice = policy.choose(ctx, room - 1, params, rng)
-        proposal = choice.proposal
-        t_propose = time.perf_counter()
-        if choice.draft is not None and choice.k > 0 and proposal is None:
-            proposal = choice.draft.propose(ctx, choice.k, params, rng)
-        drafted = proposal.tokens[: room - 1] if proposal else []
-        t_verify = time.perf_counter()
-        gen.draft_s += t_verify - t_draft
-
-        # 2+3. Target scores [pending] + drafted in one batch (len(drafted) + 1 positions);
-        # accept the longest agreeing prefix, then one token from the target. Greedy reads
-        # only each row's argmax; sampling reads rows up to the first rejection, in place.
-        decode0 = target.decode_s
-        if params.greedy:
-            new = accept_greedy(drafted, target.eval_argmax([ctx[-1]] + drafted))
-            t_accept = time.perf_counter()
-        else:
-            logits = target.eval([ctx[-1]] + drafted, copy=False)
-            t_accept = time.perf_counter()
-            new = accept_sampled(drafted, logits, proposal, params, rng)
-        gen.target_s += t_accept - t_verify
-        n_accepted = len(new) - 1
-        target.truncate(len(ctx) + n_accepted)  # drop rejected candidates from the KV cache
-        t_emit = time.perf_counter()
-        catchup = proposal.catchup_s if proposal is not None else 0.0
-        policy.observe_costs(
-            choice.draft.id if drafted and choice.draft is not None else None,
-            len(drafted),
-            t_verify - t_propose,
-            proposal.catchup_tokens if proposal is not None else 0,
-            t_accept - t_verify,
-        )
-        decode = target.decode_s - decode0
-        for phase, seconds in (
-            ("choose", t_propose - t_draft),
-            ("draft_catchup", catchup),
-            ("draft_steps", t_verify - t_propose - catchup),
-            ("verify_decode", decode),
-            ("verify_copy", t_accept - t_verify - decode),
-            ("accept", t_emit - t_accept),
-        ):
-            gen.phases[phase] += seconds
-
-        # 4. Bookkeeping and feedback.
-        gen.rounds += 1
-        gen.k_per_round.append(len(drafted))
-        if drafted and choice.draft is not None:
-            gen.proposed += len(drafted)
-            gen.accepted += n_accepted
-            gen.drafts_used[choice.draft.id] = gen.drafts_used.get(choice.draft.id, 0) + 1
-            per = gen.per_draft.setdefault(choice.draft.id, {"proposed": 0, "accepted": 0})
-            per["proposed"] += len(drafted)
-            per["accepted"] += n_accepted
-            policy.observe(proposal.key, len(drafted), n_accepted, time.perf_counter() - t_draft)
-
-        # 5. Emit in order; stop on EOS, a stop string, or max_tokens.
-        done = False
-        for tok in new:
-            if tok in target.eos_token_ids:
-                gen.finish_reason, done = "stop", True
-                break
-            ctx.append(tok)
-            gen.token_ids.append(tok)
-            if gen.ttft_s == 0.0:
-                gen.ttft_s = time.perf_counter() - t0
-            delta, hit_stop = text.push(tok)
-            if on_token is not None:
-                on_token(delta, tok)
-            if hit_stop:
-                gen.finish_reason, done = "stop", True
-                break
-            if len(gen.token_ids) >= params.max_tokens:
-                done = True
-                break
-        gen.phases["emit"] += time.perf_counter() - t_emit
-        if done:
-            break
-
-    tail = text.flush()
-    if tail and on_token is not None:
-        on_token(tail, None)
-    gen.text = text.text
-    gen.elapsed_s = time.perf_counter() - t0
-    return gen
+    """Generate one sequence on `target` (a batch of one)."""
+    seq = Sequence(target, prompt, params, policy, on_token, cancel)
+    while not seq.done:
+        decode_round(target.kv_owner, [seq])
+    if seq.error is not None:
+        raise seq.error
+    return seq.result()

@@ -88,6 +88,10 @@ class Choice:
     draft: Draft | None
     k: int
     proposal: Proposal | None = None  # already made while choosing (free drafts)
+    # The acceptance the rule chose by (α₁, α_c), so a batch of sequences can re-plan k
+    # (costs.plan_batch); None: k was not chosen by the rule (a fixed k, a bandit's pick).
+    alpha: float | None = None
+    alpha_cont: float | None = None
 
 
 class RoundPolicy(Protocol):
