@@ -57,7 +57,14 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = None  # Bearer key for /v1 (env MEMSPEC_API_KEY); never logged
     admin_key: SecretStr | None = None  # Bearer key for /admin; falls back to api_key
     allow_insecure_bind: bool = Field(False, description="allow binding off loopback with no key")
-    max_queue: int = Field(16, ge=0, description="requests queued behind the running one; then 429")
+    max_queue: int = Field(16, ge=0, description="requests queued beyond the slots; then 429")
+    parallel: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="sequence slots decoded together in one batch (0: as many as the budget "
+        "fits beside the drafts, at most 8; `memspec plan` says how many)",
+    )
     max_body: str | int = "1MiB"  # request body limit (413 above it)
     max_prompt_chars: int = Field(default=200_000, ge=1)  # before tokenizing (400 above it)
     default_max_tokens: int = Field(default=512, ge=1)  # chat completions without max_tokens

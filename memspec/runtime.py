@@ -13,10 +13,11 @@ import importlib.util
 import logging
 import threading
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import jinja2
 
-from memspec.backends.base import Backend, BackendOptions, load_backend
+from memspec.backends.base import Backend, BackendOptions, common_prefix, load_backend
 from memspec.config import Settings
 from memspec.drafts.compat import check_draft, fingerprint_of, incompatible_error
 from memspec.drafts.datastore import DatastoreDraft
@@ -26,8 +27,14 @@ from memspec.drafts.registry import PRIOR_ALPHA
 from memspec.engine.calibration import calibrate, measure_draft
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.prefix_cache import PrefixCache
-from memspec.engine.speculative import Generation, TokenCallback, speculative_generate
-from memspec.engine.types import Draft, ModelBacked, SamplingParams
+from memspec.engine.speculative import (
+    Generation,
+    Sequence,
+    TokenCallback,
+    decode_round,
+    speculative_generate,
+)
+from memspec.engine.types import Draft, ModelBacked, RoundPolicy, SamplingParams
 from memspec.errors import (
     BudgetExceeded,
     ContextOverflow,
@@ -36,11 +43,12 @@ from memspec.errors import (
     UnknownDraft,
 )
 from memspec.memory.footprint import Footprint, target_footprint
+from memspec.memory.plan import draft_fits, slots_that_fit
 from memspec.model_id import served_model_id
 from memspec.paths import DEFAULT_PREDICTOR, models_dir, resolve_model_path
 from memspec.predictor.model import load_or_fallback
 from memspec.scheduler.manifest_source import ManifestSource
-from memspec.scheduler.rounds import Scheduler
+from memspec.scheduler.rounds import LookupRounds, Scheduler
 from memspec.scheduler.working_set import WorkingSet
 from memspec.units import format_size
 
@@ -76,15 +84,19 @@ class GenerationRequest:
 class Runtime:
     def __init__(self, settings: Settings, calibrate_costs: bool = True):
         self.settings = settings
+        pool = settings_pool_dir(settings)
+        self.manifests: dict[str, DraftManifest] = load_manifests(pool)
+        target_path = resolve_model_path(settings.target)
+        # Sequence slots decoded together (settings.parallel; 0: what the budget fits).
+        self.slots = self._plan_slots(settings, target_path)
         self.options = BackendOptions(
             n_ctx=settings.n_ctx,
             n_threads=settings.n_threads,
             n_gpu_layers=settings.n_gpu_layers,
             device=settings.device,
             chat_template=settings.chat_template,
+            n_seq=self.slots,
         )
-        pool = settings_pool_dir(settings)
-        self.manifests: dict[str, DraftManifest] = load_manifests(pool)
         # Recipes a target's family skipped (e.g. a Q4 self-draft of a Q4 target): named in
         # settings.drafts they are passed over with the reason, named in a request refused.
         self.skipped_drafts: dict[str, str] = skipped_recipes(pool)
@@ -94,15 +106,15 @@ class Runtime:
         self.requests_per_draft: dict[str, int] = {}
         self.estimator = self.new_estimator()
         self.lock = threading.Lock()  # one decode loop at a time owns the models
-        target_path = resolve_model_path(settings.target)
-        # The target and its KV cache and buffers are charged to the budget first.
+        # The target and its KV caches (one per slot) and buffers are charged first.
         self.target_footprint: Footprint = target_footprint(
-            target_path, settings.n_ctx, settings.k_max, settings.n_gpu_layers
+            target_path, settings.n_ctx, settings.k_max, settings.n_gpu_layers, self.slots
         )
         if self.target_footprint.total > settings.budget_bytes:
+            slots = f" and {self.slots} parallel slots" if self.slots > 1 else ""
             raise BudgetExceeded(
                 f"budget {format_size(settings.budget_bytes)} is below what the target needs "
-                f"at n_ctx {settings.n_ctx} ({format_size(self.target_footprint.total)}); "
+                f"at n_ctx {settings.n_ctx}{slots} ({format_size(self.target_footprint.total)}); "
                 "see `memspec plan --budget SIZE`",
                 param="budget",
             )
@@ -151,6 +163,31 @@ class Runtime:
         except Exception:
             self.close()
             raise
+
+    def _plan_slots(self, settings: Settings, target_path: Path) -> int:
+        """settings.parallel, or (0) as many slots as fit the budget beside the target and
+        the drafts it preloads (memspec.memory.plan.slots_that_fit). The torch backend
+        decodes one sequence."""
+        if settings.backend != "llama_cpp":
+            if settings.parallel > 1:
+                log.warning(
+                    "parallel %d: the %s backend decodes one sequence",
+                    settings.parallel,
+                    settings.backend,
+                )
+            return 1
+        if settings.parallel > 0:
+            return settings.parallel
+        preload = {i: m for i, m in self.manifests.items() if i in settings.drafts}
+        fits = draft_fits(preload, models_dir(), settings.n_ctx, n_gpu_layers=settings.n_gpu_layers)
+        return slots_that_fit(
+            settings.budget_bytes,
+            target_path,
+            settings.n_ctx,
+            settings.k_max,
+            sum(d.bytes for d in fits),
+            settings.n_gpu_layers,
+        )
 
     def _usable_head(self, m: DraftManifest) -> bool:
         """A built head of this target's tokenizer, with torch there to run it."""
@@ -417,14 +454,17 @@ class Runtime:
         )
         return GenerationRequest(prompt, params, ask.draft, ask.policy, ask.messages)
 
-    def prepare_prefix(self, cache: PrefixCache, prompt: list[int], use_drafts: bool) -> int:
-        """Ready the target's (and, when drafting, each model draft's) KV cache for `prompt`
-        from `cache`. Returns the prompt tokens a restored target snapshot covers (0: none)."""
+    def prepare_prefix(
+        self, cache: PrefixCache, prompt: list[int], use_drafts: bool, slot: int = 0
+    ) -> int:
+        """Ready a slot of the target's (and, when drafting in the lead slot, each model
+        draft's) KV cache for `prompt` from `cache`. Returns the prompt tokens a restored
+        target snapshot covers (0: none)."""
         with self.lock:  # a background scheduler may load/evict drafts
             drafts = [d.backend for d in self.drafts.values() if isinstance(d, ModelBacked)]
             cache.forget([self.target, *drafts])
-            restored = cache.prepare(self.target, prompt)
-            if use_drafts:
+            restored = cache.prepare(self.target.slots[slot], prompt)
+            if use_drafts and slot == 0:
                 for be in drafts:
                     cache.prepare(be, prompt)
         return restored
@@ -474,6 +514,72 @@ class Runtime:
         finally:
             sched.abort()
         gen.stall_s = ws.thread_stall_s() - stall0
+        for draft_id in gen.drafts_used:
+            self.requests_per_draft[draft_id] = self.requests_per_draft.get(draft_id, 0) + 1
+        return gen
+
+    # --- batched decoding (the daemon's engine thread) ------------------------------------
+    def pick_slot(self, prompt: list[int], busy: set[int]) -> int | None:
+        """The free slot whose KV cache shares the longest prefix with `prompt` (the lead
+        slot, 0, on a tie: its sequence may use every draft kind); None when all are busy."""
+        free = [s for s in self.target.slots if s.seq_id not in busy]
+        if not free:
+            return None
+        return max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.seq_id)).seq_id
+
+    def open_sequence(
+        self,
+        req: GenerationRequest,
+        slot: int = 0,
+        on_token: TokenCallback | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Sequence:
+        """Start `req` on a slot of the target. Slot 0 is the lead: the scheduler decides its
+        rounds over every resident draft. The others draft with lookups (LookupRounds)."""
+        backend = self.target.slots[slot]
+        if slot == 0:
+            self._sync_budget()
+            self.scheduler.begin(
+                req.prompt,
+                req.params,
+                draft=req.draft,
+                policy=req.policy or self.settings.policy,
+                messages=req.messages,
+            )
+            policy: RoundPolicy = self.scheduler
+        else:
+            policy = LookupRounds(
+                self._ws, self.costs, self.estimator, self.settings.k_max, req.draft
+            )
+        try:
+            return Sequence(backend, req.prompt, req.params, policy, on_token, cancel)
+        except BaseException:
+            if slot == 0:
+                self.scheduler.abort()
+            raise
+
+    def decode_round(self, sequences: list[Sequence]) -> tuple[int, int]:
+        """One round of every open sequence, in one forward pass of the target: the
+        (sequences, tokens) it carried."""
+        self._ws.release_leases()  # the last round's proposals are verified by now
+        ordered = sorted(sequences, key=lambda s: s.target.seq_id)  # the lead chooses first
+        with self.lock:
+            return decode_round(self.target, ordered, self.costs)
+
+    def close_sequence(self, seq: Sequence) -> Generation:
+        """End a finished sequence: its Generation, or the error it failed with (raised)."""
+        if seq.target.seq_id == 0:
+            if seq.error is None:
+                self.scheduler.finish()
+            else:
+                self.scheduler.abort()
+        if seq.error is not None:
+            raise seq.error
+        gen = seq.result()
+        for d in self._ws.lease_resident():
+            if isinstance(d, DatastoreDraft) and d.learn:
+                d.finish_request(gen.token_ids)
+        self._ws.release_leases()
         for draft_id in gen.drafts_used:
             self.requests_per_draft[draft_id] = self.requests_per_draft.get(draft_id, 0) + 1
         return gen

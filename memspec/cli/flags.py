@@ -17,7 +17,7 @@ MODEL_SETTINGS = (
     "chat_template",
 )  # fmt: skip
 SERVE_SETTINGS = (
-    "host", "port", "budget", "policy", "max_queue", "state_dir", "log_level",
+    "host", "port", "budget", "policy", "max_queue", "parallel", "state_dir", "log_level",
     "allow_insecure_bind", "model_name",
 )  # fmt: skip
 # Checked on the command line only: the model takes any string (a TOML "INFO" stays valid).

@@ -261,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("policy", "policy", str, "policy name"),
         ("k-max", "k_max", _bounded(int, 0, 64), "longest draft per round (0: no drafting)"),
         ("n-ctx", "n_ctx", _bounded(int, 16), "context length in tokens"),
+        ("parallel", "parallel", _bounded(int, 0, 64), "sequence slots (0: what the budget fits)"),
     ):
         a = tsub.add_parser(name, help=help_)
         a.add_argument("value", type=kind, metavar=name.upper().replace("-", "_"))

@@ -123,6 +123,7 @@ def status(st: dict[str, Any], url: str, prev: dict[str, Any] | None = None) -> 
     if not isinstance(used, dict):  # a plain number: treat it as measured
         used = {"measured": used}
     queue = st.get("queue") or {}
+    slots = st.get("slots") or {}
     served = st.get("requests_served")
     delta = ""
     if (
@@ -150,6 +151,7 @@ def status(st: dict[str, Any], url: str, prev: dict[str, Any] | None = None) -> 
         ),
         *_memory_lines(st.get("memory")),
         ("queue", f"{queue.get('depth', '-')} / {queue.get('max', '-')}"),
+        ("slots", f"{slots.get('active', '-')} / {slots.get('total', '-')} active"),
         ("requests", f"{served if served is not None else '-'}{delta}"),
         ("tok/s", f"{_num(st.get('tokens_per_s_recent'), '.1f')} (recent)"),
     ]

@@ -122,8 +122,39 @@ def measure_features_cost(target: Backend, k_max: int) -> tuple[list[float], lis
     return times[False], times[True]
 
 
+def measure_batch(target: Backend, max_tokens: int) -> dict[int, float]:
+    """Seconds for one forward pass of n tokens spread over all of the target's sequence
+    slots (each at CONTEXT_TOKENS of context), for n = 1, 2, 4, ... max_tokens: the cost
+    of a batched round (costs.plan_batch)."""
+    slots = target.slots
+    rng = np.random.default_rng(0)
+    warm = [int(t) for t in rng.integers(100, min(10000, target.n_vocab), size=CONTEXT_TOKENS)]
+    for slot in slots:
+        slot.reset()
+        slot.eval(warm, all_logits=False)
+    sizes = sorted({min(2**i, max_tokens) for i in range(max_tokens.bit_length() + 1)})
+    out: dict[int, float] = {}
+    for n in sizes:
+        per = [n // len(slots) + (1 if i < n % len(slots) else 0) for i in range(len(slots))]
+        items = [(slot, warm[:m], m) for slot, m in zip(slots, per, strict=True) if m]
+
+        def step(items: list = items) -> None:
+            for out_rows in target.eval_many(items):
+                out_rows.argmax(axis=1)
+            for slot, _, _ in items:
+                slot.truncate(CONTEXT_TOKENS)
+
+        step()  # warm-up
+        out[n] = _median_time(step, reps=5)
+    for slot in slots:
+        slot.reset()
+    return out
+
+
 def measure(target: Backend, drafts: list[Draft], k_max: int) -> CostModel:
     costs = CostModel(verify_s=measure_verify(target, k_max))
+    if len(target.slots) > 1:
+        costs.batch_s = measure_batch(target, min(len(target.slots) * (k_max + 1), 64))
     for d in drafts:
         measure_draft(d, costs, k_max)
     return costs
@@ -162,6 +193,7 @@ def calibrate(
     if not force and path.is_file():
         data = json.loads(path.read_text())
         costs = CostModel(data["verify_s"], data["draft_s"], data["draft_overhead_s"])
+        costs.batch_s = {int(n): s for n, s in data.get("batch_s", {}).items()}
     else:
         costs = measure(target, drafts, k_max)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +204,7 @@ def calibrate(
                     "verify_s": costs.verify_s,
                     "draft_s": costs.draft_s,
                     "draft_overhead_s": costs.draft_overhead_s,
+                    "batch_s": costs.batch_s,
                     "measured_at": time.time(),
                 },
                 indent=2,

@@ -38,7 +38,9 @@ def common_prefix(a: list[int] | tuple[int, ...], b: list[int]) -> int:
 
 @dataclass
 class _Entry:
-    owner: weakref.ref[Backend]  # the backend (model + context) the snapshot belongs to
+    # The backend (model + context) the snapshot belongs to; any of its sequence slots can
+    # restore it (Backend.kv_owner).
+    owner: weakref.ref[Backend]
     snapshot: KVSnapshot
     last_used: float = field(default_factory=time.monotonic)
 
@@ -87,7 +89,7 @@ class PrefixCache:
         best, best_n = None, live
         with self._lock:
             for e in self._entries:
-                if e.owner() is backend:
+                if e.owner() is backend.kv_owner:
                     n = common_prefix(e.snapshot.tokens, prompt)
                     if n > best_n:
                         best, best_n = e, n
@@ -113,7 +115,9 @@ class PrefixCache:
         tokens = backend.tokens
         with self._lock:
             for e in self._entries:
-                if e.owner() is backend and common_prefix(e.snapshot.tokens, tokens) == len(tokens):
+                if e.owner() is backend.kv_owner and common_prefix(
+                    e.snapshot.tokens, tokens
+                ) == len(tokens):
                     e.last_used = time.monotonic()
                     return  # already held by a longer (or equal) snapshot
         snap = backend.kv_snapshot()
@@ -128,11 +132,11 @@ class PrefixCache:
                 e
                 for e in self._entries
                 if not (
-                    e.owner() is backend
+                    e.owner() is backend.kv_owner
                     and common_prefix(e.snapshot.tokens, tokens) == len(e.snapshot.tokens)
                 )
             ]
-            self._entries.append(_Entry(weakref.ref(backend), snap))
+            self._entries.append(_Entry(weakref.ref(backend.kv_owner), snap))
             self.stats.saves += 1
             self._shrink(cap)
 

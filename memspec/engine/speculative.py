@@ -324,11 +324,12 @@ def decode_round(
     sequences: list[Sequence],
     costs: CostModel | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
-) -> None:
+) -> tuple[int, int]:
     """One round of every sequence in `sequences` (slots of `target`, which is their context's
     root). Sequences still feeding their prompt get a chunk of it; the others choose, draft
     and are verified, all in one forward pass. A sequence whose draft raises fails alone.
-    With one sequence and no prompt to feed, this is the single-sequence round exactly."""
+    With one sequence and no prompt to feed, this is the single-sequence round exactly.
+    Returns (sequences, tokens) the target's forward pass carried."""
     feeding = [s for s in sequences if s.to_prefill and not s.done]
     deciding = []
     for s in sequences:
@@ -356,12 +357,14 @@ def decode_round(
         if feeding:  # one sequence joining alone: its whole prompt, in n_batch chunks
             s = feeding[0]
             t = time.perf_counter()
-            s.target.eval(s.prefill(), all_logits=False)
+            chunk = s.prefill()
+            s.target.eval(chunk, all_logits=False)
             s.gen.phases["prefill"] += time.perf_counter() - t
+            return 1, len(chunk)
         for s in verifying:
             s.verify_alone()
             s.finish_round(target.decode_s - decode0, batched=False)
-        return
+        return len(verifying), len(verifying[0].drafted) + 1 if verifying else 0
     # One pass: each verifying sequence's tokens, then prompt chunks in the room left.
     items = [(s.target, [s.ctx[-1]] + s.drafted, len(s.drafted) + 1) for s in verifying]
     room = max(prefill_chunk, 1)
@@ -379,7 +382,7 @@ def decode_round(
     except Exception as e:  # noqa: BLE001 - the pass failed: so does every request in it
         for s in verifying + [s for s, _ in chunks]:
             s.fail(e)
-        return
+        return 0, 0
     seconds = time.perf_counter() - t
     if costs is not None:
         costs.observe_batch(sum(len(toks) for _, toks, _ in items), seconds)
@@ -389,6 +392,7 @@ def decode_round(
     for s, rows in zip(verifying, outs, strict=False):
         s.verify_rows(rows)
         s.finish_round(decode_s, batched=True)
+    return len(items), sum(len(toks) for _, toks, _ in items)
 
 
 def speculative_generate(

@@ -139,10 +139,13 @@ def model_footprint(
 
 
 def target_footprint(
-    path: str | os.PathLike[str], n_ctx: int, k: int, n_gpu_layers: int = 0
+    path: str | os.PathLike[str], n_ctx: int, k: int, n_gpu_layers: int = 0, slots: int = 1
 ) -> Footprint:
-    """The target verifies k drafted tokens + 1 per round: k + 1 logit rows. Loaded first."""
-    fp = model_footprint(read_shape(path), n_ctx, k + 1, n_gpu_layers=n_gpu_layers)
+    """The target verifies k drafted tokens + 1 per round: k + 1 logit rows. Loaded first.
+    With `slots` sequences decoded together: a KV cache of n_ctx per slot, and logit rows for
+    a round of every slot verifying k + 1 (at most a batch's n_batch)."""
+    rows = k + 1 if slots <= 1 else min(slots * (k + 1), DEFAULT_N_BATCH)
+    fp = model_footprint(read_shape(path), n_ctx * slots, rows, n_gpu_layers=n_gpu_layers)
     return replace(fp, runtime=FIRST_MODEL_BYTES)
 
 

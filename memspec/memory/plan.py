@@ -24,6 +24,29 @@ from memspec.units import format_size
 
 SHED_STEPS = ("evict drafts", "shorten k", "shorten n_ctx", "plain decoding")
 MIN_N_CTX = 256
+# Sequence slots `parallel = 0` (auto) gives at most: past about 8 on a small CPU a batch
+# costs nearly its tokens' worth of single steps, and each slot holds a KV cache.
+AUTO_MAX_SLOTS = 8
+
+
+def slots_that_fit(
+    budget_bytes: int,
+    target_path: Path,
+    n_ctx: int,
+    k: int,
+    reserved_bytes: int = 0,
+    n_gpu_layers: int = 0,
+    cap: int = AUTO_MAX_SLOTS,
+) -> int:
+    """The most sequence slots (1..cap) whose target footprint, with `reserved_bytes` beside
+    it (resident drafts), fits the budget; 1 when even two do not."""
+    best = 1
+    for slots in range(2, cap + 1):
+        fp = target_footprint(target_path, n_ctx, k, n_gpu_layers, slots)
+        if fp.total + reserved_bytes > budget_bytes:
+            break
+        best = slots
+    return best
 
 
 @dataclass
@@ -62,6 +85,8 @@ class Plan:
     k: int = 0
     planned_n_ctx: int = 0
     used_bytes: int = 0
+    slots: int = 1  # sequence slots (batched decoding) that fit beside the plan's residents
+    slot_bytes: int = 0  # what one more slot adds (its KV cache and logit rows)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -75,6 +100,8 @@ class Plan:
             "k": self.k,
             "planned_n_ctx": self.planned_n_ctx,
             "used_bytes": self.used_bytes,
+            "slots": self.slots,
+            "slot_bytes": self.slot_bytes,
             "everything_bytes": self.everything_bytes,
             "lower_bound_bytes": self.lower_bound_bytes,
             "lower_bound_draft": self.lower_bound_draft,
@@ -154,6 +181,12 @@ def make_plan(
     def settle(shed: list[str], n: int, k: int, resident: list[str], used: int) -> Plan:
         plan.fits, plan.shed, plan.planned_n_ctx, plan.k = True, shed, n, k
         plan.resident, plan.used_bytes = resident, used
+        drafts_bytes = used - target(n, k).total
+        plan.slots = slots_that_fit(
+            budget_bytes, target_path, n, k, drafts_bytes, n_gpu_layers, AUTO_MAX_SLOTS
+        )
+        one, two = (target_footprint(target_path, n, k, n_gpu_layers, s).total for s in (1, 2))
+        plan.slot_bytes = two - one
         return plan
 
     weightless = [d.id for d in avail if d.bytes == 0 and d.value > 0]
@@ -234,6 +267,9 @@ def format_plan(p: Plan) -> str:
         return "\n".join(lines)
     shed = ", then ".join(p.shed) if p.shed else "none (everything fits)"
     lines += [
+        f"slots: {p.slots} sequences decode together within the budget "
+        f"(parallel = 0 takes that many, at most {AUTO_MAX_SLOTS}; each adds "
+        f"{mb(p.slot_bytes)})",
         f"shed: {shed}",
         f"resident: {', '.join(p.resident) or '(no draft)'}",
         f"k {p.k}, n_ctx {p.planned_n_ctx}; uses {mb(p.used_bytes)}"

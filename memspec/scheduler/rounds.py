@@ -307,3 +307,47 @@ class Scheduler:
             "predictor": self.predictor.describe(),
             "policies": {n: p.status() for n, p in self.policies.items()},
         }
+
+
+class LookupRounds:
+    """The rounds of a sequence decoded beside others (batched decoding, a slot other than
+    the lead's): the decision rule over the resident drafts that propose without forward
+    passes of their own (prompt lookup, datastores), re-read every round. Model drafts and
+    heads keep one sequence's state (a KV cache, the target's feature at one position), so
+    they serve the lead slot only; under load the batch-level rule would seldom pay for their
+    serial passes anyway (docs/batching.md). `draft`: "auto", "none", or a draft id (used
+    here only if it is such a draft)."""
+
+    def __init__(
+        self,
+        working_set: WorkingSet,
+        costs: CostModel,
+        estimator: AcceptanceEstimator,
+        k_max: int,
+        draft: str = "auto",
+    ):
+        self.ws, self.costs, self.estimator, self.k_max = working_set, costs, estimator, k_max
+        self._ids = None if draft in ("auto", "none") else [draft]
+        self._off = draft == "none"
+        self._rule: RoundPolicy = FixedPolicy(None, 0)
+        self._resident: tuple[str, ...] = ()
+
+    def choose(
+        self, context: list[int], k_room: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Choice:
+        if self._off:
+            return Choice(None, 0)
+        drafts = [d for d in self.ws.lease_resident(self._ids) if d.free]
+        resident = tuple(d.id for d in drafts)
+        if resident != self._resident:  # rebuilt only when residency changes
+            self._rule = DecisionRulePolicy(drafts, self.costs, self.estimator, self.k_max)
+            self._resident = resident
+        return self._rule.choose(context, k_room, params, rng)
+
+    def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None:
+        self._rule.observe(key, proposed, accepted, seconds)
+
+    def observe_costs(
+        self, draft_id: str | None, drafted: int, draft_s: float, gap: int, verify_s: float
+    ) -> None:
+        self.costs.observe(draft_id, drafted, draft_s, gap, verify_s)

@@ -53,6 +53,7 @@ class TuneRequest(BaseModel):
     policy: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = None
     k_max: Annotated[int | None, Field(ge=0, le=64)] = None
     n_ctx: Annotated[int | None, Field(ge=16, le=1 << 20)] = None
+    parallel: Annotated[int | None, Field(ge=0, le=64)] = None
 
     @field_validator("budget")
     @classmethod
@@ -91,6 +92,7 @@ def tuned_settings(ctx: ServerContext) -> dict[str, Any]:
         "policy": s.policy,
         "k_max": s.k_max,
         "n_ctx": s.n_ctx,
+        "parallel": s.parallel,
     }
 
 
@@ -126,6 +128,7 @@ def status(ctx: ServerContext) -> dict[str, Any]:
         "used_bytes": {"measured": measured, "modelled": modelled},
         "memory": snap,
         "queue": {"depth": w.queue_depth, "max": s.max_queue, "busy": w.busy},
+        "slots": {"total": w.slots, "active": w.active_slots, "parallel": s.parallel},
         "engine": {"state": w.state, "heartbeat_age_s": round(w.heartbeat_age_s, 2)},
         "warnings": list(w.warnings) + ([chat["warning"]] if chat and chat["warning"] else []),
         "kernels": _kernels(),
@@ -201,7 +204,7 @@ def check_tune(worker: EngineWorker, changes: dict[str, Any]) -> None:
                 code="invalid_value",
             )
         reserved = rt.reserved_bytes if rt is not None else 0
-        if "n_ctx" not in changes and budget < reserved:
+        if "n_ctx" not in changes and "parallel" not in changes and budget < reserved:
             raise InvalidRequest(
                 f"budget {format_size(budget)} is below what the target needs at n_ctx "
                 f"{worker.settings.n_ctx} ({format_size(reserved)}); see `memspec plan`",
@@ -212,7 +215,7 @@ def check_tune(worker: EngineWorker, changes: dict[str, Any]) -> None:
 
 def _as_tune_error(e: BudgetExceeded, changes: dict[str, Any]) -> InvalidRequest:
     """A tune that does not fit is the caller's request to fix (400), not a server fault."""
-    param = "budget" if "budget" in changes else "n_ctx" if "n_ctx" in changes else e.param
+    param = next((k for k in ("budget", "n_ctx", "parallel") if k in changes), e.param)
     return InvalidRequest(e.message, param=param, code="budget_too_small")
 
 
@@ -240,8 +243,9 @@ async def tune(body: Annotated[TuneRequest, Body()], ctx: Ctx) -> dict[str, Any]
                     setattr(s, key, changes[key])  # as sent ("1.5GiB"), as persisted
                     if rt is not None and rt.settings is not s:
                         setattr(rt.settings, key, changes[key])
-            if "n_ctx" in changes and changes["n_ctx"] != s.n_ctx:
-                worker.reload_runtime(changes["n_ctx"])
+            n_ctx, parallel = changes.get("n_ctx", s.n_ctx), changes.get("parallel", s.parallel)
+            if (n_ctx, parallel) != (s.n_ctx, s.parallel):
+                worker.reload_runtime(n_ctx, parallel)
             worker.prefix_cache.shrink()
         except BaseException as e:
             for key, value in before.items():

@@ -96,6 +96,8 @@ def _live_values(ctx: ServerContext) -> Callable[[], LiveValues]:
         return LiveValues(
             budget_bytes=ctx.settings.budget_bytes,
             queue_depth=ctx.worker.queue_depth,
+            active_slots=ctx.worker.active_slots,
+            slots=ctx.worker.slots,
             prefix_cache_bytes=ctx.worker.prefix_cache.nbytes,
             drafts=admin.draft_rows(ctx),
         )

@@ -21,6 +21,8 @@ from memspec.engine.speculative import Generation
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 
 
@@ -30,6 +32,8 @@ class LiveValues:
 
     budget_bytes: int = 0
     queue_depth: int = 0
+    active_slots: int = 0
+    slots: int = 1
     prefix_cache_bytes: int = 0
     drafts: list[dict] = field(default_factory=list)  # Runtime.draft_status() rows
 
@@ -53,6 +57,12 @@ class _LiveCollector(Collector):
         )
         yield GaugeMetricFamily(
             "memspec_queue_depth", "Requests waiting for the engine", v.queue_depth
+        )
+        yield GaugeMetricFamily(
+            "memspec_active_slots", "Sequences being decoded now (batched)", v.active_slots
+        )
+        yield GaugeMetricFamily(
+            "memspec_slots", "Sequence slots the engine decodes together", v.slots
         )
         yield GaugeMetricFamily(
             "memspec_prefix_cache_bytes",
@@ -92,6 +102,18 @@ class Metrics:
             "memspec_draft_accepted", "Proposed tokens accepted, per draft", ["draft"], registry=r
         )
         self.rounds = Counter("memspec_rounds", "Decode rounds (draft + verify)", registry=r)
+        self.batch_tokens = Histogram(
+            "memspec_batch_tokens",
+            "Tokens in each forward pass of the target (every sequence of a batched round)",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.batch_sequences = Histogram(
+            "memspec_batch_sequences",
+            "Sequences in each forward pass of the target",
+            buckets=SEQ_BUCKETS,
+            registry=r,
+        )
         self.loads = Counter("memspec_draft_loads", "Drafts made resident", registry=r)
         self.evictions = Counter("memspec_draft_evictions", "Drafts evicted", registry=r)
         self.stall = Counter(
@@ -130,6 +152,11 @@ class Metrics:
             self.loads.inc(len(now - before))
         if before - now:
             self.evictions.inc(len(before - now))
+
+    def observe_round(self, sequences: int, tokens: int) -> None:
+        """One forward pass of the engine: how many sequences and tokens it carried."""
+        self.batch_sequences.observe(sequences)
+        self.batch_tokens.observe(tokens)
 
     def observe_generation(
         self, gen: Generation, per_draft: dict[str, tuple[int, int]], queued_s: float

@@ -21,7 +21,7 @@ from memspec.paths import data_dir
 
 log = logging.getLogger("memspec.server")
 
-TUNABLE = ("budget", "policy", "k_max", "n_ctx")
+TUNABLE = ("budget", "policy", "k_max", "n_ctx", "parallel")
 STATE_FILE = "tuned.json"
 REJECTED_FILE = "tuned.rejected.json"
 

@@ -1,8 +1,11 @@
 """The engine worker: one thread owns the Runtime; HTTP handlers talk to it through jobs.
 
-Generation jobs wait in a bounded FIFO (arrival order; full -> 429). Control jobs (admin: load,
-evict, pin, tune) go ahead of waiting generations but never interrupt the running one. Each job
-streams events back to the asyncio side: `Token` per text delta, then `Done` or `Failed`.
+Generation jobs wait in a bounded FIFO (arrival order; full -> 429) until a sequence slot is
+free; then they join the batch the engine decodes round by round (Runtime.decode_round), and
+leave it when they finish, fail or are cancelled, without disturbing the others. Control jobs
+(admin: load, evict, pin, tune) go ahead of waiting generations: no new sequence joins while
+one waits, and it runs once the running ones have finished. Each job streams events back to
+the asyncio side: `Token` per text delta, then `Done` or `Failed`.
 
 The thread loads the Runtime itself (the HTTP server is already answering /health with 503),
 beats a heartbeat while idle and per token (the systemd watchdog pings only while it is fresh),
@@ -23,6 +26,7 @@ from typing import Any
 
 from memspec.config import Settings
 from memspec.engine.prefix_cache import PrefixCache
+from memspec.engine.speculative import Sequence
 from memspec.errors import MemSpecError
 from memspec.runtime import ClientRequest, Runtime
 from memspec.server.errors import NotReady, QueueFull
@@ -116,7 +120,8 @@ class EngineWorker:
         self._cond = threading.Condition()
         self._queue: deque[GenerateJob] = deque()
         self._control: deque[ControlJob] = deque()
-        self._current: Job | None = None
+        self._current: Job | None = None  # the control job running
+        self._active: dict[int, tuple[GenerateJob, Sequence]] = {}  # slot -> its generation
         self._accepting = True
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -155,14 +160,26 @@ class EngineWorker:
             job.post(Failed(NotReady("the daemon is shutting down", code="shutting_down")))
 
     def cancel_running(self) -> None:
-        """Shutdown, phase 2: cut the running generation (its stream ends cleanly)."""
+        """Shutdown, phase 2: cut the running generations (their streams end cleanly)."""
         with self._cond:
             if self._current is not None:
                 self._current.cancel.set()
+            for job, _ in self._active.values():
+                job.cancel.set()
 
     @property
     def busy(self) -> bool:
-        return self._current is not None
+        return self._current is not None or bool(self._active)
+
+    @property
+    def slots(self) -> int:
+        """Sequences the engine decodes together (the runtime's target slots)."""
+        rt = self.runtime
+        return rt.slots if rt is not None else 1
+
+    @property
+    def active_slots(self) -> int:
+        return len(self._active)
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the thread and close the Runtime; False if the engine did not stop in time."""
@@ -197,8 +214,9 @@ class EngineWorker:
             if isinstance(job, ControlJob):
                 self._control.append(job)
             else:
-                in_system = len(self._queue) + (1 if self._current is not None else 0)
-                if in_system > self.settings.max_queue:
+                # max_queue requests wait beyond the slots' running ones.
+                in_system = len(self._queue) + len(self._active)
+                if in_system >= self.settings.max_queue + self.slots:
                     raise QueueFull(
                         f"request queue is full ({len(self._queue)} waiting, "
                         f"max_queue {self.settings.max_queue}); retry later",
@@ -224,8 +242,7 @@ class EngineWorker:
         if self._on_ready is not None:
             self._on_ready()
         try:
-            while (job := self._next_job()) is not None:
-                self._run(job)
+            self._loop()
         finally:
             self.state = "stopping"
             try:
@@ -291,36 +308,44 @@ class EngineWorker:
         log.error(msg)
         self.warnings.append(msg)
 
-    def _next_job(self) -> Job | None:
-        with self._cond:
-            while True:
+    def _loop(self) -> None:
+        """Admit waiting generations into free slots, run a round, repeat; control jobs run
+        when no generation is active (none joins while one waits)."""
+        while True:
+            control: ControlJob | None = None
+            admit: list[GenerateJob] = []
+            with self._cond:
                 self.heartbeat = time.monotonic()
-                if self._control:
-                    job: Job = self._control.popleft()
-                elif self._queue:
-                    job = self._queue.popleft()
-                elif self._stop:
-                    return None
-                else:
+                if self._control and not self._active:
+                    control = self._current = self._control.popleft()
+                elif not self._control:
+                    free = self.slots - len(self._active)
+                    while free > 0 and self._queue:
+                        job = self._queue.popleft()
+                        if not job.cancel.is_set():  # its client left while it waited
+                            admit.append(job)
+                            free -= 1
+                if control is None and not admit and not self._active:
+                    if self._stop:
+                        return
                     self._cond.wait(IDLE_BEAT_S)
                     continue
-                if job.cancel.is_set():  # its client left while it waited
-                    continue
-                self._current = job
-                return job
+            if control is not None:
+                self._run_control(control)
+                continue
+            for job in admit:
+                self._admit(job)
+            if self._active:
+                self._round()
 
-    def _run(self, job: Job) -> None:
+    def _run_control(self, job: ControlJob) -> None:
         job.started_at = time.monotonic()
         try:
-            if isinstance(job, ControlJob):
-                job.post(Done(job.fn(self)))
-            else:
-                assert isinstance(job, GenerateJob)
-                self._generate(job)
+            job.post(Done(job.fn(self)))
         except MemSpecError as e:
             job.post(Failed(e))
         except Exception as e:  # noqa: BLE001 - the next request must still work
-            log.exception("engine error on a %s job", type(job).__name__)
+            log.exception("engine error on a control job")
             job.post(Failed(e))
         finally:
             with self._cond:
@@ -333,36 +358,77 @@ class EngineWorker:
             self.metrics.observe_residency(self.runtime.draft_status())
 
     # --- generation -----------------------------------------------------------------------
-    def _generate(self, job: GenerateJob) -> None:
+    def _admit(self, job: GenerateJob) -> None:
+        """Check the request, pick its slot (the free one whose KV shares the most with the
+        prompt), ready the slot's KV from the prefix cache and open the sequence; a bad
+        request fails here, alone."""
+        job.started_at = time.monotonic()
         rt = self.runtime
         assert rt is not None
-        req = rt.request(job.request)  # the one check: a clean 4xx before anything runs
-        rt.prepare_prefix(self.prefix_cache, req.prompt, use_drafts=req.draft != "none")
 
         def on_token(delta: str, _token: int | None) -> None:
             self.heartbeat = time.monotonic()
             if job.stream and delta:
                 job.post(Token(delta))
 
-        gen = rt.generate(
-            req.prompt,
-            req.params,
-            draft=req.draft,
-            policy=req.policy,
-            messages=req.messages,
-            on_token=on_token,
-            cancel=job.cancel,
-        )
-        queued_s = (job.started_at or job.enqueued_at) - job.enqueued_at
-        self.requests_served += 1
-        self._recent.append((time.monotonic(), gen.completion_tokens, gen.elapsed_s))
-        if self.metrics is not None:
-            per_draft = {d: (c["proposed"], c["accepted"]) for d, c in gen.per_draft.items()}
-            self.metrics.observe_generation(gen, per_draft, queued_s)
-        job.post(Done(gen))
+        try:
+            req = rt.request(job.request)  # the one check: a clean 4xx before anything runs
+            slot = rt.pick_slot(req.prompt, set(self._active))
+            assert slot is not None  # admitted only into a free slot
+            rt.prepare_prefix(self.prefix_cache, req.prompt, req.draft != "none", slot)
+            seq = rt.open_sequence(req, slot, on_token, job.cancel)
+        except MemSpecError as e:
+            job.post(Failed(e))
+            return
+        except Exception as e:  # noqa: BLE001 - the others must still run
+            log.exception("engine error starting a generation")
+            job.post(Failed(e))
+            return
+        with self._cond:
+            self._active[slot] = (job, seq)
 
-    def reload_runtime(self, n_ctx: int) -> None:
-        """Rebuild the Runtime with a new n_ctx, keeping resident and pinned drafts.
+    def _round(self) -> None:
+        """One round of every active sequence; the finished ones leave with their result."""
+        rt = self.runtime
+        assert rt is not None
+        active = list(self._active.items())
+        try:
+            n_seq, n_tokens = rt.decode_round([seq for _, (_, seq) in active])
+            if self.metrics is not None and n_tokens:
+                self.metrics.observe_round(n_seq, n_tokens)
+        except Exception as e:  # noqa: BLE001 - outside any one sequence: all of them fail
+            log.exception("engine error in a decode round")
+            for _, (_, seq) in active:
+                seq.fail(e)
+        self.heartbeat = time.monotonic()
+        finished = [(slot, job, seq) for slot, (job, seq) in active if seq.done]
+        if not finished:
+            return
+        with self._cond:
+            for slot, _, _ in finished:
+                del self._active[slot]
+        for _, job, seq in finished:
+            try:
+                gen = rt.close_sequence(seq)
+            except MemSpecError as e:
+                job.post(Failed(e))
+                continue
+            except Exception as e:  # noqa: BLE001 - the next request must still work
+                log.error("generation failed: %r", e)
+                job.post(Failed(e))
+                continue
+            queued_s = (job.started_at or job.enqueued_at) - job.enqueued_at
+            self.requests_served += 1
+            self._recent.append((time.monotonic(), gen.completion_tokens, gen.elapsed_s))
+            if self.metrics is not None:
+                per_draft = {d: (c["proposed"], c["accepted"]) for d, c in gen.per_draft.items()}
+                self.metrics.observe_generation(gen, per_draft, queued_s)
+            job.post(Done(gen))
+        self._observe_residency()
+
+    def reload_runtime(self, n_ctx: int, parallel: int | None = None) -> None:
+        """Rebuild the Runtime with a new n_ctx (and slots), keeping resident and pinned
+        drafts.
 
         Engine thread only (a control job). If the new context cannot load, the old one is
         loaded again and the error raised; if even that fails the daemon reports it and exits.
@@ -372,7 +438,7 @@ class EngineWorker:
         rows = rt.draft_status()
         resident = [r["id"] for r in rows if r["resident"]]
         pinned = [r["id"] for r in rows if r["pinned"]]
-        old = self.settings.n_ctx
+        old, old_parallel = self.settings.n_ctx, self.settings.parallel
         self.state = "reloading"
         self.prefix_cache.clear()
         self.runtime = None
@@ -380,9 +446,11 @@ class EngineWorker:
         self.settings.drafts = resident
         try:
             self.settings.n_ctx = n_ctx
+            if parallel is not None:
+                self.settings.parallel = parallel
             self._load(pinned)
         except BaseException:
-            self.settings.n_ctx = old
+            self.settings.n_ctx, self.settings.parallel = old, old_parallel
             try:
                 self._load(pinned)
             except BaseException as e:
