@@ -82,13 +82,15 @@ class GenerationRequest:
 
 
 class Runtime:
-    def __init__(self, settings: Settings, calibrate_costs: bool = True):
+    def __init__(self, settings: Settings, calibrate_costs: bool = True, batched: bool = False):
+        """`batched`: give the target the sequence slots settings.parallel asks for (the
+        daemon); tools that decode one sequence at a time get one."""
         self.settings = settings
         pool = settings_pool_dir(settings)
         self.manifests: dict[str, DraftManifest] = load_manifests(pool)
         target_path = resolve_model_path(settings.target)
         # Sequence slots decoded together (settings.parallel; 0: what the budget fits).
-        self.slots = self._plan_slots(settings, target_path)
+        self.slots = self._plan_slots(settings, target_path) if batched else 1
         self.options = BackendOptions(
             n_ctx=settings.n_ctx,
             n_threads=settings.n_threads,

@@ -1,8 +1,9 @@
 """`memspec serve` with faults injected on purpose, through EngineWorker's runtime_factory: the
 real daemon otherwise. launcher.start(faults=True) runs it with serve()'s settings as JSON.
 
-A prompt containing one of these markers triggers its fault inside Runtime.generate, on the
-engine thread, exactly where a real engine failure would happen:
+A prompt containing one of these markers triggers its fault as its sequence starts
+(Runtime.open_sequence) or inside its rounds, on the engine thread, exactly where a real
+engine failure would happen:
 
     FAULT:raise      raise before the first token (the request gets a clean 500)
     FAULT:midstream  raise at the third token (the stream ends with an error event)
@@ -12,6 +13,9 @@ engine thread, exactly where a real engine failure would happen:
 FAULT_LOAD_DELAY_S=N in the environment makes building the runtime take N s longer; while the
 file <MEMSPEC_DATA_DIR>/fault-raise-<draft id> exists, loading that draft raises inside the
 working set's loader (the test creates and removes the file while the daemon runs).
+
+It decodes one sequence at a time (`parallel` 1: a FAULT:slow request holds the engine) unless
+the test's settings name `parallel`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 from typing import Any
 
 from memspec.config import Settings
-from memspec.engine.speculative import Generation
+from memspec.engine.speculative import Sequence
 from memspec.paths import data_dir
 from memspec.runtime import Runtime
 from memspec.server.serve import serve
@@ -56,13 +60,14 @@ class FaultyRuntime(Runtime):
     def draft_source(self, source: Any) -> None:
         self._faulty_source = FaultySource(source)
 
-    def generate(self, prompt: list[int], params: Any, *args: Any, **kwargs: Any) -> Generation:
-        text = self.target.detokenize(prompt).decode("utf-8", errors="replace")
+    def open_sequence(
+        self, req: Any, slot: int = 0, on_token: Any = None, cancel: Any = None
+    ) -> Sequence:
+        text = self.target.detokenize(req.prompt).decode("utf-8", errors="replace")
         if "FAULT:raise" in text:
             raise RuntimeError("injected engine fault")
         if "FAULT:hang" in text:
             threading.Event().wait()
-        on_token = kwargs.get("on_token")
         if on_token is not None and ("FAULT:midstream" in text or "FAULT:slow" in text):
             count = 0
             midstream = "FAULT:midstream" in text
@@ -76,14 +81,15 @@ class FaultyRuntime(Runtime):
                     time.sleep(0.1)
                 on_token(delta, token)
 
-            kwargs["on_token"] = faulty
-        return super().generate(prompt, params, *args, **kwargs)
+            return super().open_sequence(req, slot, faulty, cancel)
+        return super().open_sequence(req, slot, on_token, cancel)
 
 
 def runtime_factory(settings: Settings) -> Runtime:
     time.sleep(float(os.environ.get("FAULT_LOAD_DELAY_S", "0")))
-    return FaultyRuntime(settings)
+    return FaultyRuntime(settings, batched=True)
 
 
 if __name__ == "__main__":
-    sys.exit(serve(None, runtime_factory=runtime_factory, **json.loads(sys.argv[1])))
+    chosen = {"parallel": 1} | json.loads(sys.argv[1])
+    sys.exit(serve(None, runtime_factory=runtime_factory, **chosen))

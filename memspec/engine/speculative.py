@@ -362,8 +362,11 @@ def decode_round(
             s.gen.phases["prefill"] += time.perf_counter() - t
             return 1, len(chunk)
         for s in verifying:
-            s.verify_alone()
-            s.finish_round(target.decode_s - decode0, batched=False)
+            try:
+                s.verify_alone()
+                s.finish_round(target.decode_s - decode0, batched=False)
+            except Exception as e:  # noqa: BLE001 - raised by speculative_generate
+                s.fail(e)
         return len(verifying), len(verifying[0].drafted) + 1 if verifying else 0
     # One pass: each verifying sequence's tokens, then prompt chunks in the room left.
     items = [(s.target, [s.ctx[-1]] + s.drafted, len(s.drafted) + 1) for s in verifying]
@@ -390,8 +393,11 @@ def decode_round(
         s.gen.phases["prefill"] += seconds
     decode_s = target.decode_s - decode0
     for s, rows in zip(verifying, outs, strict=False):
-        s.verify_rows(rows)
-        s.finish_round(decode_s, batched=True)
+        try:
+            s.verify_rows(rows)
+            s.finish_round(decode_s, batched=True)
+        except Exception as e:  # noqa: BLE001 - e.g. its client's callback: it fails alone
+            s.fail(e)
     return len(items), sum(len(toks) for _, toks, _ in items)
 
 

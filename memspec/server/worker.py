@@ -15,6 +15,7 @@ and turns any exception from the engine into a clean per-request error: the next
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import threading
@@ -111,7 +112,7 @@ class EngineWorker:
         self._fallback = fallback  # the configured settings, without the tuned state
         self.warnings: list[str] = []  # what the daemon runs without, and why (status)
         self.metrics = metrics
-        self._factory = runtime_factory or Runtime
+        self._factory = runtime_factory or functools.partial(Runtime, batched=True)
         self._on_ready = on_ready
         self._on_fatal = on_fatal
         self.runtime: Runtime | None = None
