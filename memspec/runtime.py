@@ -54,6 +54,10 @@ from memspec.units import format_size
 
 log = logging.getLogger(__name__)
 
+# A slot's KV cache must share this many more prompt tokens than the lead slot's to draw a
+# request away from the lead (the prefix cache's own threshold for a restore).
+SLOT_GAIN_TOKENS = 16
+
 
 @dataclass
 class ClientRequest:
@@ -522,12 +526,21 @@ class Runtime:
 
     # --- batched decoding (the daemon's engine thread) ------------------------------------
     def pick_slot(self, prompt: list[int], busy: set[int]) -> int | None:
-        """The free slot whose KV cache shares the longest prefix with `prompt` (the lead
-        slot, 0, on a tie: its sequence may use every draft kind); None when all are busy."""
+        """A free slot for `prompt` (None when all are busy). The lead slot, 0, whose
+        sequence may use every draft kind, unless another free slot's KV cache shares clearly
+        more of the prompt (a conversation's follow-up goes back to its slot). Off the lead:
+        the longest shared prefix, else the slot holding least (live KV of other
+        conversations is kept for their follow-ups; the prefix cache has the rest)."""
         free = [s for s in self.target.slots if s.seq_id not in busy]
         if not free:
             return None
-        return max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.seq_id)).seq_id
+        shared = {s.seq_id: common_prefix(s.tokens, prompt) for s in free}
+        best = max(free, key=lambda s: (shared[s.seq_id], -len(s.tokens), -s.seq_id))
+        if 0 in shared and shared[best.seq_id] < shared[0] + SLOT_GAIN_TOKENS:
+            return 0
+        if shared[best.seq_id] < SLOT_GAIN_TOKENS:
+            return min(free, key=lambda s: (len(s.tokens), s.seq_id)).seq_id
+        return best.seq_id
 
     def open_sequence(
         self,

@@ -121,7 +121,8 @@ class LlamaCppBackend(Backend):
                 )
         except Exception as e:  # llama.cpp reports a corrupt file as a bare ValueError
             raise ModelLoadError(f"failed to load {path.name}: {e}", param="model") from e
-        self.n_ctx = self._llm.n_ctx() // n_seq  # what each slot holds
+        # What each slot holds (llama.cpp rounds a sequence's context up to 256 cells).
+        self.n_ctx = self._llm.n_ctx() // n_seq
         self.n_vocab = self._llm.n_vocab()
         self.n_embd = llama_cpp.llama_model_n_embd_out(self._llm._model.model)
         # Created without embeddings (Llama's default): _forward turns them on per batch.

@@ -51,3 +51,57 @@ def test_estimator_separates_first_token_and_continuation():
     costs = CostModel(verify_s=[0.020, 0.026, 0.030, 0.031, 0.032, 0.036, 0.038, 0.040, 0.042])
     k_two, _ = costs.best_k("d", est.alpha("runs"), 8, est.alpha_cont("runs"))
     assert k_two >= 5  # a started run is worth verifying long
+
+
+def _box_costs(**kw) -> CostModel:
+    # This box's measured shape: a pass of n tokens over several sequences (ms / 1000).
+    batch = {1: 0.044, 2: 0.057, 4: 0.072, 8: 0.104, 16: 0.165, 32: 0.285, 64: 0.536}
+    return CostModel(verify_s=[batch[1]] * 9, batch_s=batch, **kw)
+
+
+def test_batch_rule_drafts_less_per_sequence_as_the_batch_grows():
+    from memspec.engine.costs import BatchOption, plan_batch
+
+    costs = _box_costs()
+    per_seq = []
+    for n in (2, 4, 8, 16):
+        ks = plan_batch([BatchOption("lookup", 8, 0.7, 0.8) for _ in range(n)], costs)
+        per_seq.append(sum(ks) / n)
+    assert per_seq[0] > 0, "two sequences at α 0.7 should draft"
+    assert per_seq == sorted(per_seq, reverse=True) and per_seq[-1] < per_seq[0]
+
+
+def test_batch_rule_never_plans_below_drafting_nothing():
+    from memspec.engine.costs import BatchOption, expected_tokens, plan_batch
+
+    costs = _box_costs()
+    rng = __import__("random").Random(0)
+    for _ in range(200):
+        opts = [
+            BatchOption("lookup", rng.randint(0, 8), rng.random(), rng.random())
+            for _ in range(rng.randint(2, 8))
+        ]
+        ks = plan_batch(opts, costs)
+        assert all(0 <= k <= o.k for k, o in zip(ks, opts, strict=True))
+        planned = sum(
+            expected_tokens(o.alpha, k, o.alpha_cont) for k, o in zip(ks, opts, strict=True)
+        ) / costs.batch(sum(ks) + len(opts))
+        assert planned >= len(opts) / costs.batch(len(opts)) - 1e-12
+    # Hopeless proposals are not drafted at all.
+    assert plan_batch([BatchOption("lookup", 8, 0.01, 0.01)] * 4, costs) == [0, 0, 0, 0]
+
+
+def test_batch_rule_keeps_serial_drafts_only_where_they_pay():
+    from memspec.engine.costs import BatchOption, plan_batch
+
+    costs = _box_costs(draft_s={"q8_0": 0.011})
+    model = BatchOption("q8_0", 6, 0.9, 0.9, serial=True)
+    # Alone with one other quiet sequence, a good model draft pays.
+    assert plan_batch([model, BatchOption(None, 0)], costs)[0] > 0
+    # Beside seven sequences, its serial passes stall everyone: left out.
+    ks = plan_batch(
+        [BatchOption("q8_0", 6, 0.5, 0.5, serial=True)] + [BatchOption(None, 0)] * 7, costs
+    )
+    assert ks[0] == 0
+    # A fixed k (a request's own) is kept as asked.
+    assert plan_batch([BatchOption("lookup", 5, fixed=True), BatchOption(None, 0)], costs)[0] == 5
