@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from memspec.bench import batch as batch_bench  # concurrent streams against a daemon
 from memspec.bench import load as load_bench  # load and soak runs against a daemon
 from memspec.cli.flags import load_settings, model_flags, workload_flags
 
@@ -112,3 +113,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=cmd_bench_policies)
 
     load_bench.register_bench(bsub)
+    batch_bench.register(bsub)
