@@ -27,8 +27,10 @@ def measure_model(
     outputs: int = 1,
     n_threads: int = 1,
     resident: Path | None = None,
+    slots: int = 1,
 ) -> dict[str, Any]:
     """Memory deltas of loading and running `path`; `resident` is loaded first and kept.
+    With `slots`, every sequence slot is filled, then one pass verifies `outputs` rows in each.
 
     With the target as `resident` the draft is measured as the daemon loads it: beside a
     resident model, with llama.cpp's code pages and one-time state already paid for.
@@ -44,14 +46,19 @@ def measure_model(
         from memspec.backends.llama_cpp import LlamaCppBackend  # noqa: F401 - map libllama now
     gc.collect()
     before = sample()
-    be = load_backend(path, BackendOptions(n_ctx=n_ctx, n_threads=n_threads, use_mmap=False))
+    options = BackendOptions(n_ctx=n_ctx, n_threads=n_threads, use_mmap=False, n_seq=slots)
+    be = load_backend(path, options)
     loaded = sample()
     # Prefill to the end of the context (the largest attention the engine can ask for), leaving
     # room for the final batch; token ids are arbitrary but valid.
     tail = max(outputs, 1) + 1
     prompt = [100 + (i * 37) % 5000 for i in range(be.n_ctx - tail)]
-    be.eval(prompt, all_logits=False)
-    be.eval([42] * max(outputs, 1), all_logits=True)
+    for slot in be.slots:
+        slot.eval(prompt, all_logits=False)
+    if slots > 1:
+        be.eval_many([(slot, [42] * max(outputs, 1), max(outputs, 1)) for slot in be.slots])
+    else:
+        be.eval([42] * max(outputs, 1), all_logits=True)
     ran = sample()
     be.close()
     if keep is not None:
@@ -60,6 +67,7 @@ def measure_model(
         "file": path.name,
         "n_ctx": n_ctx,
         "outputs": outputs,
+        "slots": slots,
         "resident": resident.name if resident else None,
         "at_load": loaded.delta(before),
         "steady": ran.delta(before),
@@ -140,11 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outputs", type=int, default=1, help="logit rows of the last batch")
     ap.add_argument("--n-threads", type=int, default=1)
     ap.add_argument("--resident", type=Path, help="model loaded first and kept (the target)")
+    ap.add_argument("--slots", type=int, default=1, help="sequence slots (batched decoding)")
     args = ap.parse_args(argv)
     if args.draft:
         r = measure_draft(args.file, args.n_ctx, args.resident, n_threads=args.n_threads)
     else:
-        r = measure_model(Path(args.file), args.n_ctx, args.outputs, args.n_threads, args.resident)
+        r = measure_model(
+            Path(args.file), args.n_ctx, args.outputs, args.n_threads, args.resident, args.slots
+        )
     print(json.dumps(r))
     return 0
 

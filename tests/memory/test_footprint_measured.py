@@ -73,6 +73,17 @@ def test_target_footprint_matches_measured(target_path):
     check("target", fp.at_load, fp.total, r)
 
 
+def test_target_footprint_with_slots_matches_measured(target_path):
+    """Batched decoding: four slots, each filled to the end, then one pass verifying k + 1
+    rows in every slot (issue 12: the budget holds with every slot busy)."""
+    slots = 4
+    r = probe(
+        str(target_path), "--n-ctx", str(N_CTX), "--outputs", str(K_MAX + 1), "--slots", str(slots)
+    )
+    fp = target_footprint(target_path, N_CTX, K_MAX, slots=slots)
+    check("target x4", fp.at_load, fp.total, r)
+
+
 @pytest.mark.parametrize("draft_id", sorted(POOL))
 def test_draft_footprint_matches_measured(target_path, draft_id):
     m = POOL[draft_id]
