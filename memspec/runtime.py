@@ -548,17 +548,25 @@ class Runtime:
         slot: int = 0,
         on_token: TokenCallback | None = None,
         cancel: threading.Event | None = None,
+        alone: bool = True,
     ) -> Sequence:
         """Start `req` on a slot of the target. Slot 0 is the lead: the scheduler decides its
-        rounds over every resident draft. The others draft with lookups (LookupRounds)."""
+        rounds over every resident draft. The others draft with lookups (LookupRounds).
+        Not `alone` (other requests decode beside it), a lead left to the configured `memspec`
+        policy runs the decision rule over what is resident (`auto`): memspec's residency
+        planning per request would load and evict drafts that a batch seldom runs, on the
+        cores the batch needs (measured: TTFT p50 1.1 s against 0.19 s at 4 streams)."""
         backend = self.target.slots[slot]
         if slot == 0:
             self._sync_budget()
+            policy_name = req.policy or self.settings.policy
+            if not alone and req.policy is None and policy_name == "memspec":
+                policy_name = "auto"
             self.scheduler.begin(
                 req.prompt,
                 req.params,
                 draft=req.draft,
-                policy=req.policy or self.settings.policy,
+                policy=policy_name,
                 messages=req.messages,
             )
             policy: RoundPolicy = self.scheduler

@@ -61,7 +61,7 @@ class FaultyRuntime(Runtime):
         self._faulty_source = FaultySource(source)
 
     def open_sequence(
-        self, req: Any, slot: int = 0, on_token: Any = None, cancel: Any = None
+        self, req: Any, slot: int = 0, on_token: Any = None, cancel: Any = None, alone: bool = True
     ) -> Sequence:
         text = self.target.detokenize(req.prompt).decode("utf-8", errors="replace")
         if "FAULT:raise" in text:
@@ -81,8 +81,8 @@ class FaultyRuntime(Runtime):
                     time.sleep(0.1)
                 on_token(delta, token)
 
-            return super().open_sequence(req, slot, faulty, cancel)
-        return super().open_sequence(req, slot, on_token, cancel)
+            return super().open_sequence(req, slot, faulty, cancel, alone)
+        return super().open_sequence(req, slot, on_token, cancel, alone)
 
 
 def runtime_factory(settings: Settings) -> Runtime:

@@ -180,19 +180,22 @@ def run_batch_bench(
     }
     levels = {c: _requests(per_client, c, max_tokens) for c in concurrency}
 
-    def measure(name: str, url: str, extra: dict[str, Any]) -> None:
+    def measure(url: str, configs: dict[str, dict[str, Any]]) -> None:
+        """Every level of every config; at each level the configs run back to back, their
+        order alternating from level to level (drift on a shared box falls on both)."""
         model = _model_id(url)
-        asyncio.run(_run_level(url, model, levels[concurrency[0]], extra))  # warm-up
-        rows = {}
-        for c in concurrency:
-            say(f"bench batch: {name}, {c} concurrent")
-            rows[str(c)] = asyncio.run(_run_level(url, model, levels[c], extra))
-        report["configs"][name] = rows
+        for extra in configs.values():  # warm-up
+            asyncio.run(_run_level(url, model, levels[concurrency[0]], extra))
+        for i, c in enumerate(concurrency):
+            names = list(configs) if i % 2 == 0 else list(reversed(configs))
+            for name in names:
+                say(f"bench batch: {name}, {c} concurrent")
+                row = asyncio.run(_run_level(url, model, levels[c], configs[name]))
+                report["configs"].setdefault(name, {})[str(c)] = row
 
     srv = MemspecServer(slots, config, settings.n_threads)
     try:
-        measure("memspec auto", srv.url, {"draft": "auto"})
-        measure("memspec none", srv.url, {"draft": "none"})
+        measure(srv.url, {"memspec auto": {"draft": "auto"}, "memspec none": {"draft": "none"}})
         status = httpx.get(srv.url + "/admin/status", timeout=10).json()
         report["memspec_slots"] = status.get("slots")
     finally:
@@ -204,7 +207,7 @@ def run_batch_bench(
             peer_settings = settings.model_copy(update={"n_ctx": ctx})
             p = PeerServer(binary, peer_settings, flags + ["-np", str(slots), "-cb"])
             try:
-                measure(name, p.url, {"cache_prompt": False})
+                measure(p.url, {name: {"cache_prompt": False}})
             finally:
                 p.close()
     elif peer:

@@ -194,13 +194,15 @@ class Sequence:
         c = self._choice
         k = min(c.k, len(c.proposal.tokens)) if c.proposal is not None else c.k
         draft = c.draft
+        serial = draft is not None and not draft.free
         return BatchOption(
             draft.id if draft is not None and k > 0 else None,
             k,
             c.alpha or 0.0,
             c.alpha_cont,
             fixed=c.alpha is None,
-            serial=draft is not None and not draft.free,
+            serial=serial,
+            gap=draft.catchup_tokens(self.ctx) if serial and k > 0 else 0,
         )
 
     def propose(self, k: int | None = None) -> list[int]:
@@ -341,10 +343,20 @@ def decode_round(
         except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
             s.fail(e)
     batched = len(deciding) + len(feeding) > 1
-    if batched and costs is not None and len(deciding) > 1:
-        ks: list[int | None] = list(plan_batch([s.option() for s in deciding], costs))
-    else:
-        ks = [None] * len(deciding)
+    # Prompt chunks ride in the same pass (fed last, in the room PREFILL_CHUNK leaves).
+    chunks: list[tuple[Sequence, list[int]]] = []
+    if batched:
+        room = max(prefill_chunk, 1)
+        for s in feeding:
+            if room <= 0:
+                break
+            chunk = s.prefill(room)
+            room -= len(chunk)
+            chunks.append((s, chunk))
+    ks: list[int | None] = [None] * len(deciding)
+    if batched and costs is not None and deciding:
+        fed = [len(chunk) for _, chunk in chunks]
+        ks = list(plan_batch([s.option() for s in deciding], costs, fed))
     verifying = []
     for s, k in zip(deciding, ks, strict=True):
         try:
@@ -368,17 +380,9 @@ def decode_round(
             except Exception as e:  # noqa: BLE001 - raised by speculative_generate
                 s.fail(e)
         return len(verifying), len(verifying[0].drafted) + 1 if verifying else 0
-    # One pass: each verifying sequence's tokens, then prompt chunks in the room left.
+    # One pass: each verifying sequence's tokens, then the prompt chunks.
     items = [(s.target, [s.ctx[-1]] + s.drafted, len(s.drafted) + 1) for s in verifying]
-    room = max(prefill_chunk, 1)
-    chunks: list[tuple[Sequence, list[int]]] = []
-    for s in feeding:
-        if room <= 0:
-            break
-        chunk = s.prefill(room)
-        room -= len(chunk)
-        chunks.append((s, chunk))
-        items.append((s.target, chunk, 0))
+    items += [(s.target, chunk, 0) for s, chunk in chunks]
     t = time.perf_counter()
     try:
         outs = target.eval_many(items)
@@ -387,7 +391,8 @@ def decode_round(
             s.fail(e)
         return 0, 0
     seconds = time.perf_counter() - t
-    if costs is not None:
+    counts = {len(toks) for _, toks, _ in items}
+    if costs is not None and len(counts) == 1:  # one ubatch: what batch_s calibrates
         costs.observe_batch(sum(len(toks) for _, toks, _ in items), seconds)
     for s, _ in chunks:
         s.gen.phases["prefill"] += seconds

@@ -335,7 +335,7 @@ class EngineWorker:
                 self._run_control(control)
                 continue
             for job in admit:
-                self._admit(job)
+                self._admit(job, alone=len(admit) == 1 and not self._active)
             if self._active:
                 self._round()
 
@@ -359,7 +359,7 @@ class EngineWorker:
             self.metrics.observe_residency(self.runtime.draft_status())
 
     # --- generation -----------------------------------------------------------------------
-    def _admit(self, job: GenerateJob) -> None:
+    def _admit(self, job: GenerateJob, alone: bool = True) -> None:
         """Check the request, pick its slot (the free one whose KV shares the most with the
         prompt), ready the slot's KV from the prefix cache and open the sequence; a bad
         request fails here, alone."""
@@ -377,7 +377,7 @@ class EngineWorker:
             slot = rt.pick_slot(req.prompt, set(self._active))
             assert slot is not None  # admitted only into a free slot
             rt.prepare_prefix(self.prefix_cache, req.prompt, req.draft != "none", slot)
-            seq = rt.open_sequence(req, slot, on_token, job.cancel)
+            seq = rt.open_sequence(req, slot, on_token, job.cancel, alone=alone)
         except MemSpecError as e:
             job.post(Failed(e))
             return

@@ -95,13 +95,32 @@ def test_batch_rule_keeps_serial_drafts_only_where_they_pay():
     from memspec.engine.costs import BatchOption, plan_batch
 
     costs = _box_costs(draft_s={"q8_0": 0.011})
-    model = BatchOption("q8_0", 6, 0.9, 0.9, serial=True)
-    # Alone with one other quiet sequence, a good model draft pays.
-    assert plan_batch([model, BatchOption(None, 0)], costs)[0] > 0
-    # Beside seven sequences, its serial passes stall everyone: left out.
-    ks = plan_batch(
-        [BatchOption("q8_0", 6, 0.5, 0.5, serial=True)] + [BatchOption(None, 0)] * 7, costs
-    )
-    assert ks[0] == 0
+    model = BatchOption("q8_0", 6, 0.95, 0.95, serial=True)
+    lookup = BatchOption("lookup", 6, 0.95, 0.95)
+    # Beside a sequence drafting as deep, a good caught-up model draft pays.
+    assert plan_batch([model, lookup], costs)[0] > 0
+    # Beside seven that draft nothing, its serial steps and the extra ubatch do not.
+    weak = BatchOption("q8_0", 6, 0.5, 0.5, serial=True)
+    assert plan_batch([weak] + [BatchOption(None, 0)] * 7, costs)[0] == 0
     # A fixed k (a request's own) is kept as asked.
     assert plan_batch([BatchOption("lookup", 5, fixed=True), BatchOption(None, 0)], costs)[0] == 5
+
+
+def test_batch_rule_charges_a_serial_drafts_catch_up():
+    from memspec.engine.costs import BatchOption, plan_batch
+
+    costs = _box_costs(draft_s={"q8_0": 0.011})
+    caught_up = BatchOption("q8_0", 6, 0.95, 0.95, serial=True)
+    behind = BatchOption("q8_0", 6, 0.95, 0.95, serial=True, gap=300)  # a new prompt to feed
+    lookup = BatchOption("lookup", 6, 0.95, 0.95)
+    assert plan_batch([caught_up, lookup], costs)[0] > 0
+    assert plan_batch([behind, lookup], costs)[0] == 0
+
+
+def test_uneven_ks_cost_an_ubatch_each():
+    from memspec.engine.costs import pass_seconds
+
+    costs = _box_costs()
+    assert pass_seconds(costs, [1, 1, 1, 1]) == costs.batch(4)
+    assert pass_seconds(costs, [3, 1, 1, 1]) == costs.batch(4) + costs.batch(2)
+    assert pass_seconds(costs, [3, 3, 3, 3]) == costs.batch(12)
