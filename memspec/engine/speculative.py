@@ -383,6 +383,8 @@ def decode_round(
     # One pass: each verifying sequence's tokens, then the prompt chunks.
     items = [(s.target, [s.ctx[-1]] + s.drafted, len(s.drafted) + 1) for s in verifying]
     items += [(s.target, chunk, 0) for s, chunk in chunks]
+    if not items:  # every sequence of the round failed before its pass
+        return 0, 0
     t = time.perf_counter()
     try:
         outs = target.eval_many(items)

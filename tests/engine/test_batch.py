@@ -233,3 +233,29 @@ def test_slot_outputs_are_bit_identical_to_one_sequence_context(target, prompts)
         assert np.array_equal(outs[0], ref)
     finally:
         one.close()
+
+
+def test_features_only_in_a_pass_of_one_sequence(prompts):
+    """A target with features (a head in the pool): a pass of one slot returns the rows and
+    features of a one-sequence context; a batched pass returns the same logits and no
+    features (embeddings mode would output every token of the batch)."""
+    require_testbed()
+    path = models_dir() / TARGET_FILE
+    one = load_backend(path, BackendOptions(n_ctx=N_CTX, features=True))
+    many = load_backend(path, BackendOptions(n_ctx=N_CTX, n_seq=3, features=True))
+    try:
+        ref = one.eval(prompts[0])
+        ref_features = one.last_features().copy()
+        s0, s1 = many.slots[0], many.slots[1]
+        s0.eval(prompts[0][:-4], all_logits=False)
+        outs = many.eval_many([(s0, prompts[0][-4:-2], 2), (s1, prompts[2], 0)])
+        assert np.array_equal(outs[0], ref[-4:-2]) and len(outs[1]) == 0
+        assert s0.features_at(len(prompts[0]) - 3) is None
+        alone = many.eval_many([(s0, prompts[0][-2:], 2)])
+        assert np.array_equal(alone[0], ref[-2:])
+        n = len(prompts[0])
+        for pos in (n - 2, n - 1):
+            assert np.array_equal(s0.features_at(pos), ref_features[pos])
+    finally:
+        one.close()
+        many.close()
