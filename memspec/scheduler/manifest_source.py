@@ -31,8 +31,9 @@ class ManifestSource:
     ):
         self.manifests = manifests
         # Drafts may run llama.cpp's repacked weights: only the target must be batch-invariant.
-        # Only the target's features are read (by heads).
-        self.options = dataclasses.replace(options, weight_repack=True, features=False)
+        # Only the target's features are read (by heads); only the target has sequence slots
+        # (a draft serves the lead slot's sequence alone: docs/batching.md).
+        self.options = dataclasses.replace(options, weight_repack=True, features=False, n_seq=1)
         self.backend_kind = backend_kind
         self.target = target
         self.target_backend = target_backend  # what head drafts draft from

@@ -259,3 +259,23 @@ def test_features_only_in_a_pass_of_one_sequence(prompts):
     finally:
         one.close()
         many.close()
+
+
+def test_drafts_load_with_one_slot_whatever_the_target_has(tmp_path):
+    """Only the target has sequence slots: a draft loaded for a runtime of 4 slots holds one
+    KV cache (the load test caught drafts taking the target's 4x KV each)."""
+    require_testbed()
+    from memspec.config import Settings
+    from memspec.runtime import Runtime
+
+    rt = Runtime(
+        Settings.load(drafts=["prompt-lookup", "q4_0"], n_ctx=512, parallel=4),
+        calibrate_costs=False,
+        batched=True,
+    )
+    try:
+        assert len(rt.target.slots) == 4
+        q4 = rt.drafts["q4_0"]
+        assert q4.backend.options.n_seq == 1 and len(q4.backend.slots) == 1
+    finally:
+        rt.close()
