@@ -109,6 +109,7 @@ class Runtime:
         self.calibrate_costs = calibrate_costs
         self.costs = CostModel(verify_s=[1.0] * (settings.k_max + 1))  # until calibrated
         self._measure_loads = False  # drafts loaded after calibration get their cost measured
+        self._lead_stall0 = 0.0  # the working set's stall clock when the lead slot's began
         self.requests_per_draft: dict[str, int] = {}
         self.estimator = self.new_estimator()
         self.lock = threading.Lock()  # one decode loop at a time owns the models
@@ -559,6 +560,7 @@ class Runtime:
         backend = self.target.slots[slot]
         if slot == 0:
             self._sync_budget()
+            self._lead_stall0 = self._ws.thread_stall_s()
             policy_name = req.policy or self.settings.policy
             if not alone and req.policy is None and policy_name == "memspec":
                 policy_name = "auto"
@@ -599,6 +601,8 @@ class Runtime:
         if seq.error is not None:
             raise seq.error
         gen = seq.result()
+        if seq.target.seq_id == 0:  # waits on reactive loads happen in the lead's rounds
+            gen.stall_s = self._ws.thread_stall_s() - self._lead_stall0
         for d in self._ws.lease_resident():
             if isinstance(d, DatastoreDraft) and d.learn:
                 d.finish_request(gen.token_ids)

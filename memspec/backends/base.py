@@ -85,6 +85,7 @@ class Backend(ABC):
     metadata: dict[str, str]  # the GGUF's scalar keys it read (general.*, tokenizer.*), as text
 
     seq_id: int = 0  # which of the context's sequences this is (SequenceSlot: others)
+    max_batch: int = 1 << 20  # most tokens one eval_many pass may carry (llama.cpp: n_batch)
 
     def __init__(self) -> None:
         self.tokens: list[int] = []  # exactly what the KV cache holds, in order

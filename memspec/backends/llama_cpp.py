@@ -128,7 +128,7 @@ class LlamaCppBackend(Backend):
         # Created without embeddings (Llama's default): _forward turns them on per batch.
         self._embeddings_on = False
         self._pieces: dict[int, bytes] = {}
-        self._n_batch = self._llm.n_batch
+        self._n_batch = self.max_batch = self._llm.n_batch
         meta = self._llm.metadata
         self.metadata = meta
         bos, eos = self._llm.token_bos(), self._llm.token_eos()

@@ -308,8 +308,8 @@ class Sequence:
         self.error, self.done = error, True
         try:
             self.target.truncate(len(self.ctx) - 1)
-        except Exception:  # noqa: BLE001 - a broken slot: forget what it holds
-            self.target.tokens.clear()
+        except Exception:  # noqa: BLE001 - a broken slot: empty it, KV and tokens alike
+            self.target.reset()
 
     def result(self) -> Generation:
         """The finished generation (text held back for a possible stop string flushed)."""
@@ -332,6 +332,9 @@ def decode_round(
     and are verified, all in one forward pass. A sequence whose draft raises fails alone.
     With one sequence and no prompt to feed, this is the single-sequence round exactly.
     Returns (sequences, tokens) the target's forward pass carried."""
+    for s in sequences:  # a client gone while its prompt is still being fed
+        if s.to_prefill and not s.done and s.cancel is not None and s.cancel.is_set():
+            s.gen.finish_reason, s.done = "cancelled", True
     feeding = [s for s in sequences if s.to_prefill and not s.done]
     deciding = []
     for s in sequences:
@@ -343,20 +346,31 @@ def decode_round(
         except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
             s.fail(e)
     batched = len(deciding) + len(feeding) > 1
-    # Prompt chunks ride in the same pass (fed last, in the room PREFILL_CHUNK leaves).
+    ks: list[int | None] = [None] * len(deciding)
     chunks: list[tuple[Sequence, list[int]]] = []
     if batched:
-        room = max(prefill_chunk, 1)
+        # A pass holds at most max_batch tokens: every verification (pending + drafted),
+        # then prompt chunks in the room PREFILL_CHUNK and the verifications leave.
+        depth = max(0, (target.max_batch - len(deciding)) // max(len(deciding), 1))
+        room = min(max(prefill_chunk, 1), target.max_batch - len(deciding) * (depth + 1))
         for s in feeding:
             if room <= 0:
                 break
             chunk = s.prefill(room)
             room -= len(chunk)
             chunks.append((s, chunk))
-    ks: list[int | None] = [None] * len(deciding)
-    if batched and costs is not None and deciding:
-        fed = [len(chunk) for _, chunk in chunks]
-        ks = list(plan_batch([s.option() for s in deciding], costs, fed))
+        options = []
+        for s in deciding:
+            try:
+                options.append(s.option())
+            except Exception as e:  # noqa: BLE001
+                s.fail(e)
+        deciding = [s for s in deciding if not s.done]
+        if costs is not None and deciding:
+            ks = list(plan_batch(options, costs, [len(chunk) for _, chunk in chunks]))
+        else:
+            ks = [s._choice.k for s in deciding]
+        ks = [min(k if k is not None else depth, depth) for k in ks]
     verifying = []
     for s, k in zip(deciding, ks, strict=True):
         try:
@@ -380,32 +394,38 @@ def decode_round(
             except Exception as e:  # noqa: BLE001 - raised by speculative_generate
                 s.fail(e)
         return len(verifying), len(verifying[0].drafted) + 1 if verifying else 0
-    # One pass: each verifying sequence's tokens, then the prompt chunks.
-    items = [(s.target, [s.ctx[-1]] + s.drafted, len(s.drafted) + 1) for s in verifying]
-    items += [(s.target, chunk, 0) for s, chunk in chunks]
-    if not items:  # every sequence of the round failed before its pass
+    # One pass, in slot order (llama.cpp groups a ubatch's sequences by increasing id):
+    # each verifying sequence's pending + drafted tokens, and the prompt chunks.
+    parts: list[tuple[Sequence, list[int], int]] = [
+        (s, [s.ctx[-1]] + s.drafted, len(s.drafted) + 1) for s in verifying
+    ]
+    parts += [(s, chunk, 0) for s, chunk in chunks]
+    parts.sort(key=lambda p: p[0].target.seq_id)
+    if not parts:  # every sequence of the round failed before its pass
         return 0, 0
+    items = [(s.target, tokens, rows) for s, tokens, rows in parts]
     t = time.perf_counter()
     try:
         outs = target.eval_many(items)
     except Exception as e:  # noqa: BLE001 - the pass failed: so does every request in it
-        for s in verifying + [s for s, _ in chunks]:
+        for s, _, _ in parts:
             s.fail(e)
         return 0, 0
     seconds = time.perf_counter() - t
-    counts = {len(toks) for _, toks, _ in items}
+    counts = {len(tokens) for _, tokens, _ in parts}
     if costs is not None and len(counts) == 1:  # one ubatch: what batch_s calibrates
-        costs.observe_batch(sum(len(toks) for _, toks, _ in items), seconds)
-    for s, _ in chunks:
-        s.gen.phases["prefill"] += seconds
+        costs.observe_batch(sum(len(tokens) for _, tokens, _ in parts), seconds)
     decode_s = target.decode_s - decode0
-    for s, rows in zip(verifying, outs, strict=False):
+    for (s, _, rows), out in zip(parts, outs, strict=True):
+        if not rows:
+            s.gen.phases["prefill"] += seconds
+            continue
         try:
-            s.verify_rows(rows)
+            s.verify_rows(out)
             s.finish_round(decode_s, batched=True)
         except Exception as e:  # noqa: BLE001 - e.g. its client's callback: it fails alone
             s.fail(e)
-    return len(items), sum(len(toks) for _, toks, _ in items)
+    return len(parts), sum(len(tokens) for _, tokens, _ in parts)
 
 
 def speculative_generate(

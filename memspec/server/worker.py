@@ -123,6 +123,7 @@ class EngineWorker:
         self._control: deque[ControlJob] = deque()
         self._current: Job | None = None  # the control job running
         self._active: dict[int, tuple[GenerateJob, Sequence]] = {}  # slot -> its generation
+        self._admitting: list[GenerateJob] = []  # taken off the queue, not yet in a slot
         self._accepting = True
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -167,10 +168,12 @@ class EngineWorker:
                 self._current.cancel.set()
             for job, _ in self._active.values():
                 job.cancel.set()
+            for job in self._admitting:
+                job.cancel.set()
 
     @property
     def busy(self) -> bool:
-        return self._current is not None or bool(self._active)
+        return self._current is not None or bool(self._active) or bool(self._admitting)
 
     @property
     def slots(self) -> int:
@@ -216,7 +219,7 @@ class EngineWorker:
                 self._control.append(job)
             else:
                 # max_queue requests wait beyond the slots' running ones.
-                in_system = len(self._queue) + len(self._active)
+                in_system = len(self._queue) + len(self._active) + len(self._admitting)
                 if in_system >= self.settings.max_queue + self.slots:
                     raise QueueFull(
                         f"request queue is full ({len(self._queue)} waiting, "
@@ -326,6 +329,7 @@ class EngineWorker:
                         if not job.cancel.is_set():  # its client left while it waited
                             admit.append(job)
                             free -= 1
+                    self._admitting.extend(admit)
                 if control is None and not admit and not self._active:
                     if self._stop:
                         return
@@ -335,7 +339,11 @@ class EngineWorker:
                 self._run_control(control)
                 continue
             for job in admit:
-                self._admit(job, alone=len(admit) == 1 and not self._active)
+                try:
+                    self._admit(job, alone=len(admit) == 1 and not self._active)
+                finally:
+                    with self._cond:
+                        self._admitting.remove(job)
             if self._active:
                 self._round()
 
@@ -421,11 +429,17 @@ class EngineWorker:
             queued_s = (job.started_at or job.enqueued_at) - job.enqueued_at
             self.requests_served += 1
             self._recent.append((time.monotonic(), gen.completion_tokens, gen.elapsed_s))
+            job.post(Done(gen))
             if self.metrics is not None:
                 per_draft = {d: (c["proposed"], c["accepted"]) for d, c in gen.per_draft.items()}
-                self.metrics.observe_generation(gen, per_draft, queued_s)
-            job.post(Done(gen))
-        self._observe_residency()
+                try:
+                    self.metrics.observe_generation(gen, per_draft, queued_s)
+                except Exception:  # noqa: BLE001 - metrics must never stop the engine
+                    log.exception("recording a generation's metrics failed")
+        try:
+            self._observe_residency()
+        except Exception:  # noqa: BLE001
+            log.exception("recording draft residency failed")
 
     def reload_runtime(self, n_ctx: int, parallel: int | None = None) -> None:
         """Rebuild the Runtime with a new n_ctx (and slots), keeping resident and pinned

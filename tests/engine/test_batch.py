@@ -136,9 +136,15 @@ def test_cancelled_and_context_full_sequences_leave_the_others_exact(target, pro
 
 def test_seeded_sampling_under_batching_is_what_it_gives_alone(target, prompts):
     """Each sequence draws from its own generator on its own rows, and rows are bit-identical
-    in any batch: a seeded sampled output is the one the same request gives alone (the
-    acceptance rule's distribution is checked in test_sampling_distribution)."""
+    in any batch: with the same k each round (fixed policies; the batch rule may choose
+    another k than alone, which draws the random numbers in another order, the distribution
+    staying exact) a seeded sampled output is the one the same request gives alone. The
+    acceptance rule's distribution is checked in test_sampling_distribution."""
     lookup = PromptLookupDraft()
+
+    def policy(i: int, lookup: Draft) -> FixedPolicy:
+        return FixedPolicy(lookup if i % 2 else None, 2 + i)
+
     params = [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=i) for i in range(4)]
     refs = []
     for i in range(4):
@@ -279,3 +285,46 @@ def test_drafts_load_with_one_slot_whatever_the_target_has(tmp_path):
         assert q4.backend.options.n_seq == 1 and len(q4.backend.slots) == 1
     finally:
         rt.close()
+
+
+def test_a_pass_never_exceeds_the_batch_and_a_cancelled_prompt_stops_feeding(target, prompts):
+    """Draft depth and prompt chunks are capped by what one pass may carry (n_batch; here
+    lowered to 14 tokens for 4 sequences asking for k = 6); a request cancelled while its
+    prompt is still being fed stops at once."""
+    lookup = PromptLookupDraft()
+    refs = [alone(target, p, SamplingParams(max_tokens=24)) for p in prompts[:3]]
+    for slot in target.slots:
+        slot.reset()
+    saved, target.max_batch = target.max_batch, 14
+    passes: list[int] = []
+    eval_many = target.eval_many
+
+    def counting(items):
+        passes.append(sum(len(tokens) for _, tokens, _ in items))
+        return eval_many(items)
+
+    target.eval_many = counting
+    try:
+        seqs = [
+            Sequence(
+                target.slots[i], prompts[i], SamplingParams(max_tokens=24), FixedPolicy(lookup, 6)
+            )
+            for i in range(3)
+        ]
+        gone = threading.Event()
+        gone.set()
+        cut = Sequence(
+            target.slots[3],
+            prompts[3] * 3,
+            SamplingParams(max_tokens=24),
+            FixedPolicy(None, 0),
+            cancel=gone,
+        )
+        run_batch(target, [*seqs, cut])
+    finally:
+        target.max_batch = saved
+        del target.eval_many
+    assert max(passes) <= 14
+    assert cut.gen.finish_reason == "cancelled" and not cut.gen.token_ids
+    for i, s in enumerate(seqs):
+        assert s.result().token_ids == refs[i]
