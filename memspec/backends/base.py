@@ -265,11 +265,13 @@ class Backend(ABC):
     def _forward_seq(
         self, seq_id: int, n_past: int, tokens: list[int], all_logits: bool, copy: bool
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        """_forward for sequence `seq_id` (prompts in chunks): logits and features rows."""
-        raise NotImplementedError
+        """_forward for sequence `seq_id` (prompts in chunks): logits and features rows.
+        Only backends loaded with n_seq > 1 have other sequences (llama.cpp's)."""
+        raise NotImplementedError(f"{type(self).__name__} has no sequence slots beyond its own")
 
     def _truncate_seq(self, seq_id: int, n: int) -> None:
-        raise NotImplementedError
+        """Truncate sequence `seq_id` (slots of a backend loaded with n_seq > 1)."""
+        raise NotImplementedError(f"{type(self).__name__} has no sequence slots beyond its own")
 
     def _snapshot_seq(self, seq_id: int, tokens: list[int]) -> KVSnapshot | None:
         return None
