@@ -46,6 +46,19 @@ class Settings(BaseSettings):
     n_ctx: int = Field(2048, description="context length in tokens")
     n_threads: int | None = Field(None, description="CPU threads (default: all cores)")
     n_gpu_layers: int = Field(0, description="layers offloaded to the GPU (-1: all)")
+    rpc: list[str] = Field(
+        [],
+        description="ggml RPC workers (HOST:PORT, comma-separated) the target's layers are split "
+        "over (`memspec rpc-worker`); drafts stay on this device",
+    )
+    tensor_split: list[float] = Field(
+        [],
+        description="the target's layers per rpc worker, as weights (comma-separated), and "
+        "optionally one more for this device (default: the workers share equally)",
+    )
+    rpc_timeout_s: float = Field(
+        30.0, gt=0, description="a forward pass over rpc workers that takes longer fails"
+    )
     # Speculation and memory (policies: memspec.scheduler.rounds and .policies)
     k_max: int = Field(8, description="longest draft per round")
     policy: str = Field("memspec", description="draft policy: memspec, auto, ucb, exp3, fixed:<id>")

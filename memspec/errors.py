@@ -37,3 +37,8 @@ class BudgetExceeded(MemSpecError):
 
 class DraftIncompatible(MemSpecError):
     """The draft speaks another tokenizer than the target (its token ids mean other text)."""
+
+
+class DeviceUnavailable(MemSpecError):
+    """A device the target is split over (a ggml RPC worker) cannot be reached, or was lost
+    while it computed: the request fails, the daemon waits for the device to come back."""

@@ -42,11 +42,13 @@ from memspec.errors import (
     ModelLoadError,
     UnknownDraft,
 )
-from memspec.memory.footprint import Footprint, target_footprint
+from memspec.memory.footprint import Footprint, split_footprint, target_footprint
+from memspec.memory.gguf_info import read_shape
 from memspec.memory.plan import draft_fits, slots_that_fit
 from memspec.model_id import served_model_id
 from memspec.paths import DEFAULT_PREDICTOR, models_dir, resolve_model_path
 from memspec.predictor.model import load_or_fallback
+from memspec.rpc.endpoints import LayerSplit, layer_split
 from memspec.scheduler.manifest_source import ManifestSource
 from memspec.scheduler.rounds import LookupRounds, Scheduler
 from memspec.scheduler.working_set import WorkingSet
@@ -95,13 +97,28 @@ class Runtime:
         target_path = resolve_model_path(settings.target)
         # Sequence slots decoded together (settings.parallel; 0: what the budget fits).
         self.slots = self._plan_slots(settings, target_path) if batched else 1
+        # A target split over RPC workers: how many of its layers each device holds.
+        self.layer_split: LayerSplit | None = None
+        rpc: dict[str, object] = {}
+        if settings.rpc:
+            self.layer_split = layer_split(
+                read_shape(target_path).n_layers + 1,  # llama.cpp counts the output layer
+                settings.rpc,
+                settings.tensor_split,
+            )
+            rpc = {
+                "rpc": tuple(settings.rpc),
+                "tensor_split": tuple(float(n) for n in self.layer_split.remote),
+                "rpc_timeout_s": settings.rpc_timeout_s,
+            }
         self.options = BackendOptions(
             n_ctx=settings.n_ctx,
             n_threads=settings.n_threads,
-            n_gpu_layers=settings.n_gpu_layers,
+            n_gpu_layers=self.layer_split.n_remote if self.layer_split else settings.n_gpu_layers,
             device=settings.device,
             chat_template=settings.chat_template,
             n_seq=self.slots,
+            **rpc,  # type: ignore[arg-type]
         )
         # Recipes a target's family skipped (e.g. a Q4 self-draft of a Q4 target): named in
         # settings.drafts they are passed over with the reason, named in a request refused.
@@ -117,6 +134,12 @@ class Runtime:
         self.target_footprint: Footprint = target_footprint(
             target_path, settings.n_ctx, settings.k_max, settings.n_gpu_layers, self.slots
         )
+        # Split over workers: this device's budget pays its share, each worker the rest.
+        self.remote_bytes: dict[str, int] = {}
+        if self.layer_split is not None:
+            self.target_footprint, self.remote_bytes = split_footprint(
+                self.target_footprint, read_shape(target_path), self.layer_split
+            )
         if self.target_footprint.total > settings.budget_bytes:
             slots = f" and {self.slots} parallel slots" if self.slots > 1 else ""
             raise BudgetExceeded(
@@ -359,6 +382,31 @@ class Runtime:
                     "reason": reason,
                 }
             )
+        return rows
+
+    def devices(self) -> list[dict]:
+        """Where the target's layers are and what each device holds (status). One row, this
+        device, unless the target is split over RPC workers."""
+        split = self.layer_split
+        n_units = getattr(self.target, "n_layers", 0) + 1 if split is None else 0
+        rows: list[dict] = [
+            {
+                "device": "local",
+                "layers": split.local if split else n_units,
+                "bytes": self.target_footprint.total,
+            }
+        ]
+        if split is not None:
+            lost = getattr(self.target, "lost", None)
+            for endpoint, layers in zip(split.endpoints, split.remote, strict=True):
+                rows.append(
+                    {
+                        "device": endpoint,
+                        "layers": layers,
+                        "bytes": self.remote_bytes.get(endpoint, 0),
+                        "state": "lost" if lost else "ok",
+                    }
+                )
         return rows
 
     def modelled_bytes(self) -> int:

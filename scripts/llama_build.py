@@ -76,9 +76,10 @@ def cpu_flags_line() -> str:
 
 
 def primary_cmake_args(batch_invariant: bool, user_args: str) -> str:
-    """The first build tried: native for this CPU, llamafile off unless opted out."""
-    # Spelled as setup.sh spelled it before this script, so existing wheel caches stay valid.
-    return f"-DGGML_LLAMAFILE=OFF {user_args}" if batch_invariant else user_args
+    """The first build tried: native for this CPU, llamafile off unless opted out, and ggml's
+    RPC backend on (`memspec rpc-worker`, a target split over devices: docs/rpc.md)."""
+    args = f"-DGGML_LLAMAFILE=OFF {user_args}" if batch_invariant else user_args
+    return f"-DGGML_RPC=ON {args}".strip() if "GGML_RPC" not in args else args
 
 
 def fallback_cmake_args(primary: str, cpu_line: str, machine: str) -> str:

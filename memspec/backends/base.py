@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from memspec.backends.chat import ChatTemplate, resolve_chat_template
 from memspec.errors import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,12 @@ class BackendOptions:
     # n_ctx tokens (llama.cpp per-sequence streams, which keep a sequence's logits bit-identical
     # whatever else shares its batch). Backend.slots lists them; slot 0 is the backend itself.
     n_seq: int = 1
+    # ggml RPC workers (HOST:PORT) the target's layers are split over, in proportion to
+    # tensor_split (one weight per worker, optionally one more for this device): llama.cpp
+    # only. load_backend runs such a backend in a process of its own (backends/isolated.py).
+    rpc: tuple[str, ...] = ()
+    tensor_split: tuple[float, ...] = ()
+    rpc_timeout_s: float = 30.0  # a forward pass that takes longer means a lost worker
 
 
 class FeaturesDisabled(RuntimeError):
@@ -139,6 +147,11 @@ class Backend(ABC):
         eval: callers that read a few rows once skip a full-vocabulary copy per row (1 MiB a
         row at a 262k vocabulary).
         """
+        return self._append(tokens, all_logits, lambda: self._forward(tokens, all_logits, copy))
+
+    def _append(self, tokens: list[int], all_logits: bool, forward: Callable[[], T]) -> T:
+        """Run `forward` for `tokens` appended to the KV cache: the context check before it,
+        the bookkeeping (tokens, time, features' position) after it."""
         if not tokens:
             raise ValueError("eval() needs at least one token")
         if len(self.tokens) + len(tokens) > self.n_ctx:
@@ -150,11 +163,11 @@ class Backend(ABC):
         self._features = None  # a failed eval leaves no stale rows behind
         n_past = len(self.tokens)
         t = time.perf_counter()
-        logits = self._forward(tokens, all_logits, copy)
+        out = forward()
         self.forward_s += time.perf_counter() - t
         self.tokens.extend(tokens)
         self._features_pos = n_past if all_logits else len(self.tokens) - 1
-        return logits
+        return out
 
     def last_features(self) -> np.ndarray:
         """The final hidden state (input of the output layer, after the final norm) of every
@@ -182,8 +195,12 @@ class Backend(ABC):
     def eval_argmax(self, tokens: list[int]) -> list[int]:
         """Append `tokens`; the argmax of every position's logits: all greedy decoding reads,
         taken from the backend's buffer without copying a row."""
-        rows = self.eval(tokens, copy=False)
-        return rows.argmax(axis=1).tolist()
+        return self._append(tokens, True, lambda: self._forward_argmax(tokens))
+
+    def _forward_argmax(self, tokens: list[int]) -> list[int]:
+        """_forward reduced to each row's argmax (a backend in another process sends only
+        these back)."""
+        return self._forward(tokens, True, copy=False).argmax(axis=1).tolist()
 
     # --- sequence slots (batched decoding) ----------------------------------------------
     @property
@@ -393,10 +410,16 @@ def load_backend(
     options = options or BackendOptions()
     p = check_gguf(path)
     if kind == "llama_cpp":
+        if options.rpc:  # ggml aborts the process that loses a worker: keep it out of ours
+            from memspec.backends.isolated import IsolatedBackend
+
+            return IsolatedBackend(p, options)
         from memspec.backends.llama_cpp import LlamaCppBackend
 
         return LlamaCppBackend(p, options)
     if kind == "torch":
+        if options.rpc:
+            raise ModelLoadError("rpc workers need the llama_cpp backend", param="rpc")
         from memspec.backends.torch_hf import TorchBackend
 
         return TorchBackend(p, options)

@@ -51,7 +51,7 @@ _params_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _load_params(weight_repack: bool, n_seq: int) -> Iterator[None]:
+def _load_params(weight_repack: bool, n_seq: int, devices: list[int]) -> Iterator[None]:
     """Load with llama.cpp's weight repacking (`use_extra_bufts`) on or off, and a context of
     `n_seq` sequences on per-sequence KV streams (`kv_unified` off: a unified cache gives a
     sequence other logits when others share its batch; measured). `Llama` takes neither as
@@ -64,9 +64,15 @@ def _load_params(weight_repack: bool, n_seq: int) -> Iterator[None]:
         model_default = lib.llama_model_default_params
         context_default = lib.llama_context_default_params
 
+        # The devices layers are offloaded to (RPC workers), NULL-terminated; kept alive by
+        # the closure for the load.
+        device_array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+
         def model_params():  # type: ignore[no-untyped-def]
             p = model_default()
             p.use_extra_bufts = weight_repack
+            if devices:
+                p.devices = ctypes.cast(device_array, ctypes.c_void_p)  # declared void*
             return p
 
         def context_params():  # type: ignore[no-untyped-def]
@@ -101,18 +107,23 @@ class LlamaCppBackend(Backend):
         # Features are read per token (no pooling): a model whose GGUF names a pooling (an
         # embedding model) would otherwise hand back one pooled row per sequence.
         extra = {"pooling_type": llama_cpp.LLAMA_POOLING_TYPE_NONE} if options.features else {}
+        devices, n_gpu_layers, split = self._rpc_devices(path, options)
         try:
             # llama.cpp prints loader chatter on stderr; keep it unless loading fails.
             buf = io.StringIO()
             n_seq = max(1, options.n_seq)
-            with contextlib.redirect_stderr(buf), _load_params(options.weight_repack, n_seq):
+            with (
+                contextlib.redirect_stderr(buf),
+                _load_params(options.weight_repack, n_seq, devices),
+            ):
                 self._llm = llama_cpp.Llama(
                     model_path=str(path),
                     n_ctx=options.n_ctx * n_seq,  # n_ctx per sequence
                     n_batch=min(options.n_ctx * n_seq, 512),
                     n_threads=n_threads,
                     n_threads_batch=n_threads,
-                    n_gpu_layers=options.n_gpu_layers,
+                    n_gpu_layers=n_gpu_layers,
+                    tensor_split=split,
                     use_mmap=options.use_mmap,
                     logits_all=False,
                     seed=options.seed,
@@ -150,6 +161,27 @@ class LlamaCppBackend(Backend):
         self.head_dim_k = int(meta.get(f"{arch}.attention.key_length", head_dim))
         self.head_dim_v = int(meta.get(f"{arch}.attention.value_length", head_dim))
         self._slots: list[Backend] = [self] + [SequenceSlot(self, i) for i in range(1, n_seq)]
+
+    def _rpc_devices(
+        self, path: Path, options: BackendOptions
+    ) -> tuple[list[int], int, list[float] | None]:
+        """(devices, n_gpu_layers, tensor_split) for llama.cpp. With RPC workers: their
+        devices, and options.tensor_split's weight for each worker on its first device
+        (options.n_gpu_layers says how many layers leave this device; the runtime splits)."""
+        if not options.rpc:
+            return [], options.n_gpu_layers, None
+        from memspec.rpc.endpoints import check_reachable
+        from memspec.rpc.ggml import remote_devices
+
+        weights_in = list(options.tensor_split) or [1.0] * len(options.rpc)
+        devices: list[int] = []
+        weights: list[float] = []
+        for endpoint, weight in zip(options.rpc, weights_in, strict=True):
+            check_reachable(endpoint)  # ggml aborts the process on a failed connection
+            found = remote_devices(endpoint)
+            devices += found
+            weights += [weight] + [0.0] * (len(found) - 1)
+        return devices, options.n_gpu_layers, weights
 
     # --- text -------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
@@ -365,9 +397,11 @@ class LlamaCppBackend(Backend):
             "n_threads": self.n_threads,
             "n_gpu_layers": self.options.n_gpu_layers,
             **({"n_seq": self.options.n_seq} if self.options.n_seq > 1 else {}),
-            # Offloaded layers run GPU kernels, whose invariance this does not establish.
+            **({"rpc": list(self.options.rpc)} if self.options.rpc else {}),
+            # Offloaded layers run GPU kernels, whose invariance this does not establish; RPC
+            # workers (memspec rpc-worker, set up from the same build) run the CPU's.
             "batch_invariant": batch_invariant()
-            and self.options.n_gpu_layers == 0
+            and (self.options.n_gpu_layers == 0 or bool(self.options.rpc))
             and not self.options.weight_repack,
         }
 

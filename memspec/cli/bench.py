@@ -1,4 +1,4 @@
-"""`memspec bench reuse|engine|policies|load|soak`: benchmarks that write JSON (and a PNG)."""
+"""`memspec bench reuse|engine|policies|load|soak|batch|rpc`: benchmarks that write JSON (and a PNG)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from memspec.bench import batch as batch_bench  # concurrent streams against a daemon
 from memspec.bench import load as load_bench  # load and soak runs against a daemon
+from memspec.bench import rpc as rpc_bench  # a target split over RPC workers
 from memspec.cli.flags import load_settings, model_flags, workload_flags
 
 
@@ -114,3 +115,4 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     load_bench.register_bench(bsub)
     batch_bench.register(bsub)
+    rpc_bench.register(bsub)

@@ -14,7 +14,7 @@ from memspec.config import DEFAULT_CONFIG_FILE, Settings
 # The settings every command that loads the models takes, and those only the daemon takes.
 MODEL_SETTINGS = (
     "target", "drafts", "backend", "device", "n_ctx", "n_threads", "n_gpu_layers", "k_max",
-    "chat_template",
+    "chat_template", "rpc", "tensor_split", "rpc_timeout_s",
 )  # fmt: skip
 SERVE_SETTINGS = (
     "host", "port", "budget", "policy", "max_queue", "parallel", "state_dir", "log_level",

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memspec.cli import bench, doctor, drafts, generate, scheduling, serve
+from memspec.cli import bench, doctor, drafts, generate, rpc, scheduling, serve
 from memspec.errors import MemSpecError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (drafts, generate, serve, bench, scheduling, doctor):  # the order of `--help`
+    for group in (drafts, generate, serve, rpc, bench, scheduling, doctor):  # the order of `--help`
         group.register(sub)
     return parser
 

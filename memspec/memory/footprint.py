@@ -42,6 +42,7 @@ from pathlib import Path
 
 from memspec.errors import ModelLoadError
 from memspec.memory.gguf_info import ModelShape, read_shape
+from memspec.rpc.endpoints import LayerSplit
 
 # Measured (see above): bytes per vocabulary entry that llama.cpp + llama-cpp-python keep per
 # loaded model (≈ 20.1 MB / 49,152 tokens), plus half of the llama_batch seq-id arrays
@@ -192,3 +193,33 @@ def draft_footprint(
         with zipfile.ZipFile(path) as z:
             return Footprint(weights=sum(i.file_size for i in z.infolist()))
     return Footprint(weights=path.stat().st_size)
+
+
+def split_footprint(
+    fp: Footprint, shape: ModelShape, split: LayerSplit
+) -> tuple[Footprint, dict[str, int]]:
+    """A target split over RPC workers: (what this device holds, bytes per worker).
+
+    llama.cpp places n_layers + 1 units (the repeating layers, then the output layer) and
+    offloads the last ones: this device keeps the input embeddings and the first
+    `split.local` layers; the workers hold the rest in endpoint order, the last one the output
+    layer (a copy of the embeddings when they are tied). Each layer's KV cache lives with it.
+    Buffers, logit rows and the process overhead stay here; a worker's own compute buffer is
+    its to budget."""
+    out_bytes = 0 if shape.tied_output else shape.token_embd_bytes
+    per_layer = (shape.weight_bytes - shape.token_embd_bytes - out_bytes) / shape.n_layers
+    kv_per_layer = fp.kv / shape.n_layers
+    remote: dict[str, int] = {}
+    layer = split.local
+    last = max((i for i, n in enumerate(split.remote) if n), default=-1)
+    for i, (endpoint, units) in enumerate(zip(split.endpoints, split.remote, strict=True)):
+        has_output = i == last
+        layers = min(units, shape.n_layers - layer)  # the output unit is not a layer
+        layer += layers
+        output = shape.token_embd_bytes if has_output else 0
+        remote[endpoint] = round(layers * (per_layer + kv_per_layer)) + output
+    local_layers = min(split.local, shape.n_layers)
+    weights = shape.token_embd_bytes + round(local_layers * per_layer)
+    if last < 0:  # nothing offloaded: the output layer stays too
+        weights += out_bytes
+    return replace(fp, weights=weights, kv=round(local_layers * kv_per_layer)), remote

@@ -33,7 +33,10 @@ class ManifestSource:
         # Drafts may run llama.cpp's repacked weights: only the target must be batch-invariant.
         # Only the target's features are read (by heads); only the target has sequence slots
         # (a draft serves the lead slot's sequence alone: docs/batching.md).
-        self.options = dataclasses.replace(options, weight_repack=True, features=False, n_seq=1)
+        # Drafts stay on this device when the target is split over RPC workers.
+        self.options = dataclasses.replace(
+            options, weight_repack=True, features=False, n_seq=1, rpc=(), tensor_split=()
+        )
         self.backend_kind = backend_kind
         self.target = target
         self.target_backend = target_backend  # what head drafts draft from

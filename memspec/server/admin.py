@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import memspec
 from memspec import telemetry
+from memspec.config import Settings
 from memspec.doctor import kernel_report
 from memspec.errors import BudgetExceeded, InvalidRequest
 from memspec.server.auth import require_admin_key
@@ -102,6 +103,13 @@ def _kernels() -> dict[str, Any]:
     return kernel_report()
 
 
+def _devices_unloaded(s: Settings, error: str | None) -> list[dict[str, Any]]:
+    """The devices configured while the target is not loaded (e.g. a worker unreachable)."""
+    return [{"device": "local"}] + [
+        {"device": e, "state": "waiting", "error": error} for e in s.rpc
+    ]
+
+
 def status(ctx: ServerContext) -> dict[str, Any]:
     s, w = ctx.settings, ctx.worker
     rt = w.runtime
@@ -132,6 +140,7 @@ def status(ctx: ServerContext) -> dict[str, Any]:
         "engine": {"state": w.state, "heartbeat_age_s": round(w.heartbeat_age_s, 2)},
         "warnings": list(w.warnings) + ([chat["warning"]] if chat and chat["warning"] else []),
         "kernels": _kernels(),
+        "devices": rt.devices() if rt is not None else _devices_unloaded(s, w.error),
         "tokens_per_s_recent": w.tokens_per_s_recent(),
         "requests_served": w.requests_served,
         "prefix_cache": {

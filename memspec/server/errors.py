@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse
 from memspec.errors import (
     BudgetExceeded,
     ContextOverflow,
+    DeviceUnavailable,
     DraftIncompatible,
     InvalidRequest,
     MemSpecError,
@@ -87,6 +88,7 @@ HTTP_ERRORS: dict[type[MemSpecError], HttpError] = {
     PredictorError: HttpError(500, _SERVER, "predictor_unavailable"),
     EngineError: HttpError(500, _SERVER, "engine_error"),
     NotReady: HttpError(503, _SERVER, "not_ready"),
+    DeviceUnavailable: HttpError(503, _SERVER, "device_unavailable"),
     BudgetExceeded: HttpError(507, _SERVER, "memory_budget_exceeded"),
     StateWriteError: HttpError(507, _SERVER, "state_not_persisted"),
 }

@@ -28,7 +28,7 @@ from typing import Any
 from memspec.config import Settings
 from memspec.engine.prefix_cache import PrefixCache
 from memspec.engine.speculative import Sequence
-from memspec.errors import MemSpecError
+from memspec.errors import DeviceUnavailable, MemSpecError
 from memspec.runtime import ClientRequest, Runtime
 from memspec.server.errors import NotReady, QueueFull
 from memspec.server.metrics import Metrics
@@ -38,6 +38,7 @@ from memspec.units import parse_size
 log = logging.getLogger("memspec.server")
 
 IDLE_BEAT_S = 0.5  # the idle loop beats at least this often
+DEVICE_RETRY_S = 2.0  # how often an unreachable RPC worker is tried again
 
 
 # --- events from the engine thread to a request --------------------------------------------
@@ -147,7 +148,9 @@ class EngineWorker:
 
     def healthy(self, stale_s: float) -> bool:
         """Ready and the engine thread beat within `stale_s` (a stuck engine stops beating)."""
-        return self.state in ("ready", "reloading") and (
+        # Waiting for a device is healthy: the engine beats, and a restart would not help.
+        waiting = ("waiting_for_device", "device_lost")
+        return self.state in ("ready", "reloading", *waiting) and (
             time.monotonic() - self.heartbeat < stale_s
         )
 
@@ -215,6 +218,8 @@ class EngineWorker:
                 raise NotReady("models are loading; retry shortly", code="model_loading")
             if self.state == "failed":
                 raise NotReady(f"models failed to load: {self.error}", code="model_load_failed")
+            if self.state in ("waiting_for_device", "device_lost"):
+                raise DeviceUnavailable(f"the target cannot run: {self.error}")
             if isinstance(job, ControlJob):
                 self._control.append(job)
             else:
@@ -233,7 +238,10 @@ class EngineWorker:
     def _main(self) -> None:
         self.state = "loading"
         try:
-            self.runtime = self._first_load()
+            self.runtime = self._load_when_devices_answer()
+            if self.runtime is None:  # stopped while waiting
+                self.state = "stopped"
+                return
         except BaseException as e:  # noqa: BLE001 - reported, then the daemon exits
             self.state, self.error = "failed", str(getattr(e, "message", e))
             log.error("loading models failed: %s", self.error)
@@ -254,6 +262,24 @@ class EngineWorker:
                     self.runtime.close()
             finally:
                 self.state = "stopped"
+
+    def _load_when_devices_answer(self) -> Runtime | None:
+        """The first load; while an RPC worker the target is split over cannot be reached, the
+        daemon stays up (/health 503 with the reason) and tries again every DEVICE_RETRY_S."""
+        while True:
+            try:
+                return self._first_load()
+            except DeviceUnavailable as e:
+                if self.state != "waiting_for_device":
+                    log.error("waiting for a device: %s", e.message)
+                self.state, self.error = "waiting_for_device", e.message
+            with self._cond:
+                self.heartbeat = time.monotonic()
+                if self._stop:
+                    return None
+                self._cond.wait(DEVICE_RETRY_S)
+                if self._stop:
+                    return None
 
     def _first_load(self) -> Runtime:
         """Load with the tuned settings; if they cannot load (a budget below the target, an
@@ -316,6 +342,15 @@ class EngineWorker:
         """Admit waiting generations into free slots, run a round, repeat; control jobs run
         when no generation is active (none joins while one waits)."""
         while True:
+            if self.state == "device_lost" and not self._active:
+                if self._restore_device():
+                    continue
+                with self._cond:
+                    self.heartbeat = time.monotonic()
+                    if self._stop:
+                        return
+                    self._cond.wait(DEVICE_RETRY_S)
+                continue
             control: ControlJob | None = None
             admit: list[GenerateJob] = []
             with self._cond:
@@ -346,6 +381,37 @@ class EngineWorker:
                         self._admitting.remove(job)
             if self._active:
                 self._round()
+            self._check_device()
+
+    def _check_device(self) -> None:
+        """A target whose RPC worker was lost (backends/isolated.py): its requests have failed;
+        the daemon stops taking new ones until the worker is back."""
+        lost = getattr(self.runtime.target, "lost", None) if self.runtime else None
+        if lost is None or self.state == "device_lost":
+            return
+        with self._cond:
+            self.state, self.error = "device_lost", lost
+            waiting = list(self._queue)
+            self._queue.clear()
+        for job in waiting:
+            job.post(Failed(DeviceUnavailable(lost)))
+
+    def _restore_device(self) -> bool:
+        """Try to bring the target back (its workers answer again): True once it is."""
+        rt = self.runtime
+        assert rt is not None
+        try:
+            rt.target.restart()  # type: ignore[attr-defined]
+        except DeviceUnavailable as e:
+            self.error = e.message
+            return False
+        except Exception as e:  # noqa: BLE001 - tried again later
+            log.exception("restarting the target failed")
+            self.error = str(e)
+            return False
+        log.info("the target's devices answer again; serving")
+        self.state, self.error = "ready", None
+        return True
 
     def _run_control(self, job: ControlJob) -> None:
         job.started_at = time.monotonic()

@@ -1,0 +1,208 @@
+"""`memspec bench rpc`: plain vs speculative decoding over a target split across ggml RPC
+workers, at several link latencies (SpecMemo's distributed half).
+
+Each target step crosses the link once per device it passes; a verification of k + 1 tokens
+crosses it the same number of times. So the more a step costs in latency, the more a round
+that accepts several tokens is worth. Workers run on this machine (memspec/rpc/local.py), each
+behind a relay adding the latency each way; drafts stay local. Every output is compared with
+the local target's own plain decoding. Per latency, configs run interleaved prompt by prompt."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from memspec.bench.workloads import BenchPrompt, load_workload
+from memspec.config import Settings
+from memspec.engine.types import SamplingParams
+from memspec.rpc.local import LINK, local_workers
+from memspec.runtime import Runtime
+
+# (name, draft, k, policy): plain, the default policy, and two fixed drafts.
+CONFIGS: list[tuple[str, str, int | None, str | None]] = [
+    ("none", "none", None, None),
+    ("memspec", "auto", None, "memspec"),
+    ("prompt-lookup adaptive-k", "prompt-lookup", None, None),
+    ("q4_0 adaptive-k", "q4_0", None, None),
+]
+
+
+def _tokens(rt: Runtime, p: BenchPrompt) -> list[int]:
+    if p.chat:
+        return rt.prompt_tokens(messages=[{"role": "user", "content": p.text}])
+    return rt.prompt_tokens(prompt=p.text)
+
+
+def run_rpc_bench(
+    settings: Settings,
+    latencies_ms: list[float],
+    n_workers: int = 2,
+    per_category: int = 1,
+    max_tokens: int = 64,
+    workload: str = "heldout",
+    worker_threads: int = 1,
+) -> dict[str, Any]:
+    prompts = load_workload(workload, per_category, None)
+    params = SamplingParams(max_tokens=max_tokens)
+    settings = settings.model_copy(update={"drafts": ["prompt-lookup", "q4_0"]})
+    local = Runtime(settings, calibrate_costs=False)
+    try:
+        refs = [local.generate(_tokens(local, p), params, draft="none").token_ids for p in prompts]
+    finally:
+        local.close()
+    report: dict[str, Any] = {
+        "benchmark": "rpc",
+        "target": settings.target,
+        "workers": n_workers,
+        "worker_threads": worker_threads,
+        "link": LINK,
+        "workload": workload,
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "latencies_ms": latencies_ms,
+        "levels": {},
+    }
+    for latency in latencies_ms:
+        with (
+            tempfile.TemporaryDirectory(prefix="memspec-rpc-bench-") as logs,
+            local_workers(Path(logs), n_workers, latency / 1e3, worker_threads) as workers,
+        ):
+            split = settings.model_copy(update={"rpc": [w.endpoint for w in workers]})
+            t0 = time.perf_counter()
+            rt = Runtime(split)  # calibrated over the link: the rule sees what a pass costs
+            load_s = time.perf_counter() - t0
+            try:
+                report["levels"][str(latency)] = _run_level(rt, prompts, refs, params, load_s)
+            finally:
+                rt.close()
+    _summarise(report)
+    return report
+
+
+def _run_level(
+    rt: Runtime,
+    prompts: list[BenchPrompt],
+    refs: list[list[int]],
+    params: SamplingParams,
+    load_s: float,
+) -> dict[str, Any]:
+    warm = rt.prompt_tokens(messages=[{"role": "user", "content": "Say hello in one line."}])
+    for _, draft, k, policy in CONFIGS:
+        rt.generate(warm, SamplingParams(max_tokens=8), draft=draft, k=k, policy=policy)
+    rows: dict[str, list[dict]] = {name: [] for name, *_ in CONFIGS}
+    for p, ref in tqdm(list(zip(prompts, refs, strict=True)), desc="bench rpc", unit="prompt"):
+        tokens = _tokens(rt, p)
+        for name, draft, k, policy in CONFIGS:
+            rt.target.reset()  # each config pays its prefill
+            gen = rt.generate(tokens, params, draft=draft, k=k, policy=policy)
+            rows[name].append(
+                {
+                    "id": p.id,
+                    "tokens": gen.completion_tokens,
+                    "seconds": gen.elapsed_s,
+                    "accepted": gen.accepted,
+                    "rounds": gen.rounds,
+                    "identical": gen.token_ids == ref,
+                }
+            )
+    return {
+        "load_s": round(load_s, 2),
+        "verify_ms": [round(s * 1e3, 2) for s in rt.costs.verify_s],
+        "devices": rt.devices(),
+        "runs": rows,
+    }
+
+
+def _summarise(report: dict[str, Any]) -> None:
+    summary: dict[str, dict[str, Any]] = {}
+    for latency, level in report["levels"].items():
+        cells: dict[str, Any] = {}
+        for name, rows in level["runs"].items():
+            tokens = sum(r["tokens"] for r in rows)
+            seconds = sum(r["seconds"] for r in rows)
+            cells[name] = {
+                "tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0,
+                "tokens_per_round": round(tokens / max(1, sum(r["rounds"] for r in rows)), 2),
+                "identical": all(r["identical"] for r in rows),
+            }
+        plain = cells["none"]["tokens_per_s"] or 1.0
+        for c in cells.values():
+            c["speedup"] = round(c["tokens_per_s"] / plain, 3)
+        summary[latency] = cells
+    report["summary"] = summary
+    report["all_identical"] = all(
+        c["identical"] for cells in summary.values() for c in cells.values()
+    )
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lat = [float(x) for x in report["summary"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, *_ in CONFIGS:
+        tps = [report["summary"][k][name]["tokens_per_s"] for k in report["summary"]]
+        a.plot(lat, tps, marker="o", label=name)
+        if name != "none":
+            up = [report["summary"][k][name]["speedup"] for k in report["summary"]]
+            b.plot(lat, up, marker="o", label=name)
+    a.set(xlabel="added one-way latency per link (ms)", ylabel="tokens/s", title="split target")
+    b.axhline(1.0, color="grey", lw=0.8)
+    b.set(xlabel="added one-way latency per link (ms)", ylabel="speedup over plain",
+          title="speculation over distributed plain decoding")  # fmt: skip
+    for ax in (a, b):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def register(bsub: Any) -> None:
+    from memspec.cli.flags import model_flags
+
+    r = bsub.add_parser(
+        "rpc", help="plain vs speculative decoding over a target split across RPC workers"
+    )
+    model_flags(r)
+    r.add_argument("--latency", default="0,1,5", help="added one-way latency per link, ms")
+    r.add_argument("--workers", type=int, default=2, help="rpc workers started on this machine")
+    r.add_argument("--worker-threads", type=int, default=1, help="CPU threads per worker")
+    r.add_argument("--per-category", type=int, default=1, help="prompts per class")
+    r.add_argument("--workload", choices=["mtbench", "heldout"], default="heldout")
+    r.add_argument("--max-tokens", type=int, default=64)
+    r.add_argument("--out", required=True, help="JSON report")
+    r.add_argument("--plot", help="PNG of tokens/s and speedup against latency")
+    r.set_defaults(func=cmd_rpc)
+
+
+def cmd_rpc(args: argparse.Namespace) -> int:
+    from memspec.cli.flags import load_settings
+
+    try:
+        latencies = [float(x) for x in args.latency.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--latency takes numbers (ms): {args.latency!r}") from None
+    report = run_rpc_bench(
+        load_settings(args), latencies, args.workers, args.per_category, args.max_tokens,
+        args.workload, args.worker_threads,
+    )  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        plot(report, Path(args.plot))
+    for latency, cells in report["summary"].items():
+        line = ", ".join(f"{n} {c['tokens_per_s']:.1f} ({c['speedup']:.2f}x)" for n, c in cells.items())
+        print(f"{latency:>5s} ms: {line}")
+    print(f"all identical to the local target: {report['all_identical']}")
+    return 0

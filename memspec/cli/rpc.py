@@ -1,0 +1,36 @@
+"""`memspec rpc-worker`: serve this device's compute to a daemon whose target is split over
+devices (ggml RPC)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from memspec.rpc.endpoints import DEFAULT_PORT
+
+
+def cmd_rpc_worker(args: argparse.Namespace) -> int:
+    from memspec.rpc.worker import serve_worker
+
+    print(f"memspec rpc-worker: serving on {args.host}:{args.port}", file=sys.stderr, flush=True)
+    serve_worker(args.host, args.port, args.threads, args.cache, args.allow_remote)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "rpc-worker",
+        help="serve this device's compute to a daemon over ggml RPC (no authentication: "
+        "loopback unless --allow-remote)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    p.add_argument("--cache", type=Path, help="keep received tensors here (faster reloads)")
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="bind an address other than loopback: anyone who reaches it can use this device",
+    )
+    p.set_defaults(func=cmd_rpc_worker)
