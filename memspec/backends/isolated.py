@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ _INFO = (
 
 def _serve(conn: Connection, path: str, options: BackendOptions) -> None:
     """The child: load the backend, then answer (method, args) calls until told to close."""
+    # A lost worker ends this process in GGML_ABORT: its one-line reason is what matters,
+    # not the backtrace ggml would otherwise attach a debugger for (seconds, pages of output).
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     from memspec.backends.llama_cpp import LlamaCppBackend
 
     try:

@@ -24,7 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 
 import memspec
 from memspec.engine.speculative import Generation
-from memspec.errors import InvalidRequest
+from memspec.errors import DeviceUnavailable, InvalidRequest
 from memspec.runtime import ClientRequest
 from memspec.server.auth import require_api_key
 from memspec.server.context import Ctx, ServerContext
@@ -96,6 +96,8 @@ def served_model(ctx: ServerContext) -> str:
         w = ctx.worker
         if w.state == "failed":
             raise NotReady(f"models failed to load: {w.error}", code="model_load_failed")
+        if w.state == "waiting_for_device":
+            raise DeviceUnavailable(f"the target cannot load: {w.error}")
         raise NotReady("models are loading; retry shortly", code="model_loading")
     return model_id
 

@@ -29,8 +29,13 @@ def _complete(d: Daemon, max_tokens: int = 16) -> str:
     return r.choices[0].text
 
 
-def _health(d: Daemon) -> httpx.Response:
-    return httpx.get(d.url + "/health", timeout=5)
+def _health(d: Daemon) -> tuple[int, str]:
+    """/health's status and body; (0, "") before the daemon listens."""
+    try:
+        r = httpx.get(d.url + "/health", timeout=5)
+    except httpx.HTTPError:
+        return 0, ""
+    return r.status_code, r.text
 
 
 def _wait(cond, what: str, d: Daemon, timeout: float = 180.0) -> None:
@@ -43,6 +48,7 @@ def _wait(cond, what: str, d: Daemon, timeout: float = 180.0) -> None:
 
 def test_split_target_serves_survives_a_lost_worker_and_waits_for_one_at_start(tmp_path):
     # Reference: the same request on a daemon with the whole target here.
+    (tmp_path / "local").mkdir()
     local = start(tmp_path / "local", "lookup")
     try:
         local.wait_ready()
@@ -54,7 +60,7 @@ def test_split_target_serves_survives_a_lost_worker_and_waits_for_one_at_start(t
         ws[1].kill()  # one worker is down when the daemon starts
         d = start(tmp_path, "lookup", settings={"rpc": [w.endpoint for w in ws]})
         try:
-            _wait(lambda: _health(d).status_code == 503 and "unreachable" in _health(d).text,
+            _wait(lambda: _health(d)[0] == 503 and "unreachable" in _health(d)[1],
                   "503 naming the unreachable worker", d)  # fmt: skip
             status = httpx.get(d.url + "/admin/status", timeout=5).json()
             assert status["state"] == "waiting_for_device"
@@ -63,7 +69,7 @@ def test_split_target_serves_survives_a_lost_worker_and_waits_for_one_at_start(t
             assert r.status_code == 503 and r.json()["error"]["code"] == "device_unavailable"
 
             ws[1].start()
-            _wait(lambda: _health(d).status_code == 200, "ready once the worker is back", d)
+            _wait(lambda: _health(d)[0] == 200, "ready once the worker is back", d)
             assert _complete(d) == want
             devices = httpx.get(d.url + "/admin/status", timeout=5).json()["devices"]
             assert sum(x["layers"] for x in devices) > 0 and all("bytes" in x for x in devices)
@@ -79,14 +85,15 @@ def test_split_target_serves_survives_a_lost_worker_and_waits_for_one_at_start(t
                     if got == 3:
                         ws[0].kill()
             assert d.proc.poll() is None
-            _wait(lambda: _health(d).status_code == 503, "503 while the worker is lost", d)
-            assert "rpc worker" in _health(d).text
+            _wait(lambda: _health(d)[0] == 503, "503 while the worker is lost", d)
+            assert "rpc worker" in _health(d)[1]
             with pytest.raises(openai.APIStatusError) as err:
                 _complete(d)
             assert err.value.status_code == 503
 
             ws[0].start()
-            _wait(lambda: _health(d).status_code == 200, "ready once the worker is back", d)
+            _wait(lambda: _health(d)[0] == 200, "ready once the worker is back", d)
             assert _complete(d) == want
         finally:
-            assert d.stop() == 0, d.logs()
+            code = d.stop()
+        assert code == 0, d.logs()  # a clean SIGTERM shutdown after all that
