@@ -202,7 +202,9 @@ def cmd_rpc(args: argparse.Namespace) -> int:
     if args.plot:
         plot(report, Path(args.plot))
     for latency, cells in report["summary"].items():
-        line = ", ".join(f"{n} {c['tokens_per_s']:.1f} ({c['speedup']:.2f}x)" for n, c in cells.items())
+        line = ", ".join(
+            f"{n} {c['tokens_per_s']:.1f} ({c['speedup']:.2f}x)" for n, c in cells.items()
+        )
         print(f"{latency:>5s} ms: {line}")
     print(f"all identical to the local target: {report['all_identical']}")
     return 0

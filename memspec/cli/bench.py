@@ -1,4 +1,4 @@
-"""`memspec bench reuse|engine|policies|load|soak|batch|rpc`: benchmarks that write JSON (and a PNG)."""
+"""`memspec bench reuse|engine|policies|load|soak|batch|rpc`: benchmarks writing JSON (and PNG)."""
 
 from __future__ import annotations
 
