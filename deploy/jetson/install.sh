@@ -249,16 +249,18 @@ else
 fi
 run "$VENV/bin/pip" install --upgrade pip setuptools wheel
 
-say "5. llama-cpp-python $LLAMA_VERSION with CUDA for sm_$CUDA_ARCH (tens of minutes on an Orin Nano)"
+say "5. llama-cpp-python $LLAMA_VERSION with CUDA for sm_$CUDA_ARCH and RPC (tens of minutes on an Orin Nano)"
 if [[ -x $VENV/bin/python ]] && "$VENV/bin/python" -c "
-import sys, importlib.metadata as m, llama_cpp
-sys.exit(not (m.version('llama-cpp-python') == '$LLAMA_VERSION' and llama_cpp.llama_supports_gpu_offload()))
+import sys, pathlib, importlib.metadata as m, llama_cpp
+rpc = (pathlib.Path(llama_cpp.__file__).parent / 'lib' / 'libggml-rpc.so').is_file()
+sys.exit(not (m.version('llama-cpp-python') == '$LLAMA_VERSION' and llama_cpp.llama_supports_gpu_offload() and rpc))
 " 2>/dev/null; then
 	info skip "llama-cpp-python $LLAMA_VERSION with GPU offload already installed"
 else
 	# --no-binary: a prebuilt wheel would be CPU-only. Parallel level 4: nvcc jobs need ~1 GiB
-	# each and an 8 GB board with the desktop up runs out of memory at 6.
-	run env "CMAKE_ARGS=-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH" \
+	# each and an 8 GB board with the desktop up runs out of memory at 6. GGML_RPC: a target
+	# split over several boards (docs/rpc.md).
+	run env "CMAKE_ARGS=-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH -DGGML_RPC=ON" \
 		"CUDACXX=$CUDA_HOME/bin/nvcc" CMAKE_BUILD_PARALLEL_LEVEL=4 FORCE_CMAKE=1 \
 		"$VENV/bin/pip" install --no-cache-dir --force-reinstall \
 		--no-binary llama-cpp-python "llama-cpp-python==$LLAMA_VERSION"

@@ -119,7 +119,7 @@ def test_dry_run_on_an_orin(env, tmp_path):
         "useradd --system --user-group --home-dir /var/lib/memspec",
         "usermod -aG video memspec",
         f"{prefix}/venv",  # the venv (created or kept)
-        "CMAKE_ARGS=-DGGML_CUDA=on\\ -DCMAKE_CUDA_ARCHITECTURES=87",
+        "CMAKE_ARGS=-DGGML_CUDA=on\\ -DCMAKE_CUDA_ARCHITECTURES=87\\ -DGGML_RPC=ON",
         f"--no-binary llama-cpp-python llama-cpp-python=={llama_pin()}",
         f"{prefix}/venv/bin/pip install {REPO}\\[jetson\\]",
         "/etc/memspec/config.toml",
