@@ -490,3 +490,16 @@ def test_drafts_table_says_why_a_draft_is_left_out():
     assert [r.split()[0] for r in lines[1:3]] == ["prompt-lookup", "q4_0"]
     assert lines[-2:] == ["not usable with this target (tokenizer):", f"  q4_0: {reason}"]
     assert "not usable" not in drafts_table(rows[:1])
+
+
+def test_status_lists_the_devices_of_a_split_target():
+    from memspec.ctl import render
+
+    devices = [
+        {"device": "local", "layers": 11, "bytes": 200 * 2**20},
+        {"device": "10.0.0.2:50052", "layers": 10, "bytes": 170 * 2**20, "state": "lost"},
+    ]
+    out = render.status({"devices": devices}, "http://x")
+    assert "local: 11 layers, 200.00 MiB" in out
+    assert "10.0.0.2:50052: 10 layers, 170.00 MiB   lost" in out
+    assert "device" not in render.status({"devices": devices[:1]}, "http://x")  # one device

@@ -152,10 +152,23 @@ def status(st: dict[str, Any], url: str, prev: dict[str, Any] | None = None) -> 
         *_memory_lines(st.get("memory")),
         ("queue", f"{queue.get('depth', '-')} / {queue.get('max', '-')}"),
         ("slots", f"{slots.get('active', '-')} / {slots.get('total', '-')} active"),
+        *_device_lines(st.get("devices") or []),
         ("requests", f"{served if served is not None else '-'}{delta}"),
         ("tok/s", f"{_num(st.get('tokens_per_s_recent'), '.1f')} (recent)"),
     ]
     return kv_table(pairs) + "\n\n" + drafts_table(st.get("drafts") or [])
+
+
+def _device_lines(devices: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """A target split over RPC workers: one line per device (layers, bytes, state)."""
+    if len(devices) < 2:
+        return []
+    lines = []
+    for d in devices:
+        state = f"   {d['state']}" if d.get("state") else ""
+        layers = f"{d['layers']} layers, " if "layers" in d else ""
+        lines.append(("device", f"{d['device']}: {layers}{_size(d.get('bytes'))}{state}"))
+    return lines
 
 
 def print_json(obj: Any) -> None:
