@@ -1,15 +1,18 @@
-"""ggml RPC workers for tests (memspec/rpc/local.py: loopback subprocesses behind latency
-relays; this kernel has no `tc netem`, so the link's latency comes from the relay)."""
+"""ggml RPC workers for tests (memspec/rpc/local.py): `memspec rpc-worker` subprocesses in
+network namespaces of their own over veth pairs where this machine allows, else on loopback
+(a warning in the test report says so), behind relays that add the link's latency (this
+kernel has no `tc netem`)."""
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from memspec.rpc.local import LocalWorker, local_workers
+from memspec.rpc.local import NETNS, LocalWorker, local_workers
 
 
 def require_rpc() -> None:
@@ -23,5 +26,7 @@ def require_rpc() -> None:
 @contextlib.contextmanager
 def workers(tmp: Path, n: int = 2, delay_s: float = 0.0) -> Iterator[list[LocalWorker]]:
     require_rpc()
-    with local_workers(tmp, n, delay_s) as ws:
+    with local_workers(tmp, n, delay_s) as (ws, link):
+        if link != NETNS:
+            warnings.warn(f"rpc workers on {link}", stacklevel=3)
         yield ws

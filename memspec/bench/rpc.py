@@ -21,7 +21,7 @@ from tqdm import tqdm
 from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
 from memspec.engine.types import SamplingParams
-from memspec.rpc.local import LINK, local_workers
+from memspec.rpc.local import local_workers
 from memspec.runtime import Runtime
 
 # (name, draft, k, policy): plain, the default policy, and two fixed drafts.
@@ -61,7 +61,7 @@ def run_rpc_bench(
         "target": settings.target,
         "workers": n_workers,
         "worker_threads": worker_threads,
-        "link": LINK,
+        "link": None,  # which ran: namespaces over veth pairs, or loopback (rpc/local.py)
         "workload": workload,
         "prompts": len(prompts),
         "max_tokens": max_tokens,
@@ -71,8 +71,9 @@ def run_rpc_bench(
     for latency in latencies_ms:
         with (
             tempfile.TemporaryDirectory(prefix="memspec-rpc-bench-") as logs,
-            local_workers(Path(logs), n_workers, latency / 1e3, worker_threads) as workers,
+            local_workers(Path(logs), n_workers, latency / 1e3, worker_threads) as (workers, link),
         ):
+            report["link"] = link
             split = settings.model_copy(update={"rpc": [w.endpoint for w in workers]})
             t0 = time.perf_counter()
             rt = Runtime(split)  # calibrated over the link: the rule sees what a pass costs
