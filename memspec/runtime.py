@@ -164,8 +164,10 @@ class Runtime:
         except Exception:
             self.target.close()
             raise
+        # Drafts run here, on this device's own GPU layers (not the target's remote count).
+        draft_options = replace(self.options, n_gpu_layers=settings.n_gpu_layers)
         self.draft_source = ManifestSource(
-            self.manifests, self.options, settings.backend, self.target_tokenizer, self.target
+            self.manifests, draft_options, settings.backend, self.target_tokenizer, self.target
         )
         self.working_set: WorkingSet | None = None
         try:

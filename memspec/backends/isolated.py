@@ -12,9 +12,13 @@ argmax per row, not the rows."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
+import signal
+import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ from memspec.errors import DeviceUnavailable
 
 log = logging.getLogger("memspec.backends")
 
+PR_SET_PDEATHSIG = 1
 LOAD_TIMEOUT_S = 600.0  # a first load sends every remote layer's weights over the link
 # What the parent copies from the child's backend once it has loaded.
 _INFO = (
@@ -39,12 +44,17 @@ def _serve(conn: Connection, path: str, options: BackendOptions) -> None:
     # A lost worker ends this process in GGML_ABORT: its one-line reason is what matters,
     # not the backtrace ggml would otherwise attach a debugger for (seconds, pages of output).
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+    # The daemon decides when this process ends: a Ctrl-C or SIGTERM to the daemon's group
+    # must not cut a generation the daemon is letting finish; and it dies with the daemon.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
     from memspec.backends.llama_cpp import LlamaCppBackend
 
     try:
         backend = LlamaCppBackend(Path(path), options)
-    except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
-        conn.send(("error", e))
+    except Exception as e:  # noqa: BLE001 - sent to the parent, which raises it
+        _send_error(conn, e)
         return
     info = {k: getattr(backend, k) for k in _INFO}
     info["describe"] = backend.describe()
@@ -65,9 +75,27 @@ def _serve(conn: Connection, path: str, options: BackendOptions) -> None:
             else:
                 result = getattr(backend, name)(*args)
             conn.send(("ok", result))
-        except BaseException as e:  # noqa: BLE001 - the parent raises it in the request
-            conn.send(("error", e))
+        except Exception as e:  # noqa: BLE001 - the parent raises it in the request
+            _send_error(conn, e)
     backend.close()
+
+
+def _send_error(conn: Connection, e: Exception) -> None:
+    """Send `e` to the parent; one that cannot be pickled goes as its text."""
+    try:
+        conn.send(("error", e))
+    except Exception:  # noqa: BLE001
+        conn.send(("error", RuntimeError(f"{type(e).__name__}: {e}")))
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the daemon's thread that spawned it dies (a daemon
+    killed outright must not leave a target holding its memory and its workers)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
 
 
 class IsolatedBackend(Backend):
@@ -77,6 +105,7 @@ class IsolatedBackend(Backend):
         super().__init__()
         self.path, self.options = path, options
         self.lost: str | None = None  # why the child is gone (every call raises it)
+        self.on_wait: Callable[[], None] | None = None  # called each second of a long wait
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         self._pieces: dict[int, bytes] = {}
@@ -98,6 +127,7 @@ class IsolatedBackend(Backend):
         status, value = self._receive(LOAD_TIMEOUT_S, "loading the target")
         if status == "error":
             self._stop()
+            self.lost = str(getattr(value, "message", value))
             raise value
         for k in _INFO:
             setattr(self, k, value[k])
@@ -106,10 +136,15 @@ class IsolatedBackend(Backend):
 
     def _receive(self, timeout_s: float, doing: str) -> tuple[str, Any]:
         assert self._conn is not None and self._proc is not None
+        deadline = time.monotonic() + timeout_s
         try:
-            if not self._conn.poll(timeout_s):
-                self._lose(f"no answer from the target's process after {timeout_s:.0f} s "
-                           f"{doing} (a stalled link or a hung rpc worker)")  # fmt: skip
+            # In slices, beating: a long load is not a stuck engine to the systemd watchdog.
+            while not self._conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    self._lose(f"no answer from the target's process after {timeout_s:.0f} s "
+                               f"{doing} (a stalled link or a hung rpc worker)")  # fmt: skip
+                if self.on_wait is not None:
+                    self.on_wait()
             return self._conn.recv()
         except (EOFError, OSError):
             self._proc.join(1.0)
@@ -139,10 +174,20 @@ class IsolatedBackend(Backend):
             self._conn.send((name, args))
         except OSError:
             pass  # the child is gone: _receive says why
-        status, value = self._receive(self.options.rpc_timeout_s, f"running {name}")
+        # rpc_timeout_s bounds one pass: a prompt goes in passes of max_batch tokens.
+        passes = max(1, -(-self._tokens_in(name, args) // max(1, self.max_batch)))
+        status, value = self._receive(self.options.rpc_timeout_s * passes, f"running {name}")
         if status == "error":
             raise value
         return value
+
+    @staticmethod
+    def _tokens_in(name: str, args: tuple) -> int:
+        if name in ("_forward_seq", "argmax_seq"):
+            return len(args[2])
+        if name == "_forward_many":
+            return sum(len(tokens) for _, _, tokens, _ in args[0])
+        return 0
 
     def restart(self) -> None:
         """A new child, once every worker answers (DeviceUnavailable while one does not);

@@ -13,11 +13,15 @@ DEFAULT_PORT = 50052  # ggml's rpc-server default
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
-    """'HOST:PORT' (IPv6 as '[::1]:PORT') -> (host, port); InvalidRequest when malformed."""
+    """'HOST:PORT' -> (host, port); InvalidRequest when malformed."""
     host, sep, port = text.strip().rpartition(":")
-    host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidRequest(f"rpc endpoint {text!r} is not HOST:PORT", param="rpc")
+    if ":" in host:  # ggml splits an endpoint at its first colon: it would abort on this
+        raise InvalidRequest(
+            f"rpc endpoint {text!r}: ggml RPC takes IPv4 addresses or host names, not IPv6",
+            param="rpc",
+        )
     return host, int(port)
 
 

@@ -49,6 +49,9 @@ def library() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     )
     ggml.ggml_backend_reg_dev_get.argtypes = [p, ctypes.c_size_t]
     ggml.ggml_backend_reg_dev_get.restype = p
+    ggml.ggml_backend_dev_count.argtypes, ggml.ggml_backend_dev_count.restype = [], ctypes.c_size_t
+    ggml.ggml_backend_dev_get.argtypes, ggml.ggml_backend_dev_get.restype = [ctypes.c_size_t], p
+    ggml.ggml_backend_dev_type.argtypes, ggml.ggml_backend_dev_type.restype = [p], ctypes.c_int
     ggml.ggml_backend_dev_description.argtypes = [p]
     ggml.ggml_backend_dev_description.restype = ctypes.c_char_p
     rpc.ggml_backend_rpc_add_server.argtypes, rpc.ggml_backend_rpc_add_server.restype = (
@@ -72,6 +75,20 @@ def remote_devices(endpoint: str) -> list[int]:
     return [
         ggml.ggml_backend_reg_dev_get(reg, i) for i in range(ggml.ggml_backend_reg_dev_count(reg))
     ]
+
+
+def serving_devices() -> list[int]:
+    """What a worker serves, as llama.cpp's rpc-server does: its accelerators (a Jetson's
+    GPU, in a CUDA build), else its CPU. RPC devices registered in this process are not its
+    own to serve."""
+    ggml, _ = library()
+    own = []
+    for i in range(ggml.ggml_backend_dev_count()):
+        dev = ggml.ggml_backend_dev_get(i)
+        desc = (ggml.ggml_backend_dev_description(dev) or b"").decode(errors="replace")
+        if ggml.ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU and "RPC" not in desc:
+            own.append(dev)
+    return own or [cpu_device()]
 
 
 def cpu_device() -> int:

@@ -2,7 +2,7 @@
 subprocesses, each behind a LatencyRelay that adds a link's one-way latency.
 
 Where it can (root, `ip netns`), each worker runs in a network namespace of its own, joined to
-this one by a veth pair on a test subnet (10.213.i.0/24): a real network stack between daemon
+this one by a veth pair on a test subnet of its own (10.2xx.i.0/24): a real network stack between daemon
 and worker. Where namespaces are refused, the workers listen on loopback instead, and `link`
 says which ran. Latency comes from the relay either way: `tc netem` would put it on the veth
 pair, but kernels without the netem qdisc (this project's test machine: "Specified qdisc kind
@@ -40,12 +40,14 @@ class Netns:
     name: str
     host_addr: str  # this namespace's end
     addr: str  # the worker's end
+    veth: str  # this namespace's end of the pair
 
     @classmethod
     def create(cls, index: int) -> Netns:
         """OSError (with ip's message) when namespaces are refused here."""
         tag = f"ms{os.getpid() % 100000}w{index}"  # interface names: 15 bytes at most
-        ns = cls(f"memspec-{tag}", f"10.213.{index}.1", f"10.213.{index}.2")
+        net = f"10.{200 + os.getpid() % 50}.{index}"  # per run: two runs never share a subnet
+        ns = cls(f"memspec-{tag}", f"{net}.1", f"{net}.2", f"{tag}h")
         steps = [
             ["ip", "netns", "add", ns.name],
             ["ip", "link", "add", f"{tag}h", "type", "veth", "peer", "name", f"{tag}n"],
@@ -79,8 +81,10 @@ class Netns:
         return ns
 
     def delete(self) -> None:
-        """The namespace and its veth pair (deleting one end deletes both)."""
+        """The namespace and its veth pair (deleting one end deletes both; the host end also
+        stays behind when a step before moving the other end failed)."""
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=10)
+        subprocess.run(["ip", "link", "del", self.veth], capture_output=True, timeout=10)
 
 
 @dataclass

@@ -12,7 +12,7 @@ import signal
 import threading
 from pathlib import Path
 
-from memspec.errors import InvalidRequest
+from memspec.errors import DeviceUnavailable, InvalidRequest
 from memspec.rpc import ggml
 from memspec.rpc.endpoints import is_loopback
 
@@ -27,7 +27,8 @@ def serve_worker(
     allow_remote: bool = False,
     on_listening: threading.Event | None = None,
 ) -> None:
-    """Serve this device's CPU at host:port until SIGINT/SIGTERM. `cache_dir` keeps the tensors
+    """Serve this device (its GPU if it has one, else its CPU) at host:port until SIGINT or
+    SIGTERM. `cache_dir` keeps the tensors
     a daemon sent (by hash), so the next load of the same model skips the transfer."""
     if not is_loopback(host) and not allow_remote:
         raise InvalidRequest(
@@ -38,7 +39,7 @@ def serve_worker(
         )
     if not 0 < port < 65536:
         raise InvalidRequest(f"port {port} is out of range", param="port")
-    devices = [ggml.cpu_device()]
+    devices = ggml.serving_devices()
     n_threads = threads or os.cpu_count() or 1
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -46,10 +47,12 @@ def serve_worker(
     # ggml's accept loop never returns: it runs on a thread, and the main thread waits for a
     # signal (a C call holds it otherwise, and Ctrl-C would never be seen).
     done = threading.Event()
+    failed = threading.Event()
 
     def run() -> None:
         ggml.start_server(endpoint, str(cache_dir) if cache_dir else None, n_threads, devices)
-        done.set()  # returns only when the socket could not be created
+        failed.set()  # it returns only when it could not serve (e.g. the port is taken)
+        done.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
@@ -58,3 +61,5 @@ def serve_worker(
     if on_listening is not None:
         on_listening.set()
     done.wait()
+    if failed.is_set():
+        raise DeviceUnavailable(f"could not serve ggml RPC on {endpoint} (is the port taken?)")

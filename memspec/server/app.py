@@ -48,20 +48,29 @@ class Lifecycle:
         self._maybe_ready()
 
     def on_engine_ready(self) -> None:  # engine thread
-        log.info("models loaded; engine ready")
+        if self.ctx.worker.state == "ready":
+            log.info("models loaded; engine ready")
+            if self._ready_sent:  # READY went out while it waited for a device
+                self.ctx.notifier.status(f"serving {self.ctx.model_id}")
         self._maybe_ready()
 
     def _maybe_ready(self) -> None:
         ctx = self.ctx
         with self._lock:
+            # Waiting for an RPC worker counts as started: the daemon answers (503 with the
+            # reason) and loads when the worker does; systemd must not time the start out.
             if (
                 self._ready_sent
                 or ctx.shutting_down
                 or not ctx.listening
-                or ctx.worker.state != "ready"
+                or ctx.worker.state not in ("ready", "waiting_for_device")
             ):
                 return
             self._ready_sent = True
+        if ctx.worker.state == "waiting_for_device":
+            ctx.notifier.ready(f"waiting for a device: {ctx.worker.error}")
+            log.info("started; waiting for a device: %s", ctx.worker.error)
+            return
         ctx.notifier.ready(f"serving {ctx.model_id}")
         log.info("ready: serving %s", ctx.model_id)
 

@@ -248,8 +248,9 @@ class EngineWorker:
             if self._on_fatal is not None:
                 self._on_fatal(e)
             return
-        self.state = "ready"
+        self.state, self.error = "ready", None
         self.heartbeat = time.monotonic()
+        self._beat_through_waits(self.runtime)
         self._observe_residency()
         if self._on_ready is not None:
             self._on_ready()
@@ -272,7 +273,10 @@ class EngineWorker:
             except DeviceUnavailable as e:
                 if self.state != "waiting_for_device":
                     log.error("waiting for a device: %s", e.message)
-                self.state, self.error = "waiting_for_device", e.message
+                    self.state, self.error = "waiting_for_device", e.message
+                    if self._on_ready is not None:  # up (503 with the reason): READY to systemd
+                        self._on_ready()
+                self.error = e.message
             with self._cond:
                 self.heartbeat = time.monotonic()
                 if self._stop:
@@ -287,6 +291,8 @@ class EngineWorker:
         a bad tune must not keep the daemon from starting on every restart."""
         try:
             rt = self._factory(self.settings)
+        except DeviceUnavailable:  # not the tune's fault: wait for the device, keep the tune
+            raise
         except Exception as e:
             if self._fallback is None:
                 raise
@@ -343,7 +349,7 @@ class EngineWorker:
         when no generation is active (none joins while one waits)."""
         while True:
             if self.state == "device_lost" and not self._active:
-                if self._restore_device():
+                if not (self._stop or not self._accepting) and self._restore_device():
                     continue
                 with self._cond:
                     self.heartbeat = time.monotonic()
@@ -533,7 +539,7 @@ class EngineWorker:
         except BaseException:
             self.settings.n_ctx, self.settings.parallel = old, old_parallel
             try:
-                self._load(pinned)
+                self._load_waiting_for_devices(pinned)
             except BaseException as e:
                 self.state, self.error = "failed", str(getattr(e, "message", e))
                 if self._on_fatal is not None:
@@ -541,12 +547,33 @@ class EngineWorker:
                 raise
             raise
 
+    def _load_waiting_for_devices(self, pinned: list[str]) -> None:
+        """_load; while an RPC worker is unreachable, wait for it (state waiting_for_device)
+        rather than fail the daemon over a device that may come back."""
+        while True:
+            try:
+                self._load(pinned)
+                return
+            except DeviceUnavailable as e:
+                self.state, self.error = "waiting_for_device", e.message
+            with self._cond:
+                self.heartbeat = time.monotonic()
+                if self._stop:
+                    raise NotReady("the daemon is shutting down", code="shutting_down")
+                self._cond.wait(DEVICE_RETRY_S)
+
     def _load(self, pinned: list[str]) -> None:
         rt = self.runtime = self._factory(self.settings)
         for draft_id in pinned:
             rt.pin(draft_id, True)
-        self.state = "ready"
+        self.state, self.error = "ready", None
         self.heartbeat = time.monotonic()
+        self._beat_through_waits(rt)
+
+    def _beat_through_waits(self, rt: Runtime) -> None:
+        """A target in its own process waits for it in slices: beat meanwhile (watchdog)."""
+        if hasattr(rt.target, "on_wait"):
+            rt.target.on_wait = lambda: setattr(self, "heartbeat", time.monotonic())
 
     # --- KV reuse across sessions -----------------------------------------------------------
     def prefix_cache_capacity(self) -> int:

@@ -17,8 +17,8 @@ from memspec.rpc.endpoints import is_loopback, layer_split, parse_endpoint
 
 def test_parse_endpoint():
     assert parse_endpoint("10.0.0.2:50052") == ("10.0.0.2", 50052)
-    assert parse_endpoint("[::1]:7000") == ("::1", 7000)
-    for bad in ("host", "host:", ":80", "h:0", "h:70000", "h:port"):
+    assert parse_endpoint("worker.local:7000") == ("worker.local", 7000)
+    for bad in ("host", "host:", ":80", "h:0", "h:70000", "h:port", "[::1]:7000"):
         with pytest.raises(InvalidRequest):
             parse_endpoint(bad)
 
