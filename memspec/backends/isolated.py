@@ -270,5 +270,21 @@ class IsolatedBackend(Backend):
     def describe(self) -> dict[str, object]:
         return {**self._describe, "isolated": True}
 
+    def process_bytes(self) -> int:
+        """The target's process's own memory (USS, else RSS): the daemon's measured use
+        counts it, since the model lives there."""
+        import psutil
+
+        if self._proc is None or self._proc.pid is None or not self._proc.is_alive():
+            return 0
+        try:
+            proc = psutil.Process(self._proc.pid)
+            try:
+                return proc.memory_full_info().uss
+            except (psutil.Error, OSError):
+                return proc.memory_info().rss
+        except (psutil.Error, OSError):
+            return 0
+
     def kv_bytes_per_token(self) -> int:
         return self._kv_bytes

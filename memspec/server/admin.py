@@ -115,6 +115,8 @@ def status(ctx: ServerContext) -> dict[str, Any]:
     rt = w.runtime
     snap = telemetry.snapshot()
     measured = telemetry.process_bytes(snap) or 0
+    if rt is not None and hasattr(rt.target, "process_bytes"):  # a target in its own process
+        measured += rt.target.process_bytes()
     if snap.get("jetson") and snap.get("nvmap_used_bytes"):
         measured += snap["nvmap_used_bytes"]  # GPU allocations in the shared DRAM
     cache = w.prefix_cache

@@ -71,8 +71,11 @@ def test_split_target_serves_survives_a_lost_worker_and_waits_for_one_at_start(t
             ws[1].start()
             _wait(lambda: _health(d)[0] == 200, "ready once the worker is back", d)
             assert _complete(d) == want
-            devices = httpx.get(d.url + "/admin/status", timeout=5).json()["devices"]
+            status = httpx.get(d.url + "/admin/status", timeout=5).json()
+            devices = status["devices"]
             assert sum(x["layers"] for x in devices) > 0 and all("bytes" in x for x in devices)
+            # The target's process counts: its local third of the F32 weights (~170 MB).
+            assert status["used_bytes"]["measured"] > 150_000_000
 
             # A worker killed mid-stream: that stream ends with an error, nothing else breaks.
             stream = _client(d).completions.create(
