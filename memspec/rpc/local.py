@@ -3,10 +3,10 @@ subprocesses, each behind a LatencyRelay that adds a link's one-way latency.
 
 Where it can (root, `ip netns`), each worker runs in a network namespace of its own, joined to
 this one by a veth pair on a test subnet of the run's own (10.2xx.i.0/24): a real network
-stack between daemon and worker. Where namespaces are refused, the workers listen on loopback instead, and `link`
-says which ran. Latency comes from the relay either way: `tc netem` would put it on the veth
-pair, but kernels without the netem qdisc (this project's test machine: "Specified qdisc kind
-is unknown") cannot, and the relay runs everywhere."""
+stack between daemon and worker. Where namespaces are refused, the workers listen on loopback
+instead, and `link` says which ran. Latency comes from the relay either way: `tc netem` would
+put it on the veth pair, but kernels without the netem qdisc (this project's test machine:
+"Specified qdisc kind is unknown") cannot, and the relay runs everywhere."""
 
 from __future__ import annotations
 
