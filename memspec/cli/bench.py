@@ -8,7 +8,6 @@ from pathlib import Path
 
 from memspec.bench import batch as batch_bench  # concurrent streams against a daemon
 from memspec.bench import load as load_bench  # load and soak runs against a daemon
-from memspec.bench import rpc as rpc_bench  # a target split over RPC workers
 from memspec.cli.flags import load_settings, model_flags, workload_flags
 
 
@@ -115,4 +114,45 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     load_bench.register_bench(bsub)
     batch_bench.register(bsub)
-    rpc_bench.register(bsub)
+    _register_rpc(bsub)
+
+
+def _register_rpc(bsub: argparse._SubParsersAction) -> None:
+    r = bsub.add_parser(
+        "rpc", help="plain vs speculative decoding over a target split across RPC workers"
+    )
+    model_flags(r)
+    r.add_argument("--latency", default="0,1,5", help="added one-way latency per link, ms")
+    r.add_argument("--workers", type=int, default=2, help="rpc workers started on this machine")
+    r.add_argument("--worker-threads", type=int, default=1, help="CPU threads per worker")
+    r.add_argument("--per-category", type=int, default=1, help="prompts per class")
+    r.add_argument("--workload", choices=["mtbench", "heldout"], default="heldout")
+    r.add_argument("--max-tokens", type=int, default=64)
+    r.add_argument("--out", required=True, help="JSON report")
+    r.add_argument("--plot", help="PNG of tokens/s and speedup against latency")
+    r.set_defaults(func=cmd_bench_rpc)
+
+
+def cmd_bench_rpc(args: argparse.Namespace) -> int:
+    from memspec.bench.rpc import plot, run_rpc_bench
+
+    try:
+        latencies = [float(x) for x in args.latency.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--latency takes numbers (ms): {args.latency!r}") from None
+    report = run_rpc_bench(
+        load_settings(args), latencies, args.workers, args.per_category, args.max_tokens,
+        args.workload, args.worker_threads,
+    )  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        plot(report, Path(args.plot))
+    for latency, cells in report["summary"].items():
+        line = ", ".join(
+            f"{n} {c['tokens_per_s']:.1f} ({c['speedup']:.2f}x)" for n, c in cells.items()
+        )
+        print(f"{latency:>5s} ms: {line}")
+    print(f"all identical to the local target: {report['all_identical']}")
+    return 0
