@@ -321,6 +321,35 @@ class Backend(ABC):
         return 0
 
 
+class SequenceContext(Backend):
+    """A backend over one context of sequences whose primitives take a sequence id
+    (`_forward_seq`, `_truncate_seq`, `_snapshot_seq`, `_restore_seq`: llama.cpp, in this
+    process or its own): the backend itself is sequence 0, `slots` the rest."""
+
+    supports_kv_snapshot = True
+    _slots: list[Backend]
+
+    @property
+    def slots(self) -> list[Backend]:
+        return self._slots
+
+    def _forward(self, tokens: list[int], all_logits: bool, copy: bool = True) -> np.ndarray:
+        logits, self._features = self._forward_seq(0, len(self.tokens), tokens, all_logits, copy)
+        return logits
+
+    def _truncate_kv(self, n: int) -> None:
+        self._truncate_seq(0, n)
+
+    def kv_snapshot(self) -> KVSnapshot | None:
+        return self._snapshot_seq(0, self.tokens)
+
+    def kv_restore(self, snapshot: KVSnapshot) -> bool:
+        self._features = None  # rows of the tokens being replaced
+        ok = self._restore_seq(0, snapshot)
+        self.tokens = list(snapshot.tokens) if ok else []
+        return ok
+
+
 class SequenceSlot(Backend):
     """Sequence `seq_id` of a multi-sequence backend's context: its own tokens and KV cache,
     the model, tokenizer and metadata of its root (slot 0), which does the compute."""

@@ -25,7 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from memspec.backends.base import Backend, BackendOptions, KVSnapshot, SequenceSlot
+from memspec.backends.base import (
+    Backend,
+    BackendOptions,
+    KVSnapshot,
+    SequenceContext,
+    SequenceSlot,
+)
 from memspec.errors import DeviceUnavailable
 
 log = logging.getLogger("memspec.backends")
@@ -98,9 +104,7 @@ def _die_with_parent() -> None:
         pass
 
 
-class IsolatedBackend(Backend):
-    supports_kv_snapshot = True
-
+class IsolatedBackend(SequenceContext):
     def __init__(self, path: Path, options: BackendOptions):
         super().__init__()
         self.path, self.options = path, options
@@ -212,14 +216,6 @@ class IsolatedBackend(Backend):
         return b"".join(self._pieces[t] for t in tokens)
 
     # --- compute --------------------------------------------------------------------------
-    @property
-    def slots(self) -> list[Backend]:
-        return self._slots
-
-    def _forward(self, tokens: list[int], all_logits: bool, copy: bool = True) -> np.ndarray:
-        logits, self._features = self._forward_seq(0, len(self.tokens), tokens, all_logits, copy)
-        return logits
-
     def _forward_argmax(self, tokens: list[int]) -> list[int]:
         ids, self._features = self._call("argmax_seq", 0, len(self.tokens), tokens)
         return ids
@@ -234,21 +230,9 @@ class IsolatedBackend(Backend):
     ) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
         return self._call("_forward_many", entries)
 
-    def _truncate_kv(self, n: int) -> None:
-        self._truncate_seq(0, n)
-
     def _truncate_seq(self, seq_id: int, n: int) -> None:
         if self.lost is None:  # a lost child's KV is gone whole: nothing to truncate
             self._call("_truncate_seq", seq_id, n)
-
-    def kv_snapshot(self) -> KVSnapshot | None:
-        return self._snapshot_seq(0, self.tokens)
-
-    def kv_restore(self, snapshot: KVSnapshot) -> bool:
-        self._features = None
-        ok = self._restore_seq(0, snapshot)
-        self.tokens = list(snapshot.tokens) if ok else []
-        return ok
 
     def _snapshot_seq(self, seq_id: int, tokens: list[int]) -> KVSnapshot | None:
         return self._call("_snapshot_seq", seq_id, list(tokens)) if tokens else None

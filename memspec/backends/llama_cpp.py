@@ -34,7 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
-from memspec.backends.base import Backend, BackendOptions, KVSnapshot, SequenceSlot
+from memspec.backends.base import (
+    Backend,
+    BackendOptions,
+    KVSnapshot,
+    SequenceContext,
+    SequenceSlot,
+)
 from memspec.errors import ModelLoadError
 
 
@@ -90,9 +96,7 @@ def _load_params(weight_repack: bool, n_seq: int, devices: list[int]) -> Iterato
             lib.llama_context_default_params = context_default
 
 
-class LlamaCppBackend(Backend):
-    supports_kv_snapshot = True
-
+class LlamaCppBackend(SequenceContext):
     def __init__(self, path: Path, options: BackendOptions):
         super().__init__()
         import llama_cpp
@@ -209,14 +213,6 @@ class LlamaCppBackend(Backend):
         return piece
 
     # --- compute ------------------------------------------------------------------------
-    @property
-    def slots(self) -> list[Backend]:
-        return self._slots
-
-    def _forward(self, tokens: list[int], all_logits: bool, copy: bool = True) -> np.ndarray:
-        logits, self._features = self._forward_seq(0, len(self.tokens), tokens, all_logits, copy)
-        return logits
-
     def _forward_seq(
         self, seq_id: int, n_past: int, tokens: list[int], all_logits: bool, copy: bool
     ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -343,21 +339,9 @@ class LlamaCppBackend(Backend):
             llama_cpp.llama_set_embeddings(self._llm._ctx.ctx, on)
             self._embeddings_on = on
 
-    def _truncate_kv(self, n: int) -> None:
-        self._truncate_seq(0, n)
-
     def _truncate_seq(self, seq_id: int, n: int) -> None:
         if not self._llm._ctx.kv_cache_seq_rm(seq_id, n, -1):
             raise RuntimeError(f"llama.cpp refused to truncate sequence {seq_id} to {n}")
-
-    def kv_snapshot(self) -> KVSnapshot | None:
-        return self._snapshot_seq(0, self.tokens)
-
-    def kv_restore(self, snapshot: KVSnapshot) -> bool:
-        self._features = None  # rows of the tokens being replaced
-        ok = self._restore_seq(0, snapshot)
-        self.tokens = list(snapshot.tokens) if ok else []
-        return ok
 
     def _snapshot_seq(self, seq_id: int, tokens: list[int]) -> KVSnapshot | None:
         import llama_cpp
