@@ -27,6 +27,8 @@ PROMPTS = [
     "Count from one to ten in words: one, two,",
 ]
 LENGTHS = [24, 40, 32, 20, 36, 28]
+# A completion that goes on for hundreds of tokens on any CPU's kernels (a stream to cut).
+LONG_PROMPT = "The numbers from 1 to 200, one per line:\n1\n2\n3\n4\n"
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +88,15 @@ def test_a_stream_cut_mid_batch_leaves_the_others_exact(daemon):
     with httpx.stream(
         "POST",
         daemon.url + "/v1/completions",
-        json={"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 300, "stream": True},
+        json={"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 300, "stream": True},
         timeout=60,
     ) as r:
-        lines = r.iter_lines()
+        assert r.status_code == 200, r.read()
+        events = (line for line in r.iter_lines() if line.startswith("data: "))
         for t in threads:
             t.start()
-        for _ in range(6):  # a few chunks while the others run, then hang up
-            next(lines)
+        seen = [next(events, None) for _ in range(3)]  # a few chunks while the others run
+        assert None not in seen and "[DONE]" not in seen[-1], f"stream ended before the cut: {seen}"
     for t in threads:
         t.join(120)
     assert [got.get(i) for i in range(3)] == alone
