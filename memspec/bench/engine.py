@@ -109,7 +109,7 @@ def _worst(rows: list[dict], plain_rows: list[dict]) -> float | None:
     return round(min(ratios), 3) if ratios else None
 
 
-def _round_profile(rows: list[dict], costs, draft: str | None) -> dict:
+def round_profile(rows: list[dict], costs, draft: str | None) -> dict:
     """Milliseconds per round in each phase; predicted vs measured tokens/s for one draft."""
     rounds = sum(r.get("rounds", 0) for r in rows)
     if not rounds:
@@ -213,7 +213,7 @@ def run_engine_bench(
                     [r for r in plain if r["category"] == c],
                 )
             if name in draft_of:
-                entry["round_profile"] = _round_profile(rows, rt.costs, draft_of[name])
+                entry["round_profile"] = round_profile(rows, rt.costs, draft_of[name])
             entry["runs"] = rows
             section["configs"][name] = entry
         ours = [e for n, e in section["configs"].items() if n in draft_of]

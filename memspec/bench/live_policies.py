@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memspec.drafts.model import ModelDraft
+from memspec.engine.costs import AcceptanceEstimator
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import speculative_generate
 from memspec.paths import DEFAULT_PREDICTOR
@@ -106,6 +107,18 @@ def new_working_set(rt, trace: Trace, budget: int):
     return ws
 
 
+def preload(ws, draft_ids: list[str]) -> None:
+    """The configured drafts, in order, as far as the budget allows (never evicting)."""
+    from memspec.errors import BudgetExceeded
+
+    for d in draft_ids:
+        try:
+            ws.load(d, evict=False)
+        except BudgetExceeded:
+            continue
+    ws.wait_idle(timeout=120.0)
+
+
 def wait_idle(ws, timeout: float = 120.0) -> float:
     """Block until the working set's loader is idle; return the seconds waited."""
     t = time.perf_counter()
@@ -113,7 +126,17 @@ def wait_idle(ws, timeout: float = 120.0) -> float:
     return time.perf_counter() - t
 
 
-def run_one(rt, ws, policy: Policy, req: TraceRequest, max_tokens: int, tot: LiveTotals) -> None:
+def run_one(
+    rt,
+    ws,
+    policy: Policy | None,
+    est: AcceptanceEstimator,
+    req: TraceRequest,
+    max_tokens: int,
+    tot: LiveTotals,
+) -> None:
+    """One request under `policy` (None: auto, the bare decision rule), as the daemon runs it;
+    `est` is the policy's own acceptance learnt across its requests."""
     for draft in ws.lease_resident():  # every request starts with cold draft KV (as traced)
         if isinstance(draft, ModelDraft):
             draft.backend.reset()
@@ -121,8 +144,12 @@ def run_one(rt, ws, policy: Policy, req: TraceRequest, max_tokens: int, tot: Liv
     rt.target.reset()
     params = SamplingParams(max_tokens=max_tokens)
     t = time.perf_counter()
-    rounds = Scheduler(ws, rt.costs, rt.estimator, rt.settings.k_max)
-    rounds.begin_policy(policy, Request(req.id, req.prompt, req.text, req.turn, max_tokens))
+    rounds = Scheduler(ws, rt.costs, est, rt.settings.k_max)
+    if policy is None:
+        rounds.begin(req.prompt, params, draft="auto", policy="auto", estimator=est)
+    else:
+        request = Request(req.id, req.prompt, req.text, req.turn, max_tokens)
+        rounds.begin_policy(policy, request, est)
     with rt.lock:
         gen = speculative_generate(rt.target, req.prompt, params, rounds)
     stats = rounds.finish()
@@ -148,6 +175,7 @@ def run_live(settings, cfg, out: Path) -> dict:
     from memspec.runtime import Runtime
 
     # The runtime loads the whole pool once: calibration (cached) and the trace need it.
+    configured = list(settings.drafts)  # what auto's working set preloads, as the daemon's
     settings.drafts = list(load_manifests(settings_pool_dir(settings)))
     rt = Runtime(settings)
     sets: dict = {}
@@ -159,13 +187,20 @@ def run_live(settings, cfg, out: Path) -> dict:
         budget = resolve_live_budget(cfg.budget, trace, env)
         workload = sim_workload(trace, None, cfg.seed)
         oracle = oracle_table(trace, _this_machine_setup(trace, rt))
-        names = policy_names(trace, cfg.policies)
+        names = policy_names(trace, cfg.policies, live=True)
         predictor_path = Path(cfg.predictor) if cfg.predictor else DEFAULT_PREDICTOR
-        policies: dict[str, Policy] = {}
+        policies: dict[str, Policy | None] = {}
+        estimators: dict[str, AcceptanceEstimator] = {}
         for n in names:
+            sets[n] = new_working_set(rt, trace, budget)
+            if n in ("auto", "memspec"):  # the daemon's working set starts with these
+                preload(sets[n], [d for d in configured if d in trace.draft_ids])
+            if n == "auto":
+                policies[n], estimators[n] = None, rt.new_estimator()
+                continue
             pred = load_or_fallback(predictor_path) if n == "memspec" else None
             policies[n] = make_policy(n, env, pred, oracle, cfg.seed)
-            sets[n] = new_working_set(rt, trace, budget)
+            estimators[n] = AcceptanceEstimator()
         totals = {n: LiveTotals() for n in names}
         # Counters from here on: the weightless drafts' set-up loads are not the policy's.
         base = {n: (ws.loads, ws.evictions) for n, ws in sets.items()}
@@ -174,9 +209,8 @@ def run_live(settings, cfg, out: Path) -> dict:
         for i, req in enumerate(tqdm(workload, desc="bench policies (live)", unit="req")):
             order = names[i % len(names) :] + names[: i % len(names)]
             for n in order:
-                run_one(
-                    rt, sets[n], policies[n], req, trace.header["settings"]["max_tokens"], totals[n]
-                )
+                max_tokens = trace.header["settings"]["max_tokens"]
+                run_one(rt, sets[n], policies[n], estimators[n], req, max_tokens, totals[n])
         report = {
             "mode": "live",
             "budget_bytes": budget,
@@ -203,7 +237,9 @@ def run_live(settings, cfg, out: Path) -> dict:
                 "idle_wait_s": round(t.idle_wait_s, 4),
                 "policy_overhead_us_per_round": round(t.policy_s / max(t.rounds, 1) * 1e6, 2),
                 "policy_overhead_share": round(t.policy_s / t.seconds, 5) if t.seconds else None,
-                "status": policies[n].status(),
+                "status": (
+                    p.status() if (p := policies[n]) else {"policy": n, "drafts": configured}
+                ),
             }
         report["all_identical"] = all(t.identical for t in totals.values())
         report["divergences"] = explain_divergences(rt, trace, totals)

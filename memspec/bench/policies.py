@@ -1,4 +1,5 @@
-"""`memspec bench policies`: none, fixed drafts, ucb, exp3, memspec and oracle on one workload.
+"""`memspec bench policies`: none, fixed drafts, ucb, exp3, memspec and oracle on one workload
+(live runs add auto).
 
 The workload is MT-Bench, both turns, with categories interleaved in runs (two questions of
 one category, then the next category...), so what is worth keeping resident changes over
@@ -8,9 +9,10 @@ time; the budget holds the target plus fewer drafts than the pool.
   many requests, plus the SpecMemo curve: memspec's tokens/s as the budget shrinks.
 - `--mode live`: the real engine on this machine. Every policy decodes every request; the
   policies take turns request by request (the order rotates), so machine noise falls on all
-  alike. Each policy has its own working set under the same budget, and a load its prefetch
-  left running when its request ended is waited for and charged to it. Greedy output must be
-  identical to plain decoding for every policy and request.
+  alike. Policies that decide by the rule (auto, memspec) run as the daemon runs them. Each
+  policy has its own working set under the same budget, and a load its prefetch left running
+  when its request ended is waited for and charged to it. Greedy output must be identical to
+  plain decoding for every policy and request.
 """
 
 from __future__ import annotations
@@ -67,8 +69,11 @@ class BenchConfig:
         self.curve_points = 4
 
 
-def policy_names(trace: Trace, only: list[str] | None) -> list[str]:
-    names = ["none", *(f"fixed:{d}" for d in trace.draft_ids), "ucb", "exp3", "memspec", "oracle"]
+def policy_names(trace: Trace, only: list[str] | None, live: bool = False) -> list[str]:
+    """The policies a run compares; live runs add `auto` (the decision rule over the drafts
+    the configuration preloads: what the daemon does when no policy plans residency)."""
+    fixed = [f"fixed:{d}" for d in trace.draft_ids]
+    names = ["none", *fixed, *(["auto"] if live else []), "ucb", "exp3", "memspec", "oracle"]
     if only:
         unknown = [p for p in only if p not in names]
         if unknown:
@@ -93,6 +98,7 @@ def summarise(report: dict) -> dict:
         "memspec/ucb": ratio("memspec", "ucb"),
         "memspec/exp3": ratio("memspec", "exp3"),
         "memspec/oracle": ratio("memspec", "oracle"),
+        "memspec/auto": ratio("memspec", "auto"),
         "memspec/best_fixed": ratio("memspec", best),
         "memspec/none": ratio("memspec", "none"),
     }

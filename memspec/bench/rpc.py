@@ -16,6 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from memspec.bench.engine import round_profile
 from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
 from memspec.engine.types import SamplingParams
@@ -95,26 +96,37 @@ def _run_level(
     for _, draft, k, policy in CONFIGS:
         rt.generate(warm, SamplingParams(max_tokens=8), draft=draft, k=k, policy=policy)
     rows: dict[str, list[dict]] = {name: [] for name, *_ in CONFIGS}
+    # Each rule-driven config learns on its own (memspec keeps its policy's own statistics).
+    estimators = {name: rt.new_estimator() for name, *_ in CONFIGS}
     for p, ref in tqdm(list(zip(prompts, refs, strict=True)), desc="bench rpc", unit="prompt"):
         tokens = _tokens(rt, p)
         for name, draft, k, policy in CONFIGS:
             rt.target.reset()  # each config pays its prefill
-            gen = rt.generate(tokens, params, draft=draft, k=k, policy=policy)
+            est = None if policy == "memspec" else estimators[name]
+            gen = rt.generate(tokens, params, draft=draft, k=k, policy=policy, estimator=est)
             rows[name].append(
                 {
                     "id": p.id,
                     "tokens": gen.completion_tokens,
                     "seconds": gen.elapsed_s,
+                    "proposed": gen.proposed,
                     "accepted": gen.accepted,
                     "rounds": gen.rounds,
+                    "draft_rounds": sum(gen.drafts_used.values()),
+                    "drafts_used": gen.drafts_used,
+                    "phases": gen.phases,
                     "identical": gen.token_ids == ref,
                 }
             )
     return {
         "load_s": round(load_s, 2),
         "verify_ms": [round(s * 1e3, 2) for s in rt.costs.verify_s],
+        "draft_ms_per_token": {d: round(s * 1e3, 2) for d, s in rt.costs.draft_s.items()},
         "devices": rt.devices(),
         "runs": rows,
+        "round_profile": {
+            name: round_profile(rows[name], rt.costs, draft) for name, draft, *_ in CONFIGS
+        },
     }
 
 

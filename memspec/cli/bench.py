@@ -95,7 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     e.set_defaults(func=cmd_bench_engine)
 
-    b = bsub.add_parser("policies", help="none/fixed/ucb/exp3/memspec/oracle on a mixed workload")
+    b = bsub.add_parser(
+        "policies", help="none/fixed/ucb/exp3/memspec/oracle (live: and auto) on a mixed workload"
+    )
     model_flags(b)
     b.add_argument("--mode", choices=["live", "sim"], required=True)
     b.add_argument("--budget", required=True, help="bytes (target + KV + drafts), or 'auto'")

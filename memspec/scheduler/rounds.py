@@ -127,28 +127,29 @@ class Scheduler:
             return
         text, turns = chat_text(messages)
         request = Request("", prompt, text, turns, params.max_tokens)
-        named = self.policy(policy)
-        self.begin_policy(named, request)
-        if named.rounds_by_rule:
-            # The policy plans residency and learns; each round is the decision rule's over
-            # what is resident, its acceptance estimates starting from the policy's priors
-            # for this request (memspec: the predictor's, from the prompt).
-            est = estimator or self.rule_estimators.setdefault(policy, AcceptanceEstimator())
-            for key, alpha in named.round_priors().items():
-                est.set_prior(key, alpha)
+        self.begin_policy(self.policy(policy), request, estimator)
 
-            def rule(drafts: list[Draft]) -> RoundPolicy:
-                return DecisionRulePolicy(drafts, self.costs, est, self.k_max)
-
-            self._build, self._rule, self._resident, self._ids = rule, rule([]), (), None
-
-    def begin_policy(self, policy: Policy, request: Request) -> None:
+    def begin_policy(
+        self, policy: Policy, request: Request, estimator: AcceptanceEstimator | None = None
+    ) -> None:
         """Start a request that `policy` decides (the live policy bench brings its own)."""
         self.stats = RoundStats()
         self._policy, self._request, self._open, self._build = policy, request, None, None
         t = time.thread_time()
         policy.begin(request, self.ws)
         self.stats.policy_s += time.thread_time() - t
+        if policy.rounds_by_rule:
+            # The policy plans residency and learns; each round is the decision rule's over
+            # what is resident, its acceptance estimates starting from the policy's priors
+            # for this request (memspec: the predictor's, from the prompt).
+            est = estimator or self.rule_estimators.setdefault(policy.name, AcceptanceEstimator())
+            for key, alpha in policy.round_priors().items():
+                est.set_prior(key, alpha)
+
+            def rule(drafts: list[Draft]) -> RoundPolicy:
+                return DecisionRulePolicy(drafts, self.costs, est, self.k_max)
+
+            self._build, self._rule, self._resident, self._ids = rule, rule([]), (), None
 
     def finish(self) -> RoundStats:
         """Close the last round and end the request (once, after generation)."""
