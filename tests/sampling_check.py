@@ -11,6 +11,9 @@ from memspec.backends.base import Backend
 from memspec.engine.sampling import SamplingParams, probs_from_logits
 
 N_SAMPLES = 1200
+# The power checks: a wrong acceptance rule is far off the exact joint, so this many samples
+# (with the threshold for this many) show it.
+N_POWER = 400
 PARAMS = dict(temperature=1.0, top_p=0.9)
 
 

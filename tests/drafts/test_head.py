@@ -13,7 +13,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from launcher import TARGET_FILE, require_testbed
-from sampling_check import N_SAMPLES, PARAMS, exact_joint, null_threshold, tv
+from sampling_check import N_POWER, N_SAMPLES, PARAMS, exact_joint, null_threshold, tv
 
 pytest.importorskip("torch")
 
@@ -99,12 +99,17 @@ def test_recipe_trained_and_reports(head_ci):
     assert check_draft(fingerprint_of(models_dir() / TARGET_FILE), m, models_dir()) is None
 
 
+@pytest.fixture(scope="module")
+def plain_outputs(target, prompts) -> list[list[int]]:
+    params = SamplingParams(max_tokens=40)
+    return [plain(target, prompt, params).token_ids for prompt in prompts]
+
+
 @pytest.mark.parametrize("k", range(1, 9))
-def test_greedy_lossless_for_every_k(head_ci, target, prompts, k):
+def test_greedy_lossless_for_every_k(head_ci, target, prompts, plain_outputs, k):
     head = HeadDraft("head-ci", head_ci, target)
     params = SamplingParams(max_tokens=40)
-    for prompt in prompts:
-        want = plain(target, prompt, params).token_ids
+    for prompt, want in zip(prompts, plain_outputs, strict=True):
         target.reset()
         gen = spec.speculative_generate(target, prompt, params, FixedPolicy(head, k))
         assert gen.token_ids == want
@@ -112,14 +117,13 @@ def test_greedy_lossless_for_every_k(head_ci, target, prompts, k):
         assert 0 < gen.accepted < gen.proposed
 
 
-def test_greedy_lossless_under_the_decision_rule(head_ci, target, prompts):
+def test_greedy_lossless_under_the_decision_rule(head_ci, target, prompts, plain_outputs):
     head = HeadDraft("head-ci", head_ci, target)
     costs = measure(target, [head], k_max=8)
     assert 0 < costs.draft_s["head-ci"] < costs.verify_s[0]  # calibrated per drafted token
     policy = DecisionRulePolicy([head], costs, AcceptanceEstimator(prior_alpha=0.9))
     params = SamplingParams(max_tokens=40)
-    for prompt in prompts:
-        want = plain(target, prompt, params).token_ids
+    for prompt, want in zip(prompts, plain_outputs, strict=True):
         target.reset()
         assert spec.speculative_generate(target, prompt, params, policy).token_ids == want
 
@@ -134,7 +138,11 @@ def test_sampling_matches_the_target(head_ci, target, monkeypatch):
     )
     params = SamplingParams(**PARAMS)
     exact = exact_joint(target, prompt)
-    threshold = null_threshold(exact, N_SAMPLES, np.random.default_rng(0))
+    # Half the engine's sample count (a head's sample costs ~0.3 s here): the acceptance rule
+    # itself is held to N_SAMPLES in tests/engine; what this checks is the head's proposal
+    # distribution entering it.
+    n_exact = N_SAMPLES // 2
+    threshold = null_threshold(exact, n_exact, np.random.default_rng(0))
 
     drafted = Counter()
 
@@ -154,14 +162,14 @@ def test_sampling_matches_the_target(head_ci, target, monkeypatch):
     assert proposal.probs is not None and len(proposal.probs[0]) == target.n_vocab
     assert np.isclose(proposal.probs[0].sum(), 1.0)
     assert proposal.probs[0][proposal.tokens[0]] > 0
-    assert tv(samples(N_SAMPLES), exact, N_SAMPLES) < threshold
-    assert drafted["tokens"] >= N_SAMPLES  # the head proposed in every sample
+    assert tv(samples(n_exact), exact, n_exact) < threshold
+    assert drafted["tokens"] >= n_exact  # the head proposed in every sample
 
     def argmax_accept(token, p, q, rng):  # wrong on purpose: accept iff it is p's argmax
         return int(np.argmax(p)) == token
 
     monkeypatch.setattr(spec, "accept_draft_token", argmax_accept)
-    n = N_SAMPLES // 3  # the wrong rule is far off: fewer samples show it
+    n = N_POWER // 2
     assert tv(samples(n), exact, n) > null_threshold(exact, n, np.random.default_rng(0))
 
 
