@@ -20,7 +20,7 @@ class FixedPolicy:
     def observe(self, key, proposed, accepted, seconds) -> None:
         pass
 
-    def observe_costs(self, draft_id, drafted, draft_s, gap, verify_s) -> None:
+    def observe_costs(self, draft_id, drafted, draft_s, gap, verify_s, first_s=0.0) -> None:
         pass
 
 
@@ -91,8 +91,8 @@ class DecisionRulePolicy:
                 best, best_rate = Choice(draft, k, proposal, alpha, cont), rate
         return best
 
-    def observe_costs(self, draft_id, drafted, draft_s, gap, verify_s) -> None:
-        self.costs.observe(draft_id, drafted, draft_s, gap, verify_s)
+    def observe_costs(self, draft_id, drafted, draft_s, gap, verify_s, first_s=0.0) -> None:
+        self.costs.observe(draft_id, drafted, draft_s, gap, verify_s, first_s)
 
     def observe(self, key, proposed, accepted, seconds) -> None:
         if key not in self._free_keys:  # free proposals are scored whole, as shadows

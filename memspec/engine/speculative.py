@@ -261,6 +261,7 @@ class Sequence:
                 t["verify"] - t["propose"],
                 proposal.catchup_tokens if proposal is not None else 0,
                 verify_s,
+                catchup,
             )
         for phase, seconds in (
             ("choose", t["propose"] - t["draft"]),

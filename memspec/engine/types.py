@@ -102,8 +102,15 @@ class RoundPolicy(Protocol):
     def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None: ...
 
     def observe_costs(
-        self, draft_id: str | None, drafted: int, draft_s: float, gap: int, verify_s: float
+        self,
+        draft_id: str | None,
+        drafted: int,
+        draft_s: float,
+        gap: int,
+        verify_s: float,
+        first_s: float = 0.0,
     ) -> None:
-        """Every round, as measured: the draft's time (catching up on `gap` tokens) and the
-        target's for verifying drafted + 1 tokens; a policy with a CostModel corrects it."""
+        """Every round, as measured: the draft's time (catching up on `gap` tokens; its first
+        forward took first_s) and the target's for verifying drafted + 1 tokens; a policy with
+        a CostModel corrects it."""
         ...

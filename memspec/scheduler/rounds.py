@@ -189,9 +189,15 @@ class Scheduler:
         return choice
 
     def observe_costs(
-        self, draft_id: str | None, drafted: int, draft_s: float, gap: int, verify_s: float
+        self,
+        draft_id: str | None,
+        drafted: int,
+        draft_s: float,
+        gap: int,
+        verify_s: float,
+        first_s: float = 0.0,
     ) -> None:
-        self.costs.observe(draft_id, drafted, draft_s, gap, verify_s)
+        self.costs.observe(draft_id, drafted, draft_s, gap, verify_s, first_s)
 
     def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None:
         if self._policy is None or self._build is not None:
@@ -349,6 +355,12 @@ class LookupRounds:
         self._rule.observe(key, proposed, accepted, seconds)
 
     def observe_costs(
-        self, draft_id: str | None, drafted: int, draft_s: float, gap: int, verify_s: float
+        self,
+        draft_id: str | None,
+        drafted: int,
+        draft_s: float,
+        gap: int,
+        verify_s: float,
+        first_s: float = 0.0,
     ) -> None:
-        self.costs.observe(draft_id, drafted, draft_s, gap, verify_s)
+        self.costs.observe(draft_id, drafted, draft_s, gap, verify_s, first_s)

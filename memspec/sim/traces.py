@@ -185,8 +185,8 @@ class RecordingPolicy:
             self._open["proposed"], self._open["accepted"] = proposed, accepted
         self.inner.observe(key, proposed, accepted, seconds)
 
-    def observe_costs(self, draft_id, drafted, draft_s, gap, verify_s) -> None:
-        self.inner.observe_costs(draft_id, drafted, draft_s, gap, verify_s)
+    def observe_costs(self, draft_id, drafted, draft_s, gap, verify_s, first_s=0.0) -> None:
+        self.inner.observe_costs(draft_id, drafted, draft_s, gap, verify_s, first_s)
 
     def _close(self, t: float) -> None:
         if self._open is None:
