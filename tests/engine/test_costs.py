@@ -124,3 +124,25 @@ def test_uneven_ks_cost_an_ubatch_each():
     assert pass_seconds(costs, [1, 1, 1, 1]) == costs.batch(4)
     assert pass_seconds(costs, [3, 1, 1, 1]) == costs.batch(4) + costs.batch(2)
     assert pass_seconds(costs, [3, 3, 3, 3]) == costs.batch(12)
+
+
+def test_a_dear_first_forward_is_charged_once_per_round():
+    """Over a split target the draft's first forward after a verify (which also feeds the
+    correction token) cost 46 ms and later steps 19 ms (q8_0, 5 ms links). Charged to every
+    drafted token, it held the rule to short drafts at α 0.97 (k = 1 for whole requests)."""
+    verify = [0.096, 0.116, 0.121, 0.144, 0.148, 0.167, 0.178, 0.180, 0.211]
+    lumped = CostModel(verify_s=verify, draft_s={"d": 0.019})
+    split = CostModel(verify_s=verify, draft_s={"d": 0.019})
+    for _ in range(40):  # k = 1 rounds: the whole draft time is the first forward
+        lumped.observe("d", 1, 0.046, 1, 0.116)
+        split.observe("d", 1, 0.046, 1, 0.116, first_s=0.046)
+    assert lumped.best_k("d", 0.97, 8, 0.9)[0] <= 2
+    assert abs(split.round_seconds("d", 3) - (0.046 + 2 * 0.019 + 0.144)) < 1e-3
+    assert split.best_k("d", 0.97, 8, 0.9)[0] >= 4
+    for _ in range(40):  # k = 4 rounds: later steps learnt from what the first left
+        split.observe("d", 4, 0.046 + 3 * 0.025, 1, 0.148, first_s=0.046)
+    assert abs(split.draft_cost("d") - 0.025) < 1e-3
+    # Without the first forward's time, rounds are charged per token as before.
+    plain = CostModel(verify_s=verify, draft_s={"d": 0.019})
+    plain.observe("d", 2, 0.050, 1, 0.121)
+    assert abs(plain.round_seconds("d", 2) - (2 * plain.draft_cost("d") + 0.121)) < 1e-9
