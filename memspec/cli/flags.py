@@ -83,8 +83,12 @@ def _comma_list(text: str) -> list[str]:
 
 
 def _help(field: FieldInfo, kind: type) -> str:
-    text = ("comma-separated " if kind is list else "") + (field.description or "")
+    text = field.description or ""
+    if kind is list and "comma-separated" not in text:
+        text = "comma-separated " + text
     default = field.get_default(call_default_factory=True)
-    if default is not None and kind is not bool:
-        text += f" (default: {','.join(default) if kind is list else default})"
+    # An empty list or a description that names its own default says nothing more here.
+    if default not in (None, []) and kind is not bool and "(default" not in text:
+        shown = ",".join(map(str, default)) if kind is list else default
+        text += f" (default: {shown})"
     return text.replace("%", "%%")  # argparse formats help with %
