@@ -80,7 +80,8 @@ def _serve(conn: Connection, path: str, options: BackendOptions) -> None:
                 result: Any = (rows.argmax(axis=1).tolist(), feats)
             else:
                 result = getattr(backend, name)(*args)
-            conn.send(("ok", result))
+            # With the time its forward passes have taken so far (the parent's decode_s).
+            conn.send(("ok", (result, backend.decode_s)))
         except Exception as e:  # noqa: BLE001 - the parent raises it in the request
             _send_error(conn, e)
     backend.close()
@@ -128,6 +129,7 @@ class IsolatedBackend(SequenceContext):
         proc.start()
         child.close()
         self._proc, self._conn, self.lost = proc, parent, None
+        self._decode_base = self.decode_s  # what earlier children's passes took
         status, value = self._receive(LOAD_TIMEOUT_S, "loading the target")
         if status == "error":
             self._stop()
@@ -183,7 +185,9 @@ class IsolatedBackend(SequenceContext):
         status, value = self._receive(self.options.rpc_timeout_s * passes, f"running {name}")
         if status == "error":
             raise value
-        return value
+        result, child_decode_s = value
+        self.decode_s = self._decode_base + child_decode_s
+        return result
 
     @staticmethod
     def _tokens_in(name: str, args: tuple) -> int:
