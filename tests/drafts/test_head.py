@@ -169,7 +169,7 @@ def test_sampling_matches_the_target(head_ci, target, monkeypatch):
         return int(np.argmax(p)) == token
 
     monkeypatch.setattr(spec, "accept_draft_token", argmax_accept)
-    n = N_POWER // 2
+    n = N_POWER
     assert tv(samples(n), exact, n) > null_threshold(exact, n, np.random.default_rng(0))
 
 
