@@ -300,6 +300,13 @@ class Backend(ABC):
         """Replace the KV cache by `snapshot`; False (cache left empty or as it was) if it fails."""
         return False
 
+    def kv_layout(self) -> tuple[object, ...] | None:
+        """What one token's KV cache is made of (engine, architecture, layers, KV heads, head
+        sizes). Two backends of one layout can load each other's snapshots cheaply (a
+        self-draft takes the target's prompt KV instead of computing its own); None: not
+        such a backend (no snapshots, or a snapshot that would cross a process or a link)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the model and its KV cache."""
 

@@ -389,6 +389,12 @@ class LlamaCppBackend(SequenceContext):
             and not self.options.weight_repack,
         }
 
+    def kv_layout(self) -> tuple[object, ...] | None:
+        if self.options.rpc:  # a snapshot would read every layer's cache over the links
+            return None
+        arch = self.metadata.get("general.architecture", "llama")
+        return ("llama.cpp", arch, self.n_layers, self.n_kv_heads, self.head_dim_k, self.head_dim_v)
+
     # --- memory -------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
         # K and V in f16, every layer: llama.cpp's default (swa_full) gives sliding-window

@@ -10,17 +10,33 @@ from memspec.backends.base import Backend, common_prefix
 from memspec.engine.sampling import SamplingParams, probs_from_logits, sample
 from memspec.engine.types import Draft, Proposal
 
+# A draft this far behind a KV donor copies the donor's cache rather than feed the tokens.
+DONOR_MIN_TOKENS = 8
+
 
 class ModelDraft(Draft):
     kind = "model"
 
-    def __init__(self, id: str, backend: Backend, min_confidence: float = 0.3):
+    def __init__(
+        self,
+        id: str,
+        backend: Backend,
+        min_confidence: float = 0.3,
+        kv_donor: Backend | None = None,
+    ):
         self.id = id
         self.backend = backend
         # Stop drafting once the draft's own top probability falls below this: an unsure
         # token is likely rejected and would waste the remaining draft steps. Only the
         # proposal's length changes, so this cannot affect the output.
         self.min_confidence = min_confidence
+        # A backend of the same KV layout (the target, for a self-draft) whose cache the draft
+        # copies instead of feeding a long context itself: the prompt's catch-up becomes a
+        # memory copy (measured on SmolLM2 q8_0: 264-1043 ms -> 2-12 ms, acceptance unchanged).
+        # The draft's cache then holds the target's keys and values, not its own: that changes
+        # proposals only, never what the target accepts.
+        self.kv_donor = kv_donor if shares_kv(kv_donor, backend) else None
+        self.donor_refused: str | None = None  # why a copy failed (the donor is then dropped)
 
     def propose(
         self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator
@@ -31,6 +47,12 @@ class ModelDraft(Draft):
         # Catch up: keep the shared prefix (rejected candidates are truncated away), then feed
         # what is new since last round — usually just the target's correction token.
         kept = be.reuse_prefix(context[:-1])
+        if self.kv_donor is not None and len(context) - 1 - kept >= DONOR_MIN_TOKENS:
+            t = time.perf_counter()
+            kept = self._copy_donor(context, kept)
+            donor_s = time.perf_counter() - t
+        else:
+            donor_s = 0.0
         room = be.n_ctx - len(context)
         k = min(k, room)
         if k <= 0:
@@ -38,7 +60,7 @@ class ModelDraft(Draft):
         t = time.perf_counter()
         # Views of the draft's logits buffer (no copy): each is read before the next eval.
         logits = be.eval(context[kept:], all_logits=False, copy=False)[-1]
-        catchup_s = time.perf_counter() - t
+        catchup_s = time.perf_counter() - t + donor_s
         tokens: list[int] = []
         probs: list[np.ndarray] | None = None if params.greedy else []
         for i in range(k):
@@ -59,13 +81,43 @@ class ModelDraft(Draft):
         )
 
     def catchup_tokens(self, context: list[int]) -> int:
-        return len(context) - common_prefix(self.backend.tokens, context[:-1])
+        kept = common_prefix(self.backend.tokens, context[:-1])
+        if self.kv_donor is not None:
+            donated = common_prefix(self.kv_donor.tokens, context[:-1])
+            if donated - kept >= DONOR_MIN_TOKENS:
+                kept = donated
+        return len(context) - kept
+
+    def _copy_donor(self, context: list[int], kept: int) -> int:
+        """Load the donor's cache for the context it shares (when that is longer than what the
+        draft keeps); the context tokens the draft's cache now holds."""
+        donor, be = self.kv_donor, self.backend
+        assert donor is not None
+        shared = common_prefix(donor.tokens, context[:-1])
+        if shared - kept < DONOR_MIN_TOKENS:
+            return kept
+        snapshot = donor.kv_snapshot()
+        if snapshot is None or not be.kv_restore(snapshot):
+            # Not an error: the draft catches up by itself, as one without a donor does.
+            self.kv_donor = None
+            self.donor_refused = f"{type(donor).__name__} snapshot not loadable into {be.path.name}"
+            return be.reuse_prefix(context[:-1])
+        be.truncate(shared)  # the donor may hold more than this context shares
+        return shared
 
     def memory_bytes(self) -> int:
         return self.backend.weight_bytes() + self.backend.kv_bytes_per_token() * self.backend.n_ctx
 
     def close(self) -> None:
         self.backend.close()
+
+
+def shares_kv(donor: Backend | None, backend: Backend) -> bool:
+    """Whether `backend` can load `donor`'s KV snapshots (same layout, room for its context)."""
+    if donor is None or donor is backend:
+        return False
+    layout = backend.kv_layout()
+    return layout is not None and layout == donor.kv_layout() and backend.n_ctx >= donor.n_ctx
 
 
 def choose_token(

@@ -42,5 +42,6 @@ def instantiate(
 
         return HeadDraft(m.id, m.model_path(models_dir()), target_backend, options.device)
     if m.kind == "model":
-        return ModelDraft(m.id, load_backend(m.model_path(models_dir()), options, backend_kind))
+        backend = load_backend(m.model_path(models_dir()), options, backend_kind)
+        return ModelDraft(m.id, backend, kv_donor=target_backend)  # kept if layouts match
     raise ValueError(f"draft {m.id}: unsupported kind {m.kind!r}")

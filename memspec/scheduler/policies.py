@@ -51,6 +51,7 @@ class DraftInfo:
     kind: str
     bytes: int  # resident footprint; 0: nothing to load (always available)
     load_s: float = 0.0  # expected seconds of one load on this device
+    shares_target_kv: bool = False  # a self-draft that copies the target's KV (no catch-up)
 
     @property
     def peek(self) -> bool:
@@ -62,8 +63,9 @@ class DraftInfo:
     @property
     def catches_up(self) -> bool:
         """A model draft's KV cache trails the context and pays to catch up (a head starts
-        from the target's own feature, a lookup from the context)."""
-        return self.kind == "model"
+        from the target's own feature, a lookup from the context, a self-draft from a copy of
+        the target's KV cache)."""
+        return self.kind == "model" and not self.shares_target_kv
 
     @property
     def always_resident(self) -> bool:

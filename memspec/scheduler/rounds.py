@@ -303,7 +303,9 @@ class Scheduler:
             load_s = row["load_s"]
             if load_s is None:
                 load_s = size / FALLBACK_LOAD_BANDWIDTH
-            self.env.drafts[row["id"]] = DraftInfo(row["id"], row["kind"], size, float(load_s))
+            self.env.drafts[row["id"]] = DraftInfo(
+                row["id"], row["kind"], size, float(load_s), bool(row.get("shares_target_kv"))
+            )
         if name not in self.policies:
             self.policies[name] = make_policy(name, self.env, self.predictor)
         return self.policies[name]

@@ -429,6 +429,8 @@ class WorkingSet:
                     "in_use": s.uses > 0 or s.holds > 0,
                     "load_s": None if s.load_s is None else round(s.load_s, 4),
                     "measured_bytes": s.measured_bytes,
+                    # A self-draft that copies the target's KV cache instead of catching up.
+                    "shares_target_kv": getattr(s.draft, "kv_donor", None) is not None,
                 }
                 for s in self._slots.values()
             ]
