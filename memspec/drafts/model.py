@@ -46,10 +46,8 @@ class ModelDraft(Draft):
         be = self.backend
         # Catch up: keep the shared prefix (rejected candidates are truncated away), then feed
         # what is new since last round — usually just the target's correction token.
-        kept = be.reuse_prefix(context[:-1])
         t = time.perf_counter()
-        if (shared := self._donor_prefix(context, kept)) > kept:
-            kept = self._copy_donor(context, shared)
+        kept = self.cached_prefix(context)
         donor_s = time.perf_counter() - t
         room = be.n_ctx - len(context)
         k = min(k, room)
@@ -77,6 +75,14 @@ class ModelDraft(Draft):
             catchup_s=catchup_s,
             catchup_tokens=len(context) - kept,
         )
+
+    def cached_prefix(self, context: list[int]) -> int:
+        """Keep what the draft's cache shares with `context` (or copy the donor's, when that
+        saves feeding enough tokens); the context tokens the cache now holds."""
+        kept = self.backend.reuse_prefix(context[:-1])
+        if (shared := self._donor_prefix(context, kept)) > kept:
+            kept = self._copy_donor(context, shared)
+        return kept
 
     def catchup_tokens(self, context: list[int]) -> int:
         kept = common_prefix(self.backend.tokens, context[:-1])

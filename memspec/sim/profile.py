@@ -26,6 +26,7 @@ class DraftCost:
     s_per_token: float = 0.0  # one draft decode step (model drafts)
     prefill_s_per_token: float = 0.0  # batched catch-up on context it has not seen
     overhead_s: float = 0.0  # per round (lookup-style proposers)
+    kv_copy_s: float | None = None  # a self-draft's catch-up by copying the target's KV cache
     load_s: float | None = None  # measured; None: from the load bandwidth
 
 
@@ -93,6 +94,9 @@ def profile_from_trace(trace) -> Profile:
                 s_per_token=float(costs["draft_s"].get(d, 0.0)),
                 prefill_s_per_token=median(timing(f"prefill_s_per_token/{d}")),
                 load_s=float(info.get("load_s_median", 0.0)),
+                kv_copy_s=(
+                    median(timing(f"kv_copy_s/{d}")) if info.get("shares_target_kv") else None
+                ),
             )
         elif info["kind"] == "head":  # per token, nothing to catch up
             drafts[d] = DraftCost(

@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from memspec.drafts.model import DONOR_MIN_TOKENS
 from memspec.paths import DEFAULT_PREDICTOR
 from memspec.predictor.model import AcceptancePredictor, load_or_fallback
 from memspec.scheduler.policies import (
@@ -56,7 +57,8 @@ def build_setup(trace: Trace, profile: Profile) -> Setup:
     for d, h in trace.header["drafts"].items():
         c = profile.draft(d, int(h["bytes"]), h["kind"])
         dcost[d] = c
-        infos[d] = DraftInfo(d, h["kind"], c.bytes, profile.load_s(c))
+        shares_kv = bool(h.get("shares_target_kv")) and c.kv_copy_s is not None
+        infos[d] = DraftInfo(d, h["kind"], c.bytes, profile.load_s(c), shares_kv)
     env = Env(infos, profile.cost_model(dcost), int(trace.header["settings"]["k_max"]))
     env.costs.prefill_s = {
         d: c.prefill_s_per_token for d, c in dcost.items() if c.prefill_s_per_token
@@ -142,7 +144,7 @@ def run_request(
             c = costs[d]
             if c.s_per_token:
                 gap = len(r.prompt) + pos - seen.get(d, 0)
-                dt += c.s_per_token * proposed + (c.prefill_s_per_token * gap if gap > 2 else 0.0)
+                dt += c.s_per_token * proposed + catchup_s(c, gap, env.drafts[d].shares_target_kv)
                 seen[d] = len(r.prompt) + pos + min(accepted, max(proposed - 1, 0))
         for p in peeked:
             dt += costs[p].overhead_s
@@ -164,6 +166,15 @@ def run_request(
     policy.end()
     tot.tokens += n
     tot.requests += 1
+
+
+def catchup_s(c: DraftCost, gap: int, shares_target_kv: bool) -> float:
+    """A model draft's catch-up on `gap` context tokens it has not seen: a copy of the target's
+    cache when it shares it (ModelDraft's rule: the target holds all but the newest token),
+    else a batched prefill; a gap of one or two rides on the first draft step."""
+    if shares_target_kv and gap - 1 >= DONOR_MIN_TOKENS:
+        return c.kv_copy_s or 0.0
+    return c.prefill_s_per_token * gap if gap > 2 else 0.0
 
 
 def request_alphas(r: TraceRequest) -> dict[str, float]:

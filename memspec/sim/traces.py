@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from memspec.backends.base import common_prefix
 from memspec.drafts.model import ModelDraft
 from memspec.engine.policy import Choice, FixedPolicy, RoundPolicy
 from memspec.engine.sampling import SamplingParams
@@ -226,6 +227,18 @@ def teacher_forced_runs(
             timing[f"prefill_s_per_token/{draft.id}"] = (time.perf_counter() - t) / (
                 len(prompt) - 1
             )
+    if (donor := draft.kv_donor) is not None:
+        # Live, the draft's first round copies the target's prompt cache: start from that.
+        be.reset()
+        if common_prefix(donor.tokens, prompt[:-1]) < len(prompt) - 1:
+            donor.reset()
+            donor.eval(prompt[:-1], all_logits=False)
+        t = time.perf_counter()
+        kept = draft.cached_prefix(prompt)
+        if kept and timing is not None:
+            timing[f"kv_copy_s/{draft.id}"] = time.perf_counter() - t
+        if kept < len(prompt) - 1:
+            be.eval(prompt[kept:-1], all_logits=False)
     logits = np.concatenate([be.eval([t]) for t in [prompt[-1], *output[:-1]]])
     be.reset()
     top = np.argmax(logits, axis=1)
@@ -386,6 +399,7 @@ def collect(
             "bytes": sizes[d],
             "load_s": [round(x, 5) for x in loads[d]],
             "load_s_median": round(statistics.median(loads[d]), 5),
+            "shares_target_kv": getattr(draft, "kv_donor", None) is not None,
         }
     params = SamplingParams(max_tokens=max_tokens)
     first_answers: dict[int, str] = {}

@@ -78,3 +78,19 @@ def test_oracle_knows_the_best_single_draft(synthetic_trace, setup):
         by_cat.setdefault(r.category, []).append(table[prompt_key(r.prompt)].draft)
     assert set(by_cat["extraction"]) == {"prompt-lookup"}
     assert set(by_cat["writing"]) <= {"q8_0", "q4_0"}
+
+
+def test_a_self_draft_sharing_the_target_kv_copies_instead_of_catching_up():
+    from memspec.drafts.model import DONOR_MIN_TOKENS
+    from memspec.sim.profile import DraftCost
+    from memspec.sim.simulator import catchup_s
+
+    c = DraftCost(bytes=1, s_per_token=0.01, prefill_s_per_token=0.002, kv_copy_s=0.003)
+    prompt = 200
+    assert catchup_s(c, prompt, shares_target_kv=False) == pytest.approx(0.002 * prompt)
+    assert catchup_s(c, prompt, shares_target_kv=True) == pytest.approx(0.003)
+    # Fewer tokens behind than the live draft's threshold: it feeds them itself, as ModelDraft.
+    assert catchup_s(c, DONOR_MIN_TOKENS, shares_target_kv=True) == pytest.approx(
+        0.002 * DONOR_MIN_TOKENS
+    )
+    assert catchup_s(c, 2, shares_target_kv=True) == 0.0  # rides on the first draft step
