@@ -24,7 +24,7 @@ from memspec.drafts.datastore import DatastoreDraft
 from memspec.drafts.family import settings_pool_dir, skipped_error, skipped_recipes
 from memspec.drafts.manifest import DraftManifest, check_id, load_manifests
 from memspec.drafts.registry import PRIOR_ALPHA
-from memspec.engine.calibration import calibrate, measure_draft
+from memspec.engine.calibration import calibrate, measure_draft_cached
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.prefix_cache import PrefixCache
 from memspec.engine.speculative import (
@@ -265,7 +265,7 @@ class Runtime:
             return
         costs = self.costs
         if draft.id not in costs.draft_s | costs.draft_overhead_s:
-            measure_draft(draft, costs, self.settings.k_max)
+            measure_draft_cached(self.target, draft, costs, self.settings.k_max)
 
     def _sync_budget(self) -> None:
         """Follow settings.budget when it is changed in place (the admin API does that)."""

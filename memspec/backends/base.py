@@ -413,8 +413,10 @@ class SequenceSlot(Backend):
         return self.root.kv_bytes_per_token()
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
     """Length of the longest common prefix, by slice comparisons (C speed; called per round)."""
+    if type(a) is not type(b):  # a list never equals a tuple slice
+        a, b = list(a), list(b)
     lo, hi = 0, min(len(a), len(b))
     if a[:hi] == b[:hi]:
         return hi

@@ -26,6 +26,7 @@ CONTEXT_TOKENS = 128  # a typical context length at which the costs are measured
 REPS = 7
 # Bumped when what is measured changes (2: verification reads each row's argmax in place).
 MEASURE_VERSION = 2
+DRAFT_CACHE_PREFIX = "calibration-draft-"  # one file per draft measured after start-up
 
 
 def _median_time(fn, reps: int = REPS) -> float:
@@ -186,29 +187,55 @@ def measure_draft(d: Draft, costs: CostModel, k_max: int) -> None:
         )
 
 
+def measure_draft_cached(target: Backend, d: Draft, costs: CostModel, k_max: int) -> None:
+    """measure_draft, cached beside the calibration: a draft loaded after start-up (a prefetch)
+    is measured once per machine, not again by each fresh process while it decodes."""
+    path = cache_dir() / f"{DRAFT_CACHE_PREFIX}{cache_key(target, [d], k_max, d.id)}.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+        costs.draft_s.update(data["draft_s"])
+        costs.draft_overhead_s.update(data["draft_overhead_s"])
+        return
+    measure_draft(d, costs, k_max)
+    entry = {
+        "draft_s": {d.id: costs.draft_s[d.id]} if d.id in costs.draft_s else {},
+        "draft_overhead_s": (
+            {d.id: costs.draft_overhead_s[d.id]} if d.id in costs.draft_overhead_s else {}
+        ),
+        "measured_at": time.time(),
+    }
+    _write_json(path, entry)
+
+
 def calibrate(
     target: Backend, drafts: list[Draft], k_max: int, force: bool = False, extra: str = ""
 ) -> CostModel:
     path = cache_dir() / f"calibration-{cache_key(target, drafts, k_max, extra)}.json"
+    if force:  # drafts measured when they were loaded later are measured again too
+        for old in cache_dir().glob(f"{DRAFT_CACHE_PREFIX}*.json"):
+            old.unlink(missing_ok=True)
     if not force and path.is_file():
         data = json.loads(path.read_text())
         costs = CostModel(data["verify_s"], data["draft_s"], data["draft_overhead_s"])
         costs.batch_s = {int(n): s for n, s in data.get("batch_s", {}).items()}
     else:
         costs = measure(target, drafts, k_max)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(
-            json.dumps(
-                {
-                    "verify_s": costs.verify_s,
-                    "draft_s": costs.draft_s,
-                    "draft_overhead_s": costs.draft_overhead_s,
-                    "batch_s": costs.batch_s,
-                    "measured_at": time.time(),
-                },
-                indent=2,
-            )
+        _write_json(
+            path,
+            {
+                "verify_s": costs.verify_s,
+                "draft_s": costs.draft_s,
+                "draft_overhead_s": costs.draft_overhead_s,
+                "batch_s": costs.batch_s,
+                "measured_at": time.time(),
+            },
         )
-        tmp.replace(path)
     return costs
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Whole or not at all: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)

@@ -21,19 +21,12 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from memspec.backends.base import Backend, KVSnapshot
+from memspec.backends.base import Backend, KVSnapshot, common_prefix
 
 log = logging.getLogger(__name__)
 
 MIN_SAVE_TOKENS = 16  # a live cache losing fewer tokens than this is not worth a snapshot
 MIN_GAIN_TOKENS = 16  # restore only when a snapshot beats the live cache by this much
-
-
-def common_prefix(a: list[int] | tuple[int, ...], b: list[int]) -> int:
-    n, limit = 0, min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
 
 
 @dataclass
