@@ -413,6 +413,14 @@ class SequenceSlot(Backend):
         return self.root.kv_bytes_per_token()
 
 
+def llama_kv_layout(
+    arch: str, n_layers: int, n_kv_heads: int, head_dim_k: int, head_dim_v: int
+) -> tuple[object, ...]:
+    """A llama.cpp model's Backend.kv_layout, from its GGUF hyper-parameters (which a header
+    read gives before any load)."""
+    return ("llama.cpp", arch, n_layers, n_kv_heads, head_dim_k, head_dim_v)
+
+
 def common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
     """Length of the longest common prefix, by slice comparisons (C speed; called per round)."""
     if type(a) is not type(b):  # a list never equals a tuple slice

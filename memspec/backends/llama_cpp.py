@@ -40,6 +40,7 @@ from memspec.backends.base import (
     KVSnapshot,
     SequenceContext,
     SequenceSlot,
+    llama_kv_layout,
 )
 from memspec.errors import ModelLoadError
 
@@ -393,7 +394,9 @@ class LlamaCppBackend(SequenceContext):
         if self.options.rpc:  # a snapshot would read every layer's cache over the links
             return None
         arch = self.metadata.get("general.architecture", "llama")
-        return ("llama.cpp", arch, self.n_layers, self.n_kv_heads, self.head_dim_k, self.head_dim_v)
+        return llama_kv_layout(
+            arch, self.n_layers, self.n_kv_heads, self.head_dim_k, self.head_dim_v
+        )
 
     # --- memory -------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:

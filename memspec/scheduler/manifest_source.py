@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from memspec.backends.base import Backend, BackendOptions
+from memspec.backends.base import Backend, BackendOptions, llama_kv_layout
 from memspec.drafts.compat import TokenizerFingerprint, check_draft
 from memspec.drafts.manifest import DraftManifest
 from memspec.drafts.registry import instantiate
 from memspec.engine.types import Draft
+from memspec.errors import ModelLoadError
 from memspec.memory.footprint import Footprint, draft_footprint
+from memspec.memory.gguf_info import read_shape
 from memspec.paths import models_dir
 
 
@@ -61,6 +63,25 @@ class ManifestSource:
 
     def draft_bytes(self, draft_id: str) -> int:
         return self.footprint(draft_id).total
+
+    def shares_target_kv(self, draft_id: str) -> bool:
+        """Whether the draft, once loaded, copies the target's KV cache instead of catching up
+        (ModelDraft.kv_donor), read off its GGUF header: a policy weighing a prefetch can count
+        on it before the load."""
+        m, target = self.manifests[draft_id], self.target_backend
+        if m.kind != "model" or not m.file or target is None or self.backend_kind != "llama_cpp":
+            return False
+        layout = target.kv_layout()
+        if layout is None:
+            return False
+        try:
+            s = read_shape(m.model_path(models_dir()))
+        except ModelLoadError:
+            return False  # the load will say why
+        return (
+            layout == llama_kv_layout(s.arch, s.n_layers, s.n_head_kv, s.head_dim_k, s.head_dim_v)
+            and self.options.n_ctx >= target.n_ctx
+        )
 
     def load_draft(self, draft_id: str) -> Draft:
         return instantiate(

@@ -72,6 +72,11 @@ class DraftSource(Protocol):
         """A real load; ModelLoadError (nothing left allocated) if it fails."""
         ...
 
+    def shares_target_kv(self, draft_id: str) -> bool:
+        """Whether the draft will copy the target's KV cache rather than catch up, before it
+        is loaded (a loaded draft says so itself: ModelDraft.kv_donor)."""
+        ...
+
 
 @dataclass
 class FactorySource:
@@ -92,6 +97,9 @@ class FactorySource:
 
     def load_draft(self, draft_id: str) -> Draft:
         return self.factory(draft_id)
+
+    def shares_target_kv(self, draft_id: str) -> bool:
+        return False  # not known before the factory has built it
 
 
 @dataclass
@@ -430,10 +438,15 @@ class WorkingSet:
                     "load_s": None if s.load_s is None else round(s.load_s, 4),
                     "measured_bytes": s.measured_bytes,
                     # A self-draft that copies the target's KV cache instead of catching up.
-                    "shares_target_kv": getattr(s.draft, "kv_donor", None) is not None,
+                    "shares_target_kv": self._shares_target_kv(s),
                 }
                 for s in self._slots.values()
             ]
+
+    def _shares_target_kv(self, s: _Slot) -> bool:
+        if s.draft is not None:  # loaded: what it does (a refused copy drops the donor)
+            return getattr(s.draft, "kv_donor", None) is not None
+        return self.source.shares_target_kv(s.id)
 
     def summary(self) -> dict[str, Any]:
         """Budget and counters (what status/metrics report beside the rows)."""

@@ -293,3 +293,21 @@ def test_status_rows_and_runtime_api(setup):
         "evicted drafts",
         "no model draft resident",
     )
+
+
+def test_a_self_draft_is_known_to_share_the_target_kv_before_it_loads(setup):
+    """The policy weighs a prefetch before the load: the header says what the loaded draft
+    will do (copy the target's KV cache), and the loaded draft agrees."""
+    rt, *_ = setup
+    ws = rt.working_set
+    reset(rt)
+    ws.wait_idle(timeout=30)
+    rows = {r["id"]: r for r in ws.status()}
+    assert rows["q8_0"]["state"] != "resident"
+    assert rows["q8_0"]["shares_target_kv"]  # the target's own quantization
+    assert not rows["prompt-lookup"]["shares_target_kv"]  # nothing to copy into
+    ws.load("q8_0")
+    ws.wait_idle(timeout=60)
+    loaded = {r["id"]: r for r in ws.status()}["q8_0"]
+    assert loaded["state"] == "resident" and loaded["shares_target_kv"]
+    assert rt.drafts["q8_0"].kv_donor is rt.target
