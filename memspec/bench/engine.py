@@ -75,7 +75,7 @@ class PeerPromptLookup:
         self.llm.close()
 
 
-def _summary(rows: list[dict], plain_rows: list[dict]) -> dict:
+def speedup_summary(rows: list[dict], plain_rows: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in rows)
     secs = sum(r["seconds"] for r in rows)
     plain_tps = sum(r["tokens"] for r in plain_rows) / max(
@@ -91,7 +91,7 @@ def _summary(rows: list[dict], plain_rows: list[dict]) -> dict:
         "tokens_per_s": round(tps, 2),
         "speedup": round(tps / plain_tps, 3),
         # The worst prompt's own ratio to plain: "never loses" is about this, not the mean.
-        "worst_prompt_speedup": _worst(rows, plain_rows),
+        "worst_prompt_speedup": worst_prompt(rows, plain_rows),
         "acceptance": round(accepted / proposed, 4) if proposed else None,
         "mean_accepted_length": round(accepted / draft_rounds, 3) if draft_rounds else None,
         "tokens_per_round": round(tokens / rounds, 3) if rounds else None,
@@ -101,7 +101,7 @@ def _summary(rows: list[dict], plain_rows: list[dict]) -> dict:
     }
 
 
-def _worst(rows: list[dict], plain_rows: list[dict]) -> float | None:
+def worst_prompt(rows: list[dict], plain_rows: list[dict]) -> float | None:
     plain = {r["id"]: r["tokens"] / max(r["seconds"], 1e-9) for r in plain_rows}
     ratios = [
         r["tokens"] / max(r["seconds"], 1e-9) / plain[r["id"]] for r in rows if r["id"] in plain
@@ -206,9 +206,9 @@ def run_engine_bench(
         section: dict = {"prompts": len(prompts[w]), "categories": cats, "configs": {}}
         plain = results[w]["none"]
         for name, rows in results[w].items():
-            entry: dict = {"overall": _summary(rows, plain), "per_category": {}}
+            entry: dict = {"overall": speedup_summary(rows, plain), "per_category": {}}
             for c in cats:
-                entry["per_category"][c] = _summary(
+                entry["per_category"][c] = speedup_summary(
                     [r for r in rows if r["category"] == c],
                     [r for r in plain if r["category"] == c],
                 )
@@ -223,7 +223,7 @@ def run_engine_bench(
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=2))
     for w, section in report["workloads"].items():
-        _print_table(w, section)
+        print_speedup_table(w, section)
     if plot:
         _plot(report, plot)
     return report
@@ -311,7 +311,7 @@ def _forward_s(rt: Runtime) -> float:
     return rt.target.forward_s + sum(b.forward_s for b in drafts)
 
 
-def _print_table(workload: str, section: dict) -> None:
+def print_speedup_table(workload: str, section: dict) -> None:
     cats = section["categories"]
     print(f"\n{workload}: {section['prompts']} prompts; speedup over plain (worst prompt)")
     print(f"{'config':34s} {'overall':>13s} " + " ".join(f"{c[:8]:>8s}" for c in cats))

@@ -1,4 +1,4 @@
-"""`memspec bench reuse|engine|policies|load|soak|batch|rpc`: benchmarks writing JSON (and PNG)."""
+"""`memspec bench reuse|engine|cold|policies|load|soak|batch|rpc`: benchmarks writing JSON/PNG."""
 
 from __future__ import annotations
 
@@ -36,6 +36,20 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         peer_server=not args.no_peer_server,
     )
     return 0
+
+
+def cmd_bench_cold(args: argparse.Namespace) -> int:
+    from memspec.bench.cold import run_cold_bench
+
+    report = run_cold_bench(
+        load_settings(args),
+        out=args.out,
+        per_category=args.per_category,
+        max_tokens=args.max_tokens,
+        workload=args.workload,
+        categories=args.categories,
+    )
+    return 0 if report["all_identical"] else 1
 
 
 def cmd_bench_policies(args: argparse.Namespace) -> int:
@@ -94,6 +108,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="skip llama-server (built by scripts/setup.sh --peer) even if it is there",
     )
     e.set_defaults(func=cmd_bench_engine)
+
+    c = bsub.add_parser(
+        "cold", help="first request of a fresh runtime: plain vs the default policy (and auto)"
+    )
+    model_flags(c)
+    c.add_argument("--out", required=True, help="JSON output file")
+    c.add_argument("--per-category", type=int, default=1, help="prompts per category")
+    c.add_argument("--categories", nargs="*", help="only these categories")
+    c.add_argument("--max-tokens", type=int, default=128)
+    c.add_argument(
+        "--workload", choices=["mtbench", "heldout", "both"], default="both", help="prompt set"
+    )
+    c.set_defaults(func=cmd_bench_cold)
 
     b = bsub.add_parser(
         "policies", help="none/fixed/ucb/exp3/memspec/oracle (live: and auto) on a mixed workload"
