@@ -375,22 +375,46 @@ class MemSpecPolicy(Policy):
         assert self.req is not None
         return len(self.req.prompt) + position - self.seen.get(draft, 0)
 
-    def value(self, draft: DraftInfo, position: int, resident: set[str]) -> float:
-        """Predicted seconds saved by holding `draft` (net of catch-up and of its load)."""
-        assert self.state is not None and self.req is not None
-        alpha = self.predictor.alpha(self.state, draft.id, position)
-        k, rate = self._best(draft.id, alpha, self.env.k_max)
-        per_token = max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
+    def saved_per_token(self, draft: str, position: int) -> float:
+        """Predicted seconds the draft saves per generated token, its rule-best k assumed."""
+        assert self.state is not None
+        alpha = self.predictor.alpha(self.state, draft, position)
+        k, rate = self._best(draft, alpha, self.env.k_max)
+        return max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
+
+    def value(
+        self,
+        draft: DraftInfo,
+        position: int,
+        resident: set[str],
+        idle: bool = False,
+        at_hand: float = 0.0,
+    ) -> float:
+        """Predicted seconds saved by holding `draft`: on this request (net of catch-up) and on
+        the further requests it is expected to stay useful for.
+
+        A load while a request decodes is paid by that request (the loader competes for its
+        cores: a fresh process's first request ran at 0.5-0.9x plain while four drafts loaded)
+        and helps it only once done, and only by what it saves beyond the best draft already at
+        hand (`at_hand`, seconds per token: one draft runs per round). So a draft not resident is
+        loaded then only for that gain on the tokens left after its load; for later requests it
+        is loaded when the request ends (`idle`)."""
+        assert self.req is not None
+        per_token = self.saved_per_token(draft.id, position)
         catch = self.env.costs.catchup_s(draft.id)
-        now = per_token * self._tokens_left(position) - catch * self._gap(draft.id, position)
         per_request = per_token * (self.mean_len or 64.0) - catch * (
             self.mean_prompt or len(self.req.prompt)
         )
-        later = self.recent.get(draft.id, per_request) * self.horizon
-        v = max(now, 0.0) + max(later, 0.0)
-        if draft.id not in resident:
-            v -= draft.load_s
-        return v
+        later = max(self.recent.get(draft.id, per_request) * self.horizon, 0.0)
+        if draft.id in resident:
+            left = 0.0 if idle else self._tokens_left(position)
+            now = per_token * left - catch * self._gap(draft.id, position) if left else 0.0
+            return max(now, 0.0) + later
+        if idle:
+            return later - draft.load_s
+        left = max(self._tokens_left(position) - draft.load_s * self.r_none, 0.0)
+        gain = (per_token - at_hand) * left - catch * self._gap(draft.id, position)
+        return max(gain, 0.0) - draft.load_s
 
     @property
     def horizon(self) -> float:
@@ -398,7 +422,7 @@ class MemSpecPolicy(Policy):
         p = max(self.switch_rate, 1.0 / (self.horizon_cap + 1))
         return (1 - p) / p
 
-    def replan(self, position: int) -> None:
+    def replan(self, position: int, idle: bool = False) -> None:
         """Tell the working set what to hold. Only one draft runs per round, so holding two is
         worth about the better one: the draft with the most predicted value goes first (not the
         densest, which could crowd it out of a one-draft budget), then the rest of the room is
@@ -407,7 +431,20 @@ class MemSpecPolicy(Policy):
         assert ws is not None
         resident = ws.resident_ids()
         drafts = [d for d in self.env.drafts.values() if not d.always_resident]
-        values = {d.id: self.value(d, position, resident) for d in drafts}
+        at_hand = 0.0
+        if not idle:
+            at_hand = max(
+                (
+                    self.saved_per_token(d.id, position)
+                    for d in self.env.drafts.values()
+                    if d.always_resident or d.id in resident
+                ),
+                default=0.0,
+            )
+        values = {d.id: self.value(d, position, resident, idle, at_hand) for d in drafts}
+        if not idle:  # one load at a time while a request decodes: the most valuable
+            loads = sorted((v, i) for i, v in values.items() if i not in resident and v > 0)
+            values.update({i: 0.0 for _, i in loads[:-1]})
         room = ws.budget_bytes - getattr(ws, "reserved_bytes", 0)
         held = fill_by_value([(d.id, values[d.id], d.bytes) for d in drafts], room, top_first=True)
         self.plan = {i: values[i] for i in held}
@@ -487,6 +524,8 @@ class MemSpecPolicy(Policy):
                 best, best_saved = d.id, saved
         self.switch_rate = 0.8 * self.switch_rate + 0.2 * (best != self.last_best)
         self.last_best = best
+        if self.ws is not None:  # what the next requests want loads in the gap before them
+            self.replan(n, idle=True)
         self.state = None
 
     def status(self) -> dict:

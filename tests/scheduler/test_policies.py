@@ -147,7 +147,8 @@ def test_memspec_uses_lookup_when_it_has_a_long_match():
 def test_memspec_prefetches_by_predicted_value():
     # "big" is a bit better than "good" but three times the bytes and slower to load: with room
     # for one draft, the set holds "good" (more seconds saved, net of the load); with room for
-    # everything it holds both; a draft predicted not to pay is never loaded.
+    # everything it holds both (the second loaded between requests); a draft predicted not to
+    # pay is never loaded.
     pred = predictor_knowing({"good": 0.9, "bad": 0.05, "big": 0.92})
     memspec = make_policy("memspec", ENV, predictor=pred)
     ws = working_set(budget=300)
@@ -160,6 +161,11 @@ def test_memspec_prefetches_by_predicted_value():
     assert memspec.choose(Round(1, 64, no_peek), ws)[0] == "good"
     wide = working_set(budget=1000)
     memspec.begin(Request("r2", PROMPT, max_tokens=256), wide)
+    # While a request decodes, one load at a time (the loader competes for its cores): the
+    # best; the rest of the room is filled for later requests once the request ends.
+    assert [ld.draft for ld in wide.queue] == ["good"]
+    memspec.choose(Round(200, 56, no_peek), wide)  # the request ran 200 tokens
+    memspec.end()
     assert sorted(ld.draft for ld in wide.queue) == ["big", "good"]
     assert "bad" not in memspec.plan
     # A much better draft wins the one slot even though a smaller one is denser.
