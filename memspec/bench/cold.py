@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from memspec.bench.engine import print_speedup_table, speedup_summary
+from memspec.bench.engine import generation_row, print_speedup_table, speedup_summary
 from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
 from memspec.engine.types import SamplingParams
@@ -112,13 +112,7 @@ def _run_fresh(
     return {
         "id": p.id,
         "category": p.category,
-        "tokens": gen.completion_tokens,
-        "seconds": gen.elapsed_s,
-        "proposed": gen.proposed,
-        "accepted": gen.accepted,
-        "rounds": gen.rounds,
-        "draft_rounds": sum(gen.drafts_used.values()),
-        "drafts_used": gen.drafts_used,
+        **generation_row(gen),
         "resident_at_end": loaded,  # what the policy loaded while this request decoded
         "token_ids": gen.token_ids,
         "identical": True,  # plain decoding is its own reference

@@ -75,6 +75,20 @@ class PeerPromptLookup:
         self.llm.close()
 
 
+def generation_row(gen) -> dict:
+    """What every bench records of one generation (a Generation) to summarise and profile it."""
+    return {
+        "tokens": gen.completion_tokens,
+        "seconds": gen.elapsed_s,
+        "proposed": gen.proposed,
+        "accepted": gen.accepted,
+        "rounds": gen.rounds,
+        "draft_rounds": sum(gen.drafts_used.values()),
+        "drafts_used": gen.drafts_used,
+        "phases": gen.phases,
+    }
+
+
 def speedup_summary(rows: list[dict], plain_rows: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in rows)
     secs = sum(r["seconds"] for r in rows)
@@ -276,16 +290,9 @@ def _run_prompt(
         results[name].append(
             {
                 **base,
-                "tokens": gen.completion_tokens,
-                "seconds": gen.elapsed_s,
-                "proposed": gen.proposed,
-                "accepted": gen.accepted,
-                "rounds": gen.rounds,
-                "draft_rounds": sum(gen.drafts_used.values()),
+                **generation_row(gen),
                 "forward_s": _forward_s(rt) - fwd0,
-                "phases": gen.phases,
                 "identical": gen.token_ids == plain_ids,
-                "drafts_used": gen.drafts_used,
             }
         )
     ids, secs = peer.generate(prompt, params.max_tokens)

@@ -16,7 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from memspec.bench.engine import round_profile
+from memspec.bench.engine import generation_row, round_profile
 from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
 from memspec.engine.types import SamplingParams
@@ -107,18 +107,7 @@ def _run_level(
             est = None if policy == "memspec" else estimators[name]
             gen = rt.generate(tokens, params, draft=draft, k=k, policy=policy, estimator=est)
             rows[name].append(
-                {
-                    "id": p.id,
-                    "tokens": gen.completion_tokens,
-                    "seconds": gen.elapsed_s,
-                    "proposed": gen.proposed,
-                    "accepted": gen.accepted,
-                    "rounds": gen.rounds,
-                    "draft_rounds": sum(gen.drafts_used.values()),
-                    "drafts_used": gen.drafts_used,
-                    "phases": gen.phases,
-                    "identical": gen.token_ids == ref,
-                }
+                {"id": p.id, **generation_row(gen), "identical": gen.token_ids == ref}
             )
     return {
         "load_s": round(load_s, 2),
