@@ -160,7 +160,10 @@ def run_engine_bench(
     categories: list[str] | None = None,
     workload: str = "mtbench",
     peer_server: bool = True,
+    only: list[str] | None = None,
 ) -> dict:
+    """`only`: run just these configs (by name; plain decoding always runs, it is the
+    baseline). An unknown name is an error that lists the names there are."""
     workloads = ["mtbench", "heldout"] if workload == "both" else [workload]
     prompts = {w: load_workload(w, per_category, categories) for w in workloads}
     settings.drafts = [d for d in settings.drafts if d not in POOL] + POOL
@@ -171,11 +174,18 @@ def run_engine_bench(
     for d in pool:
         configs += [(f"{d} k={k_fixed}", d, k_fixed, None), (f"{d} adaptive-k", d, None, None)]
     configs += [("memspec", "auto", None, "memspec"), ("auto", "auto", None, "auto")]
-    peer = PeerPromptLookup(settings, k_fixed)
     peer_draft = next((d for d in PEER_DRAFTS if d in pool), None)
-    servers, skipped = _start_peer_servers(
-        settings, peer_server, (peer_draft, rt.manifest(peer_draft)) if peer_draft else None
-    )
+    peer_draft_file = (peer_draft, rt.manifest(peer_draft)) if peer_draft else None
+    if only is not None:
+        known = [n for n, *_ in configs] + [PEER]
+        known += list(peer_configs(_draft_file(peer_draft_file)))
+        unknown = [n for n in only if n not in known]
+        if unknown:
+            rt.close()
+            raise ValueError(f"unknown bench configs {unknown}; there are: {', '.join(known)}")
+        configs = [c for c in configs if c[0] == "none" or c[0] in only]
+    peer = PeerPromptLookup(settings, k_fixed) if only is None or PEER in only else None
+    servers, skipped = _start_peer_servers(settings, peer_server, peer_draft_file, only)
     params = SamplingParams(max_tokens=max_tokens)
     results: dict[str, dict[str, list[dict]]] = {w: defaultdict(list) for w in workloads}
     try:
@@ -191,7 +201,8 @@ def run_engine_bench(
             for p in tqdm(prompts[w], desc=f"bench engine ({w})", unit="prompt"):
                 _run_prompt(rt, p, params, configs, estimators, results[w], peer, servers)
     finally:
-        peer.close()
+        if peer is not None:
+            peer.close()
         for server in servers.values():
             server.close()
         rt.close()
@@ -243,18 +254,29 @@ def run_engine_bench(
     return report
 
 
+def _draft_file(draft: tuple[str, DraftManifest] | None) -> tuple[str, Path] | None:
+    return (draft[0], draft[1].model_path(models_dir())) if draft else None
+
+
 def _start_peer_servers(
-    settings: Settings, wanted: bool, draft: tuple[str, DraftManifest] | None
+    settings: Settings,
+    wanted: bool,
+    draft: tuple[str, DraftManifest] | None,
+    only: list[str] | None = None,
 ) -> tuple[dict[str, PeerServer], str]:
     if not wanted:
         return {}, "not asked for (--no-peer-server)"
+    configs = peer_configs(_draft_file(draft))
+    if only is not None:
+        configs = {n: f for n, f in configs.items() if n in only}
+        if not configs:
+            return {}, "no llama-server config asked for (--configs)"
     binary = PeerServer.find()
     if binary is None:
         return {}, "llama-server not built: run scripts/setup.sh --peer"
     servers: dict[str, PeerServer] = {}
     try:
-        draft_file = (draft[0], draft[1].model_path(models_dir())) if draft else None
-        for name, flags in peer_configs(draft_file).items():
+        for name, flags in configs.items():
             servers[name] = PeerServer(binary, settings, flags)
     except Exception as e:  # a peer that will not start is reported, not fatal
         for server in servers.values():
@@ -270,7 +292,7 @@ def _run_prompt(
     configs: list[tuple[str, str, int | None, str | None]],
     estimators: dict,
     results: dict[str, list[dict]],
-    peer: PeerPromptLookup,
+    peer: PeerPromptLookup | None,
     servers: dict[str, PeerServer],
 ) -> None:
     if p.chat:
@@ -295,10 +317,11 @@ def _run_prompt(
                 "identical": gen.token_ids == plain_ids,
             }
         )
-    ids, secs = peer.generate(prompt, params.max_tokens)
-    results[PEER].append(
-        {**base, "tokens": len(ids), "seconds": secs, "identical": ids == plain_ids}
-    )
+    if peer is not None:
+        ids, secs = peer.generate(prompt, params.max_tokens)
+        results[PEER].append(
+            {**base, "tokens": len(ids), "seconds": secs, "identical": ids == plain_ids}
+        )
     for name, server in servers.items():
         ids, secs, drafted, accepted = server.complete(prompt, params.max_tokens)
         results[name].append(

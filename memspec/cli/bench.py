@@ -34,6 +34,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         categories=args.categories,
         workload=args.workload,
         peer_server=not args.no_peer_server,
+        only=[n.strip() for n in args.configs.split(",")] if args.configs else None,
     )
     return 0
 
@@ -106,6 +107,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--no-peer-server",
         action="store_true",
         help="skip llama-server (built by scripts/setup.sh --peer) even if it is there",
+    )
+    e.add_argument(
+        "--configs",
+        help="only these configs, comma-separated by name (e.g. 'memspec,auto,llama-server "
+        "ngram-simple'); plain decoding always runs (default: all)",
     )
     e.set_defaults(func=cmd_bench_engine)
 
