@@ -350,9 +350,12 @@ def decode_round(
     ks: list[int | None] = [None] * len(deciding)
     chunks: list[tuple[Sequence, list[int]]] = []
     if batched:
-        # A pass holds at most max_batch tokens: every verification (pending + drafted),
-        # then prompt chunks in the room PREFILL_CHUNK and the verifications leave.
-        depth = max(0, (target.max_batch - len(deciding)) // max(len(deciding), 1))
+        # A pass holds at most max_batch tokens: every verification (pending + drafted, no
+        # deeper than any sequence asked), then prompt chunks in the room PREFILL_CHUNK and
+        # the verifications leave. (Sizing the depth by the batch alone left the prompts
+        # n_batch mod n tokens a round: a request joining three others waited seconds.)
+        asked = max((s._choice.k for s in deciding), default=0)
+        depth = max(0, min(asked, (target.max_batch - len(deciding)) // max(len(deciding), 1)))
         room = min(max(prefill_chunk, 1), target.max_batch - len(deciding) * (depth + 1))
         for s in feeding:
             if room <= 0:

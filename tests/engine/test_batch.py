@@ -14,7 +14,12 @@ from memspec.backends.base import BackendOptions, load_backend
 from memspec.drafts.prompt_lookup import PromptLookupDraft
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.policy import DecisionRulePolicy, FixedPolicy
-from memspec.engine.speculative import Sequence, decode_round, speculative_generate
+from memspec.engine.speculative import (
+    PREFILL_CHUNK,
+    Sequence,
+    decode_round,
+    speculative_generate,
+)
 from memspec.engine.types import Draft, SamplingParams
 from memspec.paths import models_dir
 
@@ -328,3 +333,25 @@ def test_a_pass_never_exceeds_the_batch_and_a_cancelled_prompt_stops_feeding(tar
     assert cut.gen.finish_reason == "cancelled" and not cut.gen.token_ids
     for i, s in enumerate(seqs):
         assert s.result().token_ids == refs[i]
+
+
+def test_a_joining_prompt_is_fed_in_full_chunks_beside_decoding_sequences(target, prompts):
+    """The room a pass leaves for prompts is what the verifications do not use: three
+    sequences decoding with k ≤ 2 leave a joining prompt its PREFILL_CHUNK, not the
+    n_batch mod 3 tokens a depth sized by the batch alone left it."""
+    lookup = PromptLookupDraft()
+    params = SamplingParams(max_tokens=24)
+    long_prompt = (prompts[3] * 20)[: PREFILL_CHUNK + 20]
+    ref = alone(target, long_prompt, params)
+    for slot in target.slots:
+        slot.reset()
+    seqs = [Sequence(target.slots[i], prompts[i], params, FixedPolicy(lookup, 2)) for i in range(3)]
+    for _ in range(3):
+        decode_round(target, [s for s in seqs if not s.done], costs())
+    joining = Sequence(target.slots[3], long_prompt, params, FixedPolicy(None, 0))
+    decode_round(target, [*[s for s in seqs if not s.done], joining], costs())
+    # One chunk fed; what is left is the rest of the prompt (its last token is the first
+    # decoded, never prefilled).
+    assert len(joining.to_prefill) == len(long_prompt) - 1 - PREFILL_CHUNK
+    run_batch(target, [*seqs, joining])
+    assert joining.result().token_ids == ref
