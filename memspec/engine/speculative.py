@@ -43,6 +43,12 @@ TokenCallback = Callable[[str, int | None], None]
 # other sequences decode (about 0.3 s here), so a long prompt never stalls them for long.
 PREFILL_CHUNK = 128
 
+# A sequence whose drafts the batch-level rule turned down this many rounds in a row stops
+# asking its policy for up to this many rounds (doubling per refusal): peeking a datastore
+# costs ~0.5 ms a sequence, paid every round by every slot, while at 8 streams the rule
+# seldom drafts at all. It only changes whether a round drafts, never what is accepted.
+BATCH_BACKOFF_MAX = 8
+
 # prefill: the prompt tokens not in the KV cache (once per request). Then per round:
 # choose: the policy (lookups peeked, rule evaluated); draft_catchup: a model draft feeding
 # what it has not seen; draft_steps: its k per-token evals; verify_decode: the target's
@@ -165,6 +171,8 @@ class Sequence:
         self._proposal: Proposal | None = None
         self.drafted: list[int] = []
         self._t: dict[str, float] = {}
+        # Batched rounds: drafts the batch-level rule refused in a row, rounds left unasked.
+        self.refused, self.skip = 0, 0
 
     @property
     def room(self) -> int:
@@ -177,17 +185,31 @@ class Sequence:
         self.to_prefill = self.to_prefill[len(chunk) :]
         return chunk
 
-    def choose(self) -> bool:
-        """1. The policy picks (draft, k); False when the sequence is over (cancelled, no room)."""
+    def choose(self, in_batch: bool = False) -> bool:
+        """1. The policy picks (draft, k); False when the sequence is over (cancelled, no room).
+        `in_batch`: other sequences share the pass, and one the batch-level rule kept refusing
+        backs off (BATCH_BACKOFF_MAX) without asking its policy."""
         room = self.room
         if room <= 0 or (self.cancel is not None and self.cancel.is_set()):
             self.gen.finish_reason = "cancelled" if room > 0 else "length"
             self.done = True
             return False
         self._t = {"draft": time.perf_counter()}
-        self._choice = self.policy.choose(self.ctx, room - 1, self.params, self.rng)
+        if in_batch and self.skip > 0:
+            self.skip -= 1
+            self._choice = Choice(None, 0)
+        else:
+            self._choice = self.policy.choose(self.ctx, room - 1, self.params, self.rng)
         self._t["propose"] = time.perf_counter()
         return True
+
+    def planned(self, asked: int, k: int) -> None:
+        """The batch-level rule gave this round k of the `asked` drafted tokens."""
+        if asked > 0 and k == 0:
+            self.refused += 1
+            self.skip = min(2 ** (self.refused - 1), BATCH_BACKOFF_MAX)
+        elif k > 0:
+            self.refused = 0
 
     def option(self) -> BatchOption:
         """This round's choice as the batch-level rule sees it."""
@@ -338,11 +360,12 @@ def decode_round(
             s.gen.finish_reason, s.done = "cancelled", True
     feeding = [s for s in sequences if s.to_prefill and not s.done]
     deciding = []
+    in_batch = sum(not s.done for s in sequences) > 1
     for s in sequences:
         if s.done or s.to_prefill:
             continue
         try:
-            if s.choose():
+            if s.choose(in_batch):
                 deciding.append(s)
         except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
             s.fail(e)
@@ -372,6 +395,8 @@ def decode_round(
         deciding = [s for s in deciding if not s.done]
         if costs is not None and deciding:
             ks = list(plan_batch(options, costs, [len(chunk) for _, chunk in chunks]))
+            for s, o, k in zip(deciding, options, ks, strict=True):
+                s.planned(o.k if o.draft_id is not None else 0, k)
         else:
             ks = [s._choice.k for s in deciding]
         ks = [min(k if k is not None else depth, depth) for k in ks]

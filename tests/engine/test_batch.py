@@ -355,3 +355,46 @@ def test_a_joining_prompt_is_fed_in_full_chunks_beside_decoding_sequences(target
     assert len(joining.to_prefill) == len(long_prompt) - 1 - PREFILL_CHUNK
     run_batch(target, [*seqs, joining])
     assert joining.result().token_ids == ref
+
+
+class CountingRule(DecisionRulePolicy):
+    """The decision rule over prompt lookup, counting how often it is asked."""
+
+    def __init__(self, costs: CostModel):
+        estimator = AcceptanceEstimator(prior_alpha=0.9)  # sure it would pay, alone
+        super().__init__([PromptLookupDraft()], costs, estimator, k_max=8)
+        self.asked = 0
+
+    def choose(self, context, k_room, params, rng):
+        self.asked += 1
+        return super().choose(context, k_room, params, rng)
+
+
+def test_a_sequence_the_batch_rule_keeps_refusing_stops_asking_its_policy(target, prompts):
+    """Where a second ubatch is dear, the batch-level rule refuses the drafts round after
+    round; the sequences then back off (speculative.BATCH_BACKOFF_MAX) instead of peeking
+    their drafts every round, and every output stays exact."""
+    dear = CostModel(verify_s=costs().verify_s, batch_s={1: 0.044, 4: 0.07, 8: 0.1, 16: 0.4})
+    params = SamplingParams(max_tokens=32)
+    texts = [p * 3 for p in prompts[:4]]  # repeats: prompt lookup always finds a match
+    refs = [alone(target, t, params) for t in texts]
+    for slot in target.slots:
+        slot.reset()
+    rules = [CountingRule(dear) for _ in texts]
+    seqs = [Sequence(target.slots[i], t, params, rules[i]) for i, t in enumerate(texts)]
+    while any(s.to_prefill for s in seqs):
+        decode_round(target, seqs, dear)
+    rounds = 0
+    while not all(s.done for s in seqs):
+        decode_round(target, [s for s in seqs if not s.done], dear)
+        rounds += 1
+    for s, ref in zip(seqs, refs, strict=True):
+        assert s.result().token_ids == ref
+    asked = sum(r.asked for r in rules)
+    assert asked < 0.5 * sum(s.gen.rounds for s in seqs), (asked, rounds)
+    # Alone, a sequence asks its policy every round: there is no batch rule to refuse.
+    for slot in target.slots:
+        slot.reset()
+    single = CountingRule(dear)
+    gen = speculative_generate(target, texts[0], params, single)
+    assert gen.token_ids == refs[0] and single.asked == gen.rounds
