@@ -595,7 +595,8 @@ class Runtime:
         if not free:
             return None
         runs = {s.seq_id: id_runs(busy | {s.seq_id}) for s in free}
-        free = [s for s in free if runs[s.seq_id] == min(runs.values())]
+        fewest = min(runs.values())
+        free = [s for s in free if runs[s.seq_id] == fewest]
         shared = {s.seq_id: common_prefix(s.tokens, prompt) for s in free}
         best = max(free, key=lambda s: (shared[s.seq_id], -len(s.tokens), -s.seq_id))
         if 0 in shared and shared[best.seq_id] < shared[0] + SLOT_GAIN_TOKENS:
