@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -50,11 +51,16 @@ class PeerServer:
             # default "auto" turns it on, and its sums round differently).
             "-fa", "off", *flags,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # Its log goes to a file, not a pipe: nobody reads a pipe while it serves, and once
+        # 64 KiB of per-request log filled it, llama-server blocked in write() mid-benchmark.
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                self.log.seek(0)
+                err = self.log.read().decode(errors="replace")
+                self.log.close()
                 raise RuntimeError(f"exit {self.proc.returncode}: {err.strip()[-300:]}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
@@ -111,3 +117,4 @@ class PeerServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()

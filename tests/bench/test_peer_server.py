@@ -1,0 +1,45 @@
+"""The benchmark peer's process handling, with a stand-in binary (llama-server is built only
+on demand): its log must never block it."""
+
+from __future__ import annotations
+
+import stat
+import sys
+import textwrap
+
+from memspec.bench.peer_server import PeerServer
+
+# Logs 256 KiB (llama-server logs every request) before it answers /health: a pipe nobody
+# reads holds 64 KiB, so the server blocked in write() and never answered.
+FAKE_SERVER = textwrap.dedent(
+    f"""\
+    #!{sys.executable}
+    import http.server, sys
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    sys.stderr.write("request log line\\n" * 16384)
+    sys.stderr.flush()
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{{}}")
+
+        def log_message(self, *args):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+    """
+)
+
+
+def test_a_chatty_peer_is_not_blocked_by_its_log(tmp_path, settings):
+    binary = tmp_path / "llama-server"
+    binary.write_text(FAKE_SERVER)
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    server = PeerServer(binary, settings, [], timeout_s=20)
+    try:
+        assert server.proc.poll() is None
+    finally:
+        server.close()
+    assert server.proc.returncode is not None
