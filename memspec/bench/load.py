@@ -756,6 +756,13 @@ def _check_url(url: str) -> None:
     host = urlsplit(url).hostname or ""
     if not is_loopback(host):
         raise SystemExit(f"load and soak run only against a loopback daemon, not {host!r}")
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=5)
+    except httpx.HTTPError as e:
+        raise SystemExit(
+            f"no daemon answers at {url} ({type(e).__name__}): start one with `memspec serve`"
+            " or name it with --url"
+        ) from None
 
 
 def _finish(rep: dict[str, Any], out: str | None) -> int:
