@@ -90,9 +90,11 @@ class PrefixCache:
         if best is not None and best_n >= live + MIN_GAIN_TOKENS:
             if losing >= MIN_SAVE_TOKENS:
                 self._save(backend)
-            with self._lock:
-                if best in self._entries:
-                    self._entries.remove(best)  # moved back into the live cache
+            # The snapshot stays for the next slot that wants it: concurrent requests with one
+            # prompt (a shared system prompt, a retried question) each restore it. Moving it
+            # out made the second prefill the whole prompt, and how often that happened set a
+            # batch's rate more than its policy did (docs/batching.md, tenth stop).
+            best.last_used = time.monotonic()
             if backend.kv_restore(best.snapshot):
                 self.stats.restores += 1
                 self.stats.restored_tokens += best_n

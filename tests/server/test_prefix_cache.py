@@ -56,10 +56,32 @@ def test_restore_is_exact_and_interleaving_reuses(small_backend):
     follow_up = a_kv + be.tokenize(" And then?", add_bos=False)
     restored = cache.prepare(be, follow_up)  # A comes back; B is saved in its place
     assert restored == len(a_kv)
-    assert be.tokens == a_kv and len(cache) == 1
+    assert be.tokens == a_kv and len(cache) == 2  # A's snapshot stays for other slots
     assert cache.stats.restores == 1 and cache.stats.saves == 2
     be.truncate(len(a) - 1)
     assert greedy(be, a) == ref_a  # the restored KV gives the same greedy continuation
+
+
+def test_two_slots_restore_one_snapshot():
+    """Two requests with one prompt on two slots: both start from the snapshot, exactly."""
+    be = load_backend(
+        models_dir() / "smollm2-135m-f32.gguf", BackendOptions(n_ctx=256, n_threads=1, n_seq=2)
+    )
+    try:
+        cache = PrefixCache(lambda: 64 << 20)
+        first, second = be.slots
+        a, b = be.tokenize(A), be.tokenize(B)
+        ref_a = greedy(first, a)
+        assert cache.prepare(first, b) == 0  # the slot moves on: A is saved
+        greedy(first, b)
+        assert cache.prepare(second, a) == len(a)
+        assert cache.prepare(first, a) == len(a)  # still there for the other slot
+        for slot in (first, second):
+            slot.truncate(len(a) - 1)
+            assert greedy(slot, a) == ref_a
+        assert cache.stats.restores == 2
+    finally:
+        be.close()
 
 
 def test_byte_bound_and_supersede(small_backend):
