@@ -88,13 +88,14 @@ class PrefixCache:
                         best, best_n = e, n
         losing = len(backend.tokens) - live
         if best is not None and best_n >= live + MIN_GAIN_TOKENS:
-            if losing >= MIN_SAVE_TOKENS:
-                self._save(backend)
             # The snapshot stays for the next slot that wants it: concurrent requests with one
             # prompt (a shared system prompt, a retried question) each restore it. Moving it
             # out made the second prefill the whole prompt, and how often that happened set a
-            # batch's rate more than its policy did (docs/batching.md, tenth stop).
+            # batch's rate more than its policy did (docs/batching.md, tenth stop). Touched
+            # first, so the save below does not evict it as the least recently used.
             best.last_used = time.monotonic()
+            if losing >= MIN_SAVE_TOKENS:
+                self._save(backend)
             if backend.kv_restore(best.snapshot):
                 self.stats.restores += 1
                 self.stats.restored_tokens += best_n

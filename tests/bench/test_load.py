@@ -9,7 +9,7 @@ import pytest
 from memspec.bench.load import main
 
 
-def test_load_without_a_daemon_says_so(capsys):
+def test_load_without_a_daemon_says_so():
     with socket.socket() as s:  # a loopback port nothing listens on
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"

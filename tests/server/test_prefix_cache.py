@@ -14,9 +14,9 @@ A = "The quick brown fox jumps over the lazy dog while the farmer watches from t
 B = "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen in leaves. " * 2
 
 
-def _load(name: str):
+def _load(name: str, n_seq: int = 1):
     # One thread: the test box is shared, and llama.cpp threads spin when cores are busy.
-    return load_backend(models_dir() / name, BackendOptions(n_ctx=256, n_threads=1))
+    return load_backend(models_dir() / name, BackendOptions(n_ctx=256, n_threads=1, n_seq=n_seq))
 
 
 @pytest.fixture()
@@ -64,9 +64,7 @@ def test_restore_is_exact_and_interleaving_reuses(small_backend):
 
 def test_two_slots_restore_one_snapshot():
     """Two requests with one prompt on two slots: both start from the snapshot, exactly."""
-    be = load_backend(
-        models_dir() / "smollm2-135m-f32.gguf", BackendOptions(n_ctx=256, n_threads=1, n_seq=2)
-    )
+    be = _load("smollm2-135m-f32.gguf", n_seq=2)
     try:
         cache = PrefixCache(lambda: 64 << 20)
         first, second = be.slots
