@@ -228,6 +228,12 @@ class TorchBackend(Backend):
             head = self._model.get_output_embeddings()
             head.register_forward_pre_hook(self._capture_features)
 
+    @property
+    def hf_model(self) -> Any:
+        """The transformers model itself, for recipes that batch many sequences at once
+        (memspec.drafts.corpus.TorchGreedy) outside the one-sequence Backend interface."""
+        return self._model
+
     def _capture_features(self, module: Any, args: tuple[Any, ...]) -> None:
         self._captured = args[0]
 

@@ -57,9 +57,16 @@ def all_build_manifests(manifest_dir: Path = DEFAULT_MANIFEST_DIR) -> list[Draft
     return [m for m in found if m.build is not None]
 
 
+ADDED_FIELD_DEFAULTS = {"teacher": "llama_cpp"}
+
+
 def _recipe_key(m: DraftManifest, src: Path, source_sha: str) -> str:
     assert m.build is not None
     recipe = m.build.model_dump()
+    # A field added later keeps, at its default, the keys of files built before it existed.
+    for name, default in ADDED_FIELD_DEFAULTS.items():
+        if recipe.get(name) == default:
+            del recipe[name]
     parts: list = [recipe, source_sha]
     if m.build.recipe in ("datastore", "distill", "head"):  # these also read the seed prompts
         from memspec.drafts.corpus import SEEDS_FILE, chat_template_of

@@ -215,6 +215,63 @@ class BatchedGreedy:
         self.llm.close()
 
 
+class TorchGreedy:
+    """Greedy answers through transformers (the GGUF dequantized into torch), a batch of
+    prompts of similar length at a time, the matmuls in bfloat16 (autocast): on a CPU with
+    bfloat16 units several times the answers per second of llama.cpp at F32 (docs/drafts.md,
+    "Heads"). A near-tie can go the other way in bfloat16, so this is the target's text, not
+    its exact F32 choices: for recipes that label every position with the target's own F32
+    output (head), not for ones that replay its choices."""
+
+    def __init__(
+        self, model_path: Path, batch: int = 64, n_ctx_per_seq: int = 512, n_threads: int = 1
+    ):
+        from memspec.backends.base import BackendOptions, load_backend
+
+        opts = BackendOptions(n_ctx=n_ctx_per_seq, n_threads=n_threads)
+        self.backend = load_backend(model_path, opts, kind="torch")
+        self.batch = batch
+        self.n_ctx_per_seq = n_ctx_per_seq
+
+    def chat_tokens(self, prompt: str) -> list[int]:
+        be = self.backend
+        return be.tokenize(be.chat_prompt([{"role": "user", "content": prompt}]), special=True)
+
+    def run(self, rows: list[dict[str, str]], max_tokens: int) -> Iterator[tuple[dict, list[int]]]:
+        """Yield (row, output tokens without the end-of-turn token), a batch at a time."""
+        import torch
+
+        room = self.n_ctx_per_seq - max_tokens
+        prompts = [self.chat_tokens(r["prompt"])[-room:] for r in rows]
+        order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))  # little padding
+        eos = sorted(self.backend.eos_token_ids)
+        model = self.backend.hf_model
+        for start in range(0, len(order), self.batch):
+            idx = order[start : start + self.batch]
+            width = max(len(prompts[i]) for i in idx)
+            ids = torch.zeros((len(idx), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, i in enumerate(idx):  # left-padded: every row's answer starts at `width`
+                ids[j, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[j, width - len(prompts[i]) :] = 1
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    eos_token_id=eos,
+                    pad_token_id=eos[0],
+                )
+            for j, i in enumerate(idx):
+                toks = out[j, width:].tolist()
+                end = next((n for n, t in enumerate(toks) if t in eos), len(toks))
+                yield rows[i], toks[:end]
+
+    def close(self) -> None:
+        self.backend.close()
+
+
 def chat_template_of(model_path: Path) -> ChatTemplate:
     """The chat template a runtime with no chat_template setting uses for this model."""
     from memspec.drafts.gguf_header import open_header, scalar
@@ -236,8 +293,10 @@ def _model_tag(model_path: Path) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
-def generated_corpus_path(model_path: Path) -> Path:
-    return cache_dir() / "corpus" / f"gen-{model_path.stem}-{_model_tag(model_path)}.jsonl"
+def generated_corpus_path(model_path: Path, teacher: str = "llama_cpp") -> Path:
+    # torch's answers are bfloat16 text (TorchGreedy), not llama.cpp's: cached apart.
+    suffix = "" if teacher == "llama_cpp" else f"-{teacher}-bf16"
+    return cache_dir() / "corpus" / f"gen-{model_path.stem}-{_model_tag(model_path)}{suffix}.jsonl"
 
 
 def _covers(rec: dict, max_tokens: int) -> bool:
@@ -269,16 +328,22 @@ def generate_outputs(
     n_threads: int = 1,
     batch: int = 48,
     progress: bool = True,
+    teacher: str = "llama_cpp",
 ) -> list[dict]:
-    """The target's greedy answer to each seed prompt, from the cache or generated (resumable)."""
-    path = generated_corpus_path(model_path)
+    """The target's greedy answer to each seed prompt, from the cache or generated (resumable)
+    by llama.cpp (`teacher` "llama_cpp") or in bfloat16 through transformers ("torch")."""
+    path = generated_corpus_path(model_path, teacher)
     done = read_cache(path, max_tokens)
     todo = [r for r in rows if r["prompt"] not in done]
     if todo:
         path.parent.mkdir(parents=True, exist_ok=True)
-        gen = BatchedGreedy(
-            model_path, batch=batch, n_ctx_per_seq=max_tokens + 256, n_threads=n_threads
-        )
+        gen: BatchedGreedy | TorchGreedy
+        if teacher == "torch":
+            gen = TorchGreedy(model_path, n_ctx_per_seq=max_tokens + 256, n_threads=n_threads)
+        else:
+            gen = BatchedGreedy(
+                model_path, batch=batch, n_ctx_per_seq=max_tokens + 256, n_threads=n_threads
+            )
         try:
             with (
                 path.open("a") as f,

@@ -107,7 +107,12 @@ def training_sequences(recipe: Any, teacher: Any, progress: bool) -> tuple[list,
     rows = corpus.select_seeds(recipe.domains, recipe.seeds_per_domain, recipe.seed)
     if rows and recipe.gen_tokens > 0:
         outs = corpus.generate_outputs(
-            Path(teacher.path), rows, recipe.gen_tokens, corpus.default_threads(), progress=progress
+            Path(teacher.path),
+            rows,
+            recipe.gen_tokens,
+            corpus.default_threads(),
+            progress=progress,
+            teacher=recipe.teacher,
         )
         for r in outs:
             chat = teacher.chat_prompt([{"role": "user", "content": r["prompt"]}])
@@ -186,7 +191,8 @@ def build_distilled_file(
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "checkpoint.pt"
 
-    teacher = load_backend(src, BackendOptions(n_ctx=recipe.seq_len + 8, n_threads=threads))
+    options = BackendOptions(n_ctx=recipe.seq_len + 8, n_threads=threads)
+    teacher = load_backend(src, options, kind=recipe.teacher)
     try:
         seqs, domains = training_sequences(recipe, teacher, progress)
         if not seqs:

@@ -2,9 +2,10 @@
 
 1. Corpus: the sequences the distill recipe uses (the target's own greedy answers to seed
    prompts, chat template included, plus package text), cut to `seq_len`.
-2. Features: the target (llama.cpp, the GGUF itself, features on) evaluates every sequence
-   once; each position's feature and the target's argmax are kept (cached under
-   cache/head/<recipe key>/, so a resumed build does not evaluate again).
+2. Features: the target (the GGUF itself, features on; in llama.cpp, or with `teacher =
+   "torch"` through transformers in float32) evaluates every sequence once; each position's
+   feature and the target's argmax are kept (cached under cache/head/<recipe key>/, so a
+   resumed build does not evaluate again).
 3. Sub-vocabulary: the `subvocab` tokens the target predicts most often over the training
    positions; their output rows (and embeddings, if untied) are read from the GGUF.
 4. Training (torch, CPU): from (f_t, x_{t+1}) predict f_{t+1}; loss = KL of the target's
@@ -203,7 +204,7 @@ def build_head_file(
     work.mkdir(parents=True, exist_ok=True)
 
     options = BackendOptions(n_ctx=recipe.seq_len + 8, n_threads=threads, features=True)
-    teacher = load_backend(src, options)
+    teacher = load_backend(src, options, kind=recipe.teacher)
     try:
         seqs, domains = training_sequences(recipe, teacher, progress)
         if not seqs:

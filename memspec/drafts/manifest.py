@@ -63,6 +63,11 @@ class BuildRecipe(BaseModel, extra="forbid"):
     package_chars: int = 0  # characters of stdlib source + pydoc text to add
     max_tokens: int | None = None  # cap on the datastore's tokens
     seed: int = 0  # which seed prompts / files are chosen (and, for "distill", the batches)
+    # recipes "distill", "head": where the target runs to answer the seed prompts and label the
+    # corpus. "llama_cpp": the serving runtime, its exact F32 greedy answers. "torch": the same
+    # GGUF through transformers, answers in bfloat16 and labels (features, logits) in float32,
+    # several times faster on a CPU with bfloat16 units (docs/drafts.md, "Heads").
+    teacher: Literal["llama_cpp", "torch"] = "llama_cpp"
     # recipe "distill" (memspec.drafts.distill): the same corpus, a student trained with torch
     # for `steps` batches of `batch_size` sequences of at most `seq_len` tokens; `ftype` is the
     # quantization of the exported GGUF.

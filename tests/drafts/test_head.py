@@ -79,6 +79,25 @@ def prompts(target):
     ]
 
 
+def test_torch_teacher_gives_the_targets_features(target, prompts, tmp_path):
+    """`teacher = "torch"` labels the corpus through transformers: the features a head is
+    trained on must be the ones llama.cpp hands it when serving (same GGUF, both float32)."""
+    from memspec.drafts.head_build import extract_features
+
+    seqs = [p + p[:8] for p in prompts]
+    llama, _ = extract_features(target, seqs, tmp_path / "llama.npz", progress=False)
+    opts = BackendOptions(n_ctx=512, n_threads=2, features=True)
+    teacher = load_backend(models_dir() / TARGET_FILE, opts, kind="torch")
+    try:
+        torch_feats, tops = extract_features(teacher, seqs, tmp_path / "torch.npz", False)
+    finally:
+        teacher.close()
+    for a, b, top, s in zip(llama, torch_feats, tops, seqs, strict=True):
+        assert a.shape == b.shape == (len(s), target.n_embd) and top.shape == (len(s),)
+        cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+        assert cos.min() > 0.9999
+
+
 def plain(target, prompt, params):
     target.reset()
     return spec.speculative_generate(target, prompt, params, FixedPolicy(None, 0))

@@ -1,0 +1,51 @@
+"""The recipes' corpus: the target's answers from llama.cpp and from torch (`teacher`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from memspec.drafts import corpus
+from memspec.paths import models_dir
+
+TARGET = "smollm2-135m-f32.gguf"
+
+
+@pytest.fixture(scope="module")
+def target_path():
+    p = models_dir() / TARGET
+    if not p.is_file():
+        pytest.fail(f"{p} missing: run scripts/setup.sh", pytrace=False)
+    return p
+
+
+def test_torch_answers_are_the_targets(target_path):
+    """Left-padded batches of different prompt lengths, bfloat16 matmuls: the answers must
+    still be the target's own (llama.cpp's F32 greedy answers). A wrong pad side, mask or
+    chat template gives other text from the first token; bfloat16 may flip a near-tie late,
+    so the opening tokens are compared."""
+    pytest.importorskip("transformers")
+    rows = corpus.select_seeds(None, 1, seed=0)[:4]  # four domains, prompts of mixed length
+    llama = corpus.BatchedGreedy(target_path, batch=4, n_ctx_per_seq=384, n_threads=2)
+    try:
+        want = {r["prompt"]: out for r, out in llama.run(rows, 12)}
+        chats = [llama.chat_tokens(r["prompt"]) for r in rows]
+    finally:
+        llama.close()
+    gen = corpus.TorchGreedy(target_path, batch=4, n_ctx_per_seq=384, n_threads=2)
+    try:
+        assert [gen.chat_tokens(r["prompt"]) for r in rows] == chats
+        assert len({len(c) for c in chats}) > 1  # the batch really is padded
+        got = {r["prompt"]: out for r, out in gen.run(rows, 12)}
+    finally:
+        gen.close()
+    assert got.keys() == want.keys()
+    same = [got[p][:6] == want[p][:6] for p in want]
+    assert sum(same) >= 3, (got, want)
+    assert all(0 < len(out) <= 12 for out in got.values())
+
+
+def test_torch_answers_are_cached_apart(target_path):
+    """bfloat16 answers must never be read back as llama.cpp's exact ones (or the reverse)."""
+    exact = corpus.generated_corpus_path(target_path)
+    torch_text = corpus.generated_corpus_path(target_path, "torch")
+    assert exact != torch_text and exact.parent == torch_text.parent
