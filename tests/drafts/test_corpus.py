@@ -49,3 +49,26 @@ def test_torch_answers_are_cached_apart(target_path):
     exact = corpus.generated_corpus_path(target_path)
     torch_text = corpus.generated_corpus_path(target_path, "torch")
     assert exact != torch_text and exact.parent == torch_text.parent
+
+
+def test_teacher_field_keeps_existing_recipe_keys(target_path, monkeypatch):
+    """Drafts built before `teacher` existed are not rebuilt for it; a torch teacher is a
+    different build."""
+    import hashlib
+    import json
+
+    from memspec.drafts import build
+    from memspec.drafts.manifest import load_manifests
+
+    m = load_manifests()["distill-ci"]
+    assert m.build is not None and m.build.teacher == "llama_cpp"
+    key = build._recipe_key(m, target_path, "sha")
+    monkeypatch.setattr(build, "ADDED_FIELD_DEFAULTS", {})  # as if the field were old
+    assert build._recipe_key(m, target_path, "sha") != key
+    monkeypatch.undo()
+    recipe = m.build.model_dump()
+    del recipe["teacher"]  # the recipe as it was dumped before the field was added
+    parts = [recipe, "sha", build.sha256_file(corpus.SEEDS_FILE)]
+    assert hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest() == key
+    torch_m = m.model_copy(update={"build": m.build.model_copy(update={"teacher": "torch"})})
+    assert build._recipe_key(torch_m, target_path, "sha") != key
