@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from launcher import TARGET_FILE, require_testbed
 
 from memspec.drafts import corpus
 from memspec.paths import models_dir
 
-TARGET = "smollm2-135m-f32.gguf"
-
 
 @pytest.fixture(scope="module")
 def target_path():
-    p = models_dir() / TARGET
-    if not p.is_file():
-        pytest.fail(f"{p} missing: run scripts/setup.sh", pytrace=False)
-    return p
+    require_testbed()
+    return models_dir() / TARGET_FILE
 
 
 def test_torch_answers_are_the_targets(target_path):
