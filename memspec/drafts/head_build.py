@@ -46,12 +46,17 @@ def extract_features(
             if list(lengths) == [len(s) for s in seqs]:
                 cuts = np.cumsum(lengths)[:-1]
                 return np.split(z["features"], cuts), np.split(z["argmax"], cuts)
-    feats, tops = [], []
-    for s in tqdm(seqs, desc="head: target features", unit="seq", disable=not progress):
-        teacher.reset()
-        logits = teacher.eval(s, all_logits=True, copy=False)
-        tops.append(logits.argmax(axis=1).astype(np.int64))
-        feats.append(np.array(teacher.last_features(), dtype=np.float32))
+    from memspec.backends.torch_hf import TorchBackend
+
+    if isinstance(teacher, TorchBackend):
+        feats, tops = _batched_features(teacher.hf_model, seqs, progress)
+    else:
+        feats, tops = [], []
+        for s in tqdm(seqs, desc="head: target features", unit="seq", disable=not progress):
+            teacher.reset()
+            logits = teacher.eval(s, all_logits=True, copy=False)
+            tops.append(logits.argmax(axis=1).astype(np.int64))
+            feats.append(np.array(teacher.last_features(), dtype=np.float32))
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez(
         tmp,
@@ -60,6 +65,44 @@ def extract_features(
         lengths=np.array([len(s) for s in seqs]),
     )
     tmp.replace(path)
+    return feats, tops
+
+
+def _batched_features(
+    model: Any, seqs: list[list[int]], progress: bool, batch: int = 8
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """extract_features through transformers: sequences of similar length a batch at a time
+    (the torch Backend feeds one sequence token by token; here ~10x faster), the features read
+    as the output layer's input, as TorchBackend reads them when serving."""
+    import torch
+
+    feats: list[Any] = [None] * len(seqs)
+    tops: list[Any] = [None] * len(seqs)
+    captured: dict[str, Any] = {}
+    hook = model.get_output_embeddings().register_forward_pre_hook(
+        lambda _module, args: captured.update(features=args[0])
+    )
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # little padding
+    try:
+        for start in tqdm(
+            range(0, len(order), batch),
+            desc="head: target features",
+            unit="batch",
+            disable=not progress,
+        ):
+            idx = order[start : start + batch]
+            # Padded on the right: in a causal model no position sees the padding after it.
+            ids = torch.zeros((len(idx), max(len(seqs[i]) for i in idx)), dtype=torch.long)
+            for j, i in enumerate(idx):
+                ids[j, : len(seqs[i])] = torch.tensor(seqs[i])
+            with torch.no_grad():
+                top = model(input_ids=ids).logits.argmax(-1)
+            for j, i in enumerate(idx):
+                n = len(seqs[i])
+                feats[i] = captured["features"][j, :n].float().numpy().copy()
+                tops[i] = top[j, :n].numpy().astype(np.int64)
+    finally:
+        hook.remove()
     return feats, tops
 
 
