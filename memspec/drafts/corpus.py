@@ -4,7 +4,8 @@
     by the target with llama.cpp, many sequences per batch (continuous batching: a finished
     sequence's slot takes the next prompt), because one 135M step costs ~20 ms whether it
     carries 1 or 16 tokens on a CPU. Each finished generation is appended to a JSONL cache at
-    once, so an interrupted build resumes where it stopped.
+    once, so an interrupted build resumes where it stopped. A recipe with `teacher = "torch"`
+    has them answered through transformers in bfloat16 instead (TorchGreedy), cached apart.
 (b) Package text: Python source of the standard library (and the pydoc topic help), openly
     licensed and present offline on every machine that runs this package.
 """
