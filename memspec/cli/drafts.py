@@ -27,11 +27,18 @@ def cmd_drafts_build(args: argparse.Namespace) -> int:
         target: Path | None = family_target(args.family)
     else:
         target = resolve_model_path(args.target) if args.target else None
+    sibling = resolve_model_path(args.sibling) if args.sibling else None
     if target is None or is_testbed_target(target):
+        if sibling is not None:
+            raise ValueError("--sibling needs --target or --family (the testbed's pool is drafts/)")
         done, skipped = build_all(only=args.only, force=args.force), []
     else:
-        done, skipped = build_family(target, only=args.only, force=args.force)
+        done, skipped, siblings = build_family(
+            target, only=args.only, force=args.force, sibling=sibling
+        )
         print(f"family of {target.name}: manifests in {family_dir(target)}")
+        for s in siblings:
+            print(f"{s.id:24s} {'sibling':10s} {s.path} ({s.how}: same tokenizer, smaller)")
     for draft_id, path, built in done:
         print(f"{draft_id:24s} {'built' if built else 'up to date':10s} {path}")
     for p in skipped:
@@ -163,7 +170,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--family",
         action="append",
         choices=FAMILIES,
-        help="also fetch a second model family (gemma3: Gemma 3 270M Q4_K_M, 262k vocabulary)",
+        help="also fetch a model family (gemma3: Gemma 3 270M Q4_K_M, 262k vocabulary; "
+        "qwen2.5-coder: the Qwen2.5-Coder-1.5B-Instruct target and its 0.5B sibling draft, "
+        "Q4_K_M, 1.6 GB; resumes after a break)",
     )
     f.set_defaults(func=cmd_testbed_fetch)
 
@@ -192,6 +201,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="derive the pool for this target GGUF (a path, or a file in the models dir): "
         "self-drafts, datastore and the rest of drafts/ re-aimed at it, stored per target "
         "(default: the testbed pool, drafts/*.toml)",
+    )
+    b.add_argument(
+        "--sibling",
+        help="a smaller GGUF of the target's tokenizer to draft with (default: every such file "
+        "in the models dir); one of another tokenizer is refused with the reason",
     )
     b.set_defaults(func=cmd_drafts_build)
     ev = dsub.add_parser("eval", help="each built draft vs the target on MT-Bench first turns")
