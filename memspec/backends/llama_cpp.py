@@ -149,11 +149,7 @@ class LlamaCppBackend(SequenceContext):
         self.metadata = meta
         bos, eos = self._llm.token_bos(), self._llm.token_eos()
         self.bos_token_id = bos if bos >= 0 else None
-        eos_ids = {eos} if eos >= 0 else set()
-        eot = llama_cpp.llama_vocab_eot(self._llm._model.vocab)
-        if eot >= 0:
-            eos_ids.add(eot)
-        self.eos_token_ids = frozenset(eos_ids)
+        self.eos_token_ids = _end_of_generation_ids(self._llm._model.vocab, self.n_vocab)
         self._add_bos = meta.get("tokenizer.ggml.add_bos_token", "true") == "true"
         self._bos_text = self._llm._model.token_get_text(bos) if bos >= 0 else ""
         self._eos_text = self._llm._model.token_get_text(eos) if eos >= 0 else ""
@@ -403,3 +399,12 @@ class LlamaCppBackend(SequenceContext):
         # K and V in f16, every layer: llama.cpp's default (swa_full) gives sliding-window
         # layers a full-size cache too.
         return self.n_layers * self.n_kv_heads * (self.head_dim_k + self.head_dim_v) * 2
+
+
+def _end_of_generation_ids(vocab: object, n_vocab: int) -> frozenset[int]:
+    """Every id llama.cpp ends a generation on (`llama_vocab_is_eog`): EOS and EOT, and what
+    it auto-detects from the vocabulary, e.g. Qwen's `<|endoftext|>` beside `<|im_end|>`, and
+    its FIM pad/repo/file-separator tokens (one call per id: ~0.1 s for 150k at load)."""
+    import llama_cpp
+
+    return frozenset(t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))

@@ -30,9 +30,11 @@ from memspec.errors import ModelLoadError
 
 # GGUF tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
 _TT_CONTROL, _TT_USER_DEFINED, _TT_UNUSED, _TT_BYTE = 3, 4, 5, 6
+_SPECIAL_TYPES = (_TT_CONTROL, _TT_USER_DEFINED)  # what llama.cpp's auto-detection looks at
 
-# Token texts llama.cpp treats as end of generation when the GGUF names no eot token
-# (llama-vocab.cpp auto-detection); kept in step so both backends stop on the same ids.
+# Token texts llama.cpp ends a generation on (llama-vocab.cpp's auto-detection: EOT texts, and
+# the FIM pad / repo / file-separator tokens); kept in step so both backends stop on the same
+# ids (tests/backends/test_torch_hf.py compares them).
 _EOT_TEXTS = frozenset(
     {
         "<|eot_id|>",
@@ -46,6 +48,17 @@ _EOT_TEXTS = frozenset(
         "<|end_of_text|>",
         "<end_of_utterance>",
         "<｜end▁of▁sentence｜>",
+        "</s>",
+        # FIM pad, repo and file separator
+        "<|fim_pad|>",
+        "<fim-pad>",
+        "<fim_pad>",
+        "<|fim_repo|>",
+        "<|repo_name|>",
+        "<fim-repo>",
+        "<REPO>",
+        "<reponame>",
+        "<|file_sep|>",
     }
 )
 
@@ -211,7 +224,7 @@ class TorchBackend(Backend):
         if meta["eot_id"] is not None:
             eos_ids.add(int(meta["eot_id"]))
         for i, piece in enumerate(pieces):
-            if piece in _EOT_TEXTS and (types is None or types[i] == _TT_CONTROL):
+            if piece in _EOT_TEXTS and (types is None or types[i] in _SPECIAL_TYPES):
                 eos_ids.add(i)
         self.eos_token_ids = frozenset(eos_ids)
         self._bos_text = pieces[bos] if bos is not None else ""
