@@ -39,7 +39,12 @@ class Settings(BaseSettings):
         description="chat template: a Jinja file, or a llama.cpp built-in name such as gemma, "
         "llama3, chatml (default: the GGUF's own, else the built-in for its family, else ChatML)",
     )
-    drafts: list[str] = Field(["prompt-lookup", "q4_0"], description="draft ids to load")
+    drafts: list[str] | None = Field(
+        None,
+        description="draft ids to preload, in order (default: the target's whole family, every "
+        "built draft that speaks its tokenizer, as far as the budget holds them; the working "
+        "set then keeps what the policy predicts is worth most)",
+    )
     manifest_dir: Path | None = None  # default: drafts/ in the checkout
     backend: str = Field("llama_cpp", description="model backend")
     device: str = Field("cpu", description="torch backend device")

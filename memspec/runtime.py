@@ -46,9 +46,10 @@ from memspec.memory.footprint import Footprint, split_footprint, target_footprin
 from memspec.memory.gguf_info import read_shape
 from memspec.memory.plan import draft_fits, slots_that_fit
 from memspec.model_id import served_model_id
-from memspec.paths import DEFAULT_PREDICTOR, models_dir, resolve_model_path
+from memspec.paths import DEFAULT_PREDICTOR, data_dir, models_dir, resolve_model_path
 from memspec.predictor.model import load_or_fallback
 from memspec.rpc.endpoints import LayerSplit, layer_split
+from memspec.scheduler.learned import Memory
 from memspec.scheduler.manifest_source import ManifestSource
 from memspec.scheduler.rounds import LookupRounds, Scheduler
 from memspec.scheduler.working_set import WorkingSet
@@ -99,6 +100,10 @@ class Runtime:
         self.settings = settings
         pool = settings_pool_dir(settings)
         self.manifests: dict[str, DraftManifest] = load_manifests(pool)
+        # What is loaded at start: settings.drafts, else the whole family as far as it is built.
+        self.preload_ids = (
+            list(settings.drafts) if settings.drafts is not None else self._whole_family()
+        )
         target_path = resolve_model_path(settings.target)
         # Sequence slots decoded together (settings.parallel; 0: what the budget fits).
         self.slots = self._plan_slots(settings, target_path) if batched else 1
@@ -175,8 +180,13 @@ class Runtime:
             self.manifests, draft_options, settings.backend, self.target_tokenizer, self.target
         )
         self.working_set: WorkingSet | None = None
+        # What earlier runtimes learnt about this target (memspec.scheduler.learned).
+        self.memory = Memory(self, settings.state_dir or data_dir() / "state")
+        if settings.drafts is None:  # the default pool: what was resident last time first
+            last = self.memory.resident
+            self.preload_ids = last + [i for i in self.preload_ids if i not in last]
         try:
-            # Only settings.drafts are preloaded, weightless ones included: "auto" then uses
+            # Only the preload ids are loaded, weightless ones included: "auto" then uses
             # exactly what the configuration names until something else is loaded.
             self.working_set = WorkingSet(
                 self.draft_source,
@@ -185,7 +195,7 @@ class Runtime:
                 on_loaded=self._on_draft_loaded,
                 autoload_free=False,
             )
-            self._preload(self.working_set, settings.drafts)
+            self._preload(self.working_set, self.preload_ids)
             resident = list(self.drafts.values())
             self.working_set.release_leases()
             if calibrate_costs:
@@ -197,6 +207,7 @@ class Runtime:
             self.scheduler = Scheduler(
                 self.working_set, self.costs, self.estimator, settings.k_max, predictor
             )
+            self.memory.restore()
         except Exception:
             self.close()
             raise
@@ -215,7 +226,7 @@ class Runtime:
             return 1
         if settings.parallel > 0:
             return settings.parallel
-        preload = {i: m for i, m in self.manifests.items() if i in settings.drafts}
+        preload = {i: m for i, m in self.manifests.items() if i in self.preload_ids}
         fits = draft_fits(preload, models_dir(), settings.n_ctx, n_gpu_layers=settings.n_gpu_layers)
         return slots_that_fit(
             settings.budget_bytes,
@@ -225,6 +236,19 @@ class Runtime:
             sum(d.bytes for d in fits),
             settings.n_gpu_layers,
         )
+
+    def _whole_family(self) -> list[str]:
+        """Every draft of the pool whose file is built: weightless ones first (they cost no
+        memory), then model drafts smallest first; the budget stops the preload where it is
+        full, and the policy's plan moves the rest in and out by predicted value."""
+        built = [
+            m
+            for m in self.manifests.values()
+            if m.file is None or m.model_path(models_dir()).is_file()
+        ]
+        weighty = [m for m in built if m.kind in ("model", "head")]
+        size = {m.id: m.model_path(models_dir()).stat().st_size for m in weighty}
+        return [m.id for m in built if m.id not in size] + sorted(size, key=size.__getitem__)
 
     def _usable_head(self, m: DraftManifest) -> bool:
         """A built head of this target's tokenizer, with torch there to run it."""
@@ -246,7 +270,7 @@ class Runtime:
         return self.working_set
 
     def _preload(self, ws: WorkingSet, draft_ids: list[str]) -> None:
-        """Settings.drafts, in order, as far as the budget allows (never evicting)."""
+        """The preload ids, in order, as far as the budget allows (never evicting)."""
         for draft_id in draft_ids:
             if draft_id in self.skipped_drafts and draft_id not in self.manifests:
                 log.warning("not preloading %s: %s", draft_id, self.skipped_drafts[draft_id])
@@ -671,9 +695,13 @@ class Runtime:
         self._ws.release_leases()
         for draft_id in gen.drafts_used:
             self.requests_per_draft[draft_id] = self.requests_per_draft.get(draft_id, 0) + 1
+        if seq.target.seq_id == 0:
+            self.memory.request_done()
         return gen
 
     def close(self) -> None:
+        if self.working_set is not None and hasattr(self, "scheduler"):
+            self.memory.save()
         ws, self.working_set = self.working_set, None
         if ws is not None:
             ws.close()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from launcher import GEMMA_DRAFTS, TARGET_FILE, require_gemma, require_testbed
 
@@ -18,6 +21,15 @@ PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "What are three benefits of regular exercise?",
 ]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_state_dir(tmp_path_factory) -> Path:
+    """Runtimes made here keep tuned and learnt state (memspec.scheduler.learned) in a dir of
+    the session's own: what a developer's daemon learnt never steers a test."""
+    path = tmp_path_factory.mktemp("state")
+    os.environ["MEMSPEC_STATE_DIR"] = str(path)
+    return path
 
 
 @pytest.fixture(scope="session")

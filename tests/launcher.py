@@ -54,7 +54,9 @@ N_CTX = 1024
 N_THREADS = 1  # the test box is shared; one thread per server keeps llama.cpp from spinning
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "default": {},  # the configured pool: prompt-lookup and q4_0 resident, budget 2 GiB
+    # prompt-lookup and q4_0 resident, budget 2 GiB: the pool these tests were written for (the
+    # product's default preloads the target's whole family: tests/engine/test_qwen_pair.py)
+    "default": {"drafts": ["prompt-lookup", "q4_0"]},
     "lookup": {"drafts": ["prompt-lookup"]},  # no draft weights to load: the quickest start
 }
 
@@ -79,6 +81,28 @@ def require_gemma() -> Path:
     if not target.is_file() or not (family_dir(target) / "family.json").is_file():
         pytest.fail(
             f"Gemma family missing ({target}): run scripts/setup.sh --family gemma3",
+            pytrace=False,
+        )
+    return target
+
+
+# The Qwen2.5-Coder pair (`drafts build --family qwen2.5-coder`): the 1.5B target's family is its
+# 0.5B sibling, prompt lookup and the datastores built from its own answers (its Q2_K
+# self-draft is skipped: it would be no smaller than the sibling).
+QWEN_SIBLING = "sibling-0.5b"
+QWEN_DRAFTS = ["prompt-lookup", QWEN_SIBLING, "datastore-ci"]
+
+
+def require_qwen() -> Path:
+    """The Qwen2.5-Coder-1.5B target with its family built, by `scripts/setup.sh --family
+    qwen2.5-coder` (scripts/test.sh turns that on)."""
+    from memspec.drafts.family import family_dir
+    from memspec.testbed import family_target
+
+    target = family_target("qwen2.5-coder")
+    if not target.is_file() or not (family_dir(target) / "family.json").is_file():
+        pytest.fail(
+            f"Qwen pair missing ({target}): run scripts/setup.sh --family qwen2.5-coder",
             pytrace=False,
         )
     return target

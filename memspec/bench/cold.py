@@ -56,7 +56,7 @@ def run_cold_bench(
     report: dict = {
         "benchmark": "cold",
         "target": settings.target,
-        "drafts_preloaded": settings.drafts,
+        "drafts_preloaded": settings.drafts,  # None: the target's whole family
         "max_tokens": max_tokens,
         "per_category": per_category,
         "machine": {

@@ -166,7 +166,7 @@ def run_engine_bench(
     baseline). An unknown name is an error that lists the names there are."""
     workloads = ["mtbench", "heldout"] if workload == "both" else [workload]
     prompts = {w: load_workload(w, per_category, categories) for w in workloads}
-    settings.drafts = [d for d in settings.drafts if d not in POOL] + POOL
+    settings.drafts = [d for d in settings.drafts or [] if d not in POOL] + POOL
     rt = Runtime(settings)
     pool = [d for d in POOL if d in rt.manifests and d not in rt.incompatible]
     # (name, draft, k, policy): `memspec` is the default policy; `auto` the bare decision rule.

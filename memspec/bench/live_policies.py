@@ -175,9 +175,11 @@ def run_live(settings, cfg, out: Path) -> dict:
     from memspec.runtime import Runtime
 
     # The runtime loads the whole pool once: calibration (cached) and the trace need it.
-    configured = list(settings.drafts)  # what auto's working set preloads, as the daemon's
+    configured = settings.drafts  # what auto's working set preloads, as the daemon's
     settings.drafts = list(load_manifests(settings_pool_dir(settings)))
     rt = Runtime(settings)
+    if configured is None:  # the whole family, as the daemon's default
+        configured = [d for d in rt.preload_ids if d not in rt.incompatible]
     sets: dict = {}
     try:
         trace = bench_trace(rt, cfg, out)

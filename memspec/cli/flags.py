@@ -72,9 +72,9 @@ def workload_flags(p: argparse.ArgumentParser, per_category: int, offset: int) -
 
 def _flag_type(annotation: Any) -> type:
     """int, float, bool, list (comma-separated) or str; pydantic converts str to the rest."""
-    if get_origin(annotation) is list:
-        return list
     kind = next((a for a in get_args(annotation) if a is not type(None)), annotation)
+    if list in (get_origin(annotation), get_origin(kind)):
+        return list
     return kind if kind in (int, float, bool) else str
 
 

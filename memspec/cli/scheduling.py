@@ -11,6 +11,7 @@ from memspec.cli.flags import load_settings, model_flags, workload_flags
 
 
 def cmd_traces_collect(args: argparse.Namespace) -> int:
+    from memspec.drafts.family import settings_pool_dir
     from memspec.runtime import Runtime
     from memspec.sim.traces import built_pool, collect
     from memspec.sim.workload import requests_for
@@ -18,7 +19,7 @@ def cmd_traces_collect(args: argparse.Namespace) -> int:
 
     settings = load_settings(args)
     if args.drafts is None:  # the whole pool, as far as it is built
-        settings.drafts = built_pool(settings.manifest_dir)
+        settings.drafts = built_pool(settings_pool_dir(settings))
     questions = select_questions(args.per_category, args.offset, args.categories)
     requests = requests_for(questions, args.turns)
     rt = Runtime(settings)
@@ -80,12 +81,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_sim_calibrate(args: argparse.Namespace) -> int:
+    from memspec.drafts.family import settings_pool_dir
     from memspec.sim.profile import calibrate_this_machine
     from memspec.sim.traces import built_pool
 
     settings = load_settings(args)
     if args.drafts is None:
-        settings.drafts = built_pool(settings.manifest_dir)
+        settings.drafts = built_pool(settings_pool_dir(settings))
     path = calibrate_this_machine(settings, Path(args.out) if args.out else None, args.load_reps)
     print(path)
     return 0

@@ -5,16 +5,18 @@ pool, drafts/*.toml. Any other target gets a family of its own, derived from tha
 `memspec drafts build --target FILE`: every testbed manifest is re-aimed at the target (its
 `build.source`), its file renamed `<slug>-<file>` in the models directory, and its manifest
 written to `<data>/families/<slug>/`, so two targets' drafts never clash. Recipes that cannot
-pay for this target are skipped with the reason (a self-draft no smaller than the target, a
-distilled student of another architecture). `pool_dir` is the one place that says which
-manifests a runtime, `drafts list` or `plan` read.
+pay for this target are skipped with the reason (a self-draft no smaller than the target or
+than a sibling, a distilled student of another architecture). A *sibling* (a smaller GGUF of
+the same tokenizer in the models directory, or one named with `--sibling`: Qwen2.5-Coder 0.5B
+beside its 1.5B) joins the family as a model draft of its own. `pool_dir` is the one place
+that says which manifests a runtime, `drafts list` or `plan` read.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -120,7 +122,7 @@ def _header(target: Path) -> tuple[str, int, int | None]:
     )
 
 
-def _skip_reason(m: DraftManifest, target: Path) -> str:
+def _skip_reason(m: DraftManifest, target: Path, siblings: list[Sibling]) -> str:
     """Why this testbed recipe cannot pay for `target` ("" when it can)."""
     if m.build is None:
         return ""
@@ -134,6 +136,17 @@ def _skip_reason(m: DraftManifest, target: Path) -> str:
                 f"the target is already {src_bits:.1f} bits/weight; a {m.build.ftype} "
                 f"self-draft ({draft_bits:.1f}) would cost about what the target costs"
             )
+        # A draft's step reads its weights: a self-draft bigger than a sibling costs more per
+        # token, and a model trained at that size agrees with the target better than a copy
+        # quantized to ~2-3 bits (SmolLM2's Q2_K self-draft: alpha ~0.55, DESIGN.md).
+        est = int(target.stat().st_size * draft_bits / src_bits)
+        smaller = [s for s in siblings if s.bytes <= est]
+        if smaller:
+            return (
+                f"a {m.build.ftype} self-draft would be about {est / 1e6:.0f} MB, no smaller "
+                f"than the sibling {smaller[0].path.name} ({smaller[0].bytes / 1e6:.0f} MB), "
+                "which is a model of its own at that size"
+            )
         return ""
     if m.build.recipe in ("distill", "layers"):
         if arch != "llama":
@@ -145,16 +158,18 @@ def _skip_reason(m: DraftManifest, target: Path) -> str:
     return ""
 
 
-def plan_family(target: Path) -> list[Planned]:
-    """The testbed pool re-aimed at `target`: one entry per manifest, planned or skipped.
-    Files are `<slug>-<id of the recipe that builds it><suffix>`."""
+def plan_family(target: Path, siblings: list[Sibling] | None = None) -> list[Planned]:
+    """The testbed pool re-aimed at `target`, one entry per manifest, planned or skipped,
+    then one model draft per sibling. Files are `<slug>-<id of the recipe that builds it>
+    <suffix>`; a sibling keeps its own file."""
+    siblings = siblings or []
     name, prefix = target.name, slug(target)
     testbed = load_manifests(DEFAULT_MANIFEST_DIR)
     # Files are named after the recipe that builds them (datastore-live reads datastore's).
     builder = {m.file: m.id for m in testbed.values() if m.file and m.build}
     out = []
     for m in testbed.values():
-        reason = _skip_reason(m, target)
+        reason = _skip_reason(m, target, siblings)
         if reason:
             out.append(Planned(m.id, None, reason))
             continue
@@ -168,7 +183,7 @@ def plan_family(target: Path) -> list[Planned]:
     # A file another recipe builds (e.g. datastore-live reads datastore's) is usable only if
     # that recipe is planned too.
     built_files = {p.manifest.file for p in out if p.manifest and p.manifest.build}
-    return [
+    return [Planned(s.id, sibling_manifest(s, target), "") for s in siblings] + [
         Planned(p.id, None, f"needs {p.manifest.file}, which no planned recipe builds")
         if p.manifest
         and p.manifest.file
@@ -217,18 +232,23 @@ def link_target(target: Path) -> None:
 
 
 def build_family(
-    target: Path, only: list[str] | None = None, force: bool = False
-) -> tuple[list[tuple[str, Path, bool]], list[Planned]]:
+    target: Path, only: list[str] | None = None, force: bool = False, sibling: Path | None = None
+) -> tuple[list[tuple[str, Path, bool]], list[Planned], list[Sibling]]:
     """Write the family's manifests and build what they name (resumable: each recipe is cached
-    by build_one; a datastore's target answers are cached as they come). Returns the built
-    (id, path, whether anything was done) and the skipped recipes."""
+    by build_one; a datastore's target answers are cached as they come). `sibling` names the
+    sibling draft (DraftIncompatible if it speaks another tokenizer); without it, siblings are
+    found in the models directory. Returns the built (id, path, whether anything was done),
+    the skipped recipes and the siblings."""
     from memspec.drafts.build import build_one
 
     if not target.is_file():
         raise FileNotFoundError(f"target {target} not found")
     models_dir().mkdir(parents=True, exist_ok=True)
     link_target(target)
-    plan = plan_family(target)
+    siblings = [named_sibling(target, sibling)] if sibling else find_siblings(target)
+    for s in siblings:
+        link_target(s.path)
+    plan = plan_family(target, siblings)
     directory = family_dir(target)
     directory.mkdir(parents=True, exist_ok=True)
     for old in directory.glob("*.toml"):  # a recipe skipped now must not linger
@@ -250,8 +270,98 @@ def build_family(
     skipped = [p for p in plan if p.manifest is None]
     report = {
         "target": str(target),
+        "siblings": [
+            {"id": s.id, "file": str(s.path), "bytes": s.bytes, "how": s.how} for s in siblings
+        ],
         "built": [{"id": i, "file": str(path), "rebuilt": b} for i, path, b in done],
         "skipped": [{"id": p.id, "reason": p.reason} for p in skipped],
     }
     (directory / "family.json").write_text(json.dumps(report, indent=2) + "\n")
-    return done, skipped
+    return done, skipped, siblings
+
+
+# --- siblings -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sibling:
+    """A smaller model of the target's tokenizer: a draft nobody has to build."""
+
+    id: str
+    path: Path
+    bytes: int
+    how: str  # "found" (same tokenizer, in the models directory) or "named" (--sibling)
+
+
+def _sibling_id(path: Path) -> str:
+    """`sibling-<size label>` (Qwen2.5-Coder 0.5B: sibling-0.5b), else `sibling-<file stem>`."""
+    from memspec.drafts.gguf_header import open_header, scalar
+
+    label = scalar(open_header(path), "general.size_label")
+    base = str(label) if label else path.stem
+    return ("sibling-" + re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-."))[:64]
+
+
+def named_sibling(target: Path, path: Path) -> Sibling:
+    """The sibling `--sibling` names: DraftIncompatible (with llama.cpp's reason) if it speaks
+    another tokenizer than the target, ValueError if it is the target or no smaller."""
+    from memspec.drafts.compat import fingerprint_of, incompatibility, incompatible_error
+
+    if not path.is_file():
+        raise FileNotFoundError(f"sibling {path} not found")
+    if path.resolve() == target.resolve():
+        raise ValueError(f"sibling {path.name} is the target itself")
+    size, target_size = path.stat().st_size, target.stat().st_size
+    if size >= target_size:
+        raise ValueError(
+            f"sibling {path.name} ({size / 1e6:.0f} MB) is no smaller than the target "
+            f"({target_size / 1e6:.0f} MB): as a draft it would cost more than it saves"
+        )
+    t, d = fingerprint_of(target), fingerprint_of(path)
+    reason = "it carries no tokenizer" if t is None or d is None else incompatibility(t, d)
+    if reason:
+        raise incompatible_error(_sibling_id(path), reason)
+    return Sibling(_sibling_id(path), path, size, "named")
+
+
+def find_siblings(target: Path) -> list[Sibling]:
+    """GGUFs in the models directory smaller than the target that speak its tokenizer, the
+    largest first: neither the target nor a file derived from it (`<slug>-*`)."""
+    from memspec.drafts.compat import fingerprint_of, incompatibility
+    from memspec.errors import ModelLoadError
+
+    want = fingerprint_of(target)
+    if want is None:
+        return []
+    target_size, own = target.stat().st_size, slug(target) + "-"
+    found = []
+    for path in sorted(models_dir().glob("*.gguf")):
+        if path.resolve() == target.resolve() or path.name.lower().startswith(own):
+            continue
+        try:
+            if path.stat().st_size >= target_size:
+                continue
+            fp = fingerprint_of(path)
+        except (ModelLoadError, OSError, ValueError):
+            continue  # unreadable here: not a sibling (a load would say why)
+        if fp is not None and incompatibility(want, fp) is None:
+            found.append(Sibling(_sibling_id(path), path, path.stat().st_size, "found"))
+    found.sort(key=lambda s: -s.bytes)
+    ids = [s.id for s in found]  # two files with one size label: fall back to file stems
+    return [
+        s if ids.count(s.id) == 1 else replace(s, id=f"sibling-{slug(s.path)}"[:64]) for s in found
+    ]
+
+
+def sibling_manifest(s: Sibling, target: Path) -> DraftManifest:
+    """A sibling as a model draft of the target's family (its file, as found, is the draft)."""
+    return DraftManifest.model_validate(
+        {
+            "id": s.id,
+            "kind": "model",
+            "file": s.path.name,
+            "description": f"sibling of {target.name}: {s.path.name}, a smaller model of the "
+            f"same tokenizer ({s.how})",
+            "tags": ["sibling"],
+        }
+    )

@@ -18,7 +18,7 @@ i.i.d. α fitted to that mix under-drafts the runs and over-drafts the misses.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -398,3 +398,23 @@ class AcceptanceEstimator:
 
     def snapshot(self) -> dict[str, float]:
         return {key: round(self.alpha(key), 4) for key in sorted(self._seen)}
+
+    def counts(self) -> dict[str, dict[str, float]]:
+        """The decayed counts behind the estimates (priors are the runtime's, not saved)."""
+        return {
+            "acc": dict(self._acc),
+            "seen": dict(self._seen),
+            "cont_acc": dict(self._cont_acc),
+            "cont_seen": dict(self._cont_seen),
+        }
+
+    def restore(self, counts: dict[str, dict[str, float]], keep: Callable[[str], bool]) -> int:
+        """Take saved counts for the keys `keep` accepts; returns how many keys were taken."""
+        taken = set()
+        for name in ("acc", "seen", "cont_acc", "cont_seen"):
+            table: dict[str, float] = getattr(self, "_" + name)
+            for key, value in counts.get(name, {}).items():
+                if keep(key) and isinstance(value, int | float) and 0 <= value < 1e6:
+                    table[key] = float(value)
+                    taken.add(key)
+        return len(taken)

@@ -1,0 +1,141 @@
+"""The real pair: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) as the target, its family built by
+`drafts build --family qwen2.5-coder` (the 0.5B sibling, prompt lookup, the datastore of its
+own answers). Bounded for CI: a step of the 1.5B costs ~60 ms on 2 cores, so generations are
+short and the sampling test draws fewer samples (its threshold is computed for that count; the
+power of the harness is shown on the small families in test_sampling_distribution.py).
+
+- greedy output with every draft of the family, the sibling at k 1-8 and `auto`, is plain
+  decoding's, token for token;
+- generation ends on every end-of-generation token of the vocabulary (`<|endoftext|>` in a
+  completion, not only `<|im_end|>`);
+- speculative sampling with the sibling draws from the target's distribution;
+- a sibling of another tokenizer is refused with the reason; the default pool is the family.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from launcher import QWEN_DRAFTS, QWEN_SIBLING, TARGET_FILE, require_qwen
+from sampling_check import PARAMS, exact_joint, null_threshold, tv
+
+import memspec.engine.speculative as spec
+from memspec.config import Settings
+from memspec.drafts.family import find_siblings, named_sibling
+from memspec.engine.policy import FixedPolicy
+from memspec.engine.sampling import SamplingParams
+from memspec.errors import DraftIncompatible
+from memspec.paths import models_dir
+from memspec.testbed import QWEN_SIBLING_FILE
+
+MAX_TOKENS = 24
+PROMPTS = [
+    'def filter_by_substring(strings: list[str], substring: str) -> list[str]:\n    """Keep '
+    'the strings that contain substring."""\n',
+    "Write a Python function that reverses a string, with a docstring.",  # as a chat turn
+]
+ENDOFTEXT, IM_END = 151643, 151645
+N_SAMPLES = 300
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    from memspec.runtime import Runtime
+
+    rt = Runtime(Settings.load(target=str(require_qwen()), drafts=QWEN_DRAFTS, n_ctx=1024))
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(qwen) -> list[list[int]]:
+    return [
+        qwen.prompt_tokens(PROMPTS[0]),
+        qwen.prompt_tokens(messages=[{"role": "user", "content": PROMPTS[1]}]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def references(qwen, prompts) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    refs = [qwen.generate(p, params, draft="none").token_ids for p in prompts]
+    assert all(refs), "a reference generation is empty"
+    return refs
+
+
+def test_the_family_is_the_sibling_and_the_targets_own_drafts(qwen):
+    assert qwen.target.n_vocab == 151_936
+    assert not qwen.incompatible, qwen.incompatible
+    sibling = qwen.manifest(QWEN_SIBLING)
+    assert sibling.kind == "model" and sibling.file == QWEN_SIBLING_FILE
+    assert qwen.skipped_drafts["q2_k"].endswith("which is a model of its own at that size")
+    assert set(QWEN_DRAFTS) <= set(qwen.drafts)
+
+
+def test_every_end_of_generation_token_stops(qwen):
+    """llama.cpp's EOG set, not only EOS/EOT: a completion ends at `<|endoftext|>`."""
+    assert {ENDOFTEXT, IM_END} <= qwen.target.eos_token_ids
+    prompt = qwen.prompt_tokens('def add(a: int, b: int) -> int:\n    """Return a + b."""\n')
+    gen = qwen.generate(prompt, SamplingParams(max_tokens=48), draft="none")
+    assert gen.finish_reason == "stop", qwen.target.detokenize(gen.token_ids)
+    assert not qwen.target.eos_token_ids & set(gen.token_ids)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_sibling_greedy_identical_at_every_k(qwen, prompts, references, k):
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    for prompt, ref in zip(prompts, references, strict=True):
+        gen = qwen.generate(prompt, params, draft=QWEN_SIBLING, k=k)
+        assert gen.token_ids == ref, f"{QWEN_SIBLING} k={k} diverged"
+        assert gen.proposed > 0
+
+
+@pytest.mark.parametrize("draft", ["prompt-lookup", "datastore-ci", "auto"])
+def test_greedy_identical_with_the_rest_of_the_family(qwen, prompts, references, draft):
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    for prompt, ref in zip(prompts, references, strict=True):
+        ks = [None] if draft == "auto" else [2, 5]
+        for k in ks:
+            assert qwen.generate(prompt, params, draft=draft, k=k).token_ids == ref, (draft, k)
+
+
+def test_speculative_sampling_with_the_sibling_matches_the_target(qwen):
+    # A prompt whose first tokens are nearly certain keeps the exact joint small (one target
+    # eval per first token in the nucleus).
+    prompt = qwen.prompt_tokens("Monday, Tuesday, Wednesday,")
+    exact = exact_joint(qwen.target, prompt)
+    draft = qwen.drafts[QWEN_SIBLING]
+    counts: Counter = Counter()
+    for seed in range(N_SAMPLES):
+        params = SamplingParams(max_tokens=2, seed=seed, **PARAMS)
+        gen = spec.speculative_generate(qwen.target, prompt, params, FixedPolicy(draft, 2))
+        if len(gen.token_ids) == 2:
+            counts[tuple(gen.token_ids)] += 1
+    n = sum(counts.values())
+    assert n == N_SAMPLES
+    assert tv(counts, exact, n) < null_threshold(exact, n, np.random.default_rng(0))
+
+
+def test_a_sibling_of_another_tokenizer_is_refused_with_the_reason():
+    target = require_qwen()
+    with pytest.raises(DraftIncompatible, match="tokenizer of 49152 tokens.*151936"):
+        named_sibling(target, models_dir() / TARGET_FILE)  # SmolLM2 beside Qwen
+    found = find_siblings(target)
+    assert [s.path.name for s in found] == [QWEN_SIBLING_FILE]
+    assert found[0].id == QWEN_SIBLING
+
+
+def test_the_default_pool_is_the_whole_family():
+    from memspec.runtime import Runtime
+
+    settings = Settings.load(target=str(require_qwen()), n_ctx=512)
+    assert settings.drafts is None
+    rt = Runtime(settings, calibrate_costs=False)
+    try:
+        assert QWEN_SIBLING in rt.preload_ids and "datastore-ci" in rt.preload_ids
+        assert set(rt.preload_ids) >= {"prompt-lookup", "datastore-live"}
+        assert QWEN_SIBLING in rt.drafts  # 2 GiB holds the 1.5B and the 0.5B
+    finally:
+        rt.close()
