@@ -403,6 +403,8 @@ class Runtime:
                     "resident": w.get("resident", False),
                     "pinned": w.get("pinned", False),
                     "acceptance": round(self.estimator.alpha(m.id), 4),
+                    # The policy's last plan: what holding it is predicted to be worth.
+                    "value": round(float(w.get("value") or 0.0), 6),
                     "requests": self.requests_per_draft.get(m.id, 0),
                     "tags": m.tags,
                     "state": w.get("state", "absent"),

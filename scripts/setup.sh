@@ -4,8 +4,10 @@
 #   MEMSPEC_DATA_DIR where models and data live (default ./data)
 #   MEMSPEC_BATCH_INVARIANT  1 (default): llama.cpp without llamafile; 0: llamafile kept
 #   CMAKE_ARGS       extra llama.cpp build flags (e.g. -DGGML_CUDA=on on a Jetson)
-#   MEMSPEC_FAMILIES second model families to fetch, with their derived drafts (comma list;
-#                    default none; "gemma3": Gemma 3 270M, 262k vocabulary, ~250 MB + ~3 min)
+#   MEMSPEC_FAMILIES more model families to fetch, with their derived drafts (comma list;
+#                    default none; "gemma3": Gemma 3 270M, 262k vocabulary, ~250 MB + ~3 min;
+#                    "qwen2.5-coder": the Qwen2.5-Coder 1.5B target and 0.5B sibling, 1.6 GB
+#                    + ~3 min)
 # Flags: --peer also builds llama.cpp's llama-server, the benchmark peer (opt-in, ~10 min);
 #        --family NAME is MEMSPEC_FAMILIES=NAME.
 set -euo pipefail

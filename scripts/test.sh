@@ -4,8 +4,9 @@
 # Extra arguments go to pytest (e.g. -k engine, -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The second model family (Gemma 3 270M) is on: its lossless and end-to-end tests need it.
-MEMSPEC_EXTRAS=${MEMSPEC_EXTRAS-torch,test} MEMSPEC_FAMILIES=${MEMSPEC_FAMILIES-gemma3} \
+# The other model families are on: Gemma 3 270M and the real pair (Qwen2.5-Coder 1.5B with its
+# 0.5B sibling); their lossless and end-to-end tests need them.
+MEMSPEC_EXTRAS=${MEMSPEC_EXTRAS-torch,test} MEMSPEC_FAMILIES=${MEMSPEC_FAMILIES-gemma3,qwen2.5-coder} \
   bash scripts/setup.sh
 .venv/bin/ruff check memspec tests
 exec .venv/bin/python -m pytest -q -ra "$@"

@@ -343,6 +343,7 @@ def test_drafts_list(fake):
         "RESIDENT",
         "PINNED",
         "ACCEPT",
+        "VALUE",
         "REQUESTS",
     ]
     p = ctl("drafts", "list", "--json", url=fake.url)

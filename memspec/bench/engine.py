@@ -36,10 +36,21 @@ from memspec.paths import models_dir, resolve_model_path
 from memspec.runtime import Runtime
 
 PEER = "llama-cpp-python prompt-lookup"
-# The one-draft configs: those of the target's pool (its family: memspec.drafts.family) that are
-# built and speak its tokenizer. The first model draft of PEER_DRAFTS is llama-server's -md.
+# The one-draft configs: the family's siblings and those of POOL that are built and speak the
+# target's tokenizer. A sibling, else the first model draft of PEER_DRAFTS, is llama-server's -md.
 POOL = ["prompt-lookup", "q8_0", "q4_0", "q2_k"]
 PEER_DRAFTS = ["q4_0", "q2_k", "q8_0"]
+
+
+def family_siblings(settings: Settings) -> list[str]:
+    """The sibling drafts of the target's family (memspec.drafts.family): one-draft configs,
+    and the first is llama-server's -md (the pair llama.cpp's own examples use)."""
+    from memspec.drafts.family import settings_pool_dir
+    from memspec.drafts.manifest import load_manifests
+
+    return [
+        i for i, m in load_manifests(settings_pool_dir(settings)).items() if "sibling" in m.tags
+    ]
 
 
 class PeerPromptLookup:
@@ -166,15 +177,17 @@ def run_engine_bench(
     baseline). An unknown name is an error that lists the names there are."""
     workloads = ["mtbench", "heldout"] if workload == "both" else [workload]
     prompts = {w: load_workload(w, per_category, categories) for w in workloads}
-    settings.drafts = [d for d in settings.drafts or [] if d not in POOL] + POOL
+    siblings = family_siblings(settings)
+    ones = siblings + POOL
+    settings.drafts = [d for d in settings.drafts or [] if d not in ones] + ones
     rt = Runtime(settings)
-    pool = [d for d in POOL if d in rt.manifests and d not in rt.incompatible]
+    pool = [d for d in ones if d in rt.manifests and d not in rt.incompatible]
     # (name, draft, k, policy): `memspec` is the default policy; `auto` the bare decision rule.
     configs: list[tuple[str, str, int | None, str | None]] = [("none", "none", None, None)]
     for d in pool:
         configs += [(f"{d} k={k_fixed}", d, k_fixed, None), (f"{d} adaptive-k", d, None, None)]
     configs += [("memspec", "auto", None, "memspec"), ("auto", "auto", None, "auto")]
-    peer_draft = next((d for d in PEER_DRAFTS if d in pool), None)
+    peer_draft = next((d for d in siblings + PEER_DRAFTS if d in pool), None)
     peer_draft_file = (peer_draft, rt.manifest(peer_draft)) if peer_draft else None
     if only is not None:
         known = [n for n, *_ in configs] + [PEER]

@@ -70,12 +70,14 @@ def drafts_table(drafts: list[dict[str, Any]]) -> str:
             _yes(d.get("resident")),
             _yes(d.get("pinned")),
             _num(d.get("acceptance")),
+            _num(d.get("value")),
             _num(d.get("requests"), "d"),
         ]
         for d in drafts
     ]
-    headers = ["DRAFT", "KIND", "SIZE", "RESIDENT", "PINNED", "ACCEPT", "REQUESTS"]
-    out = table(headers, rows, right={2, 5, 6})
+    # VALUE: what the policy's last plan predicted holding the draft is worth (0: not wanted).
+    headers = ["DRAFT", "KIND", "SIZE", "RESIDENT", "PINNED", "ACCEPT", "VALUE", "REQUESTS"]
+    out = table(headers, rows, right={2, 5, 6, 7})
     # Drafts left out of the pool because they speak another tokenizer than the target.
     refused = [d for d in drafts if d.get("compatible") is False]
     if refused:

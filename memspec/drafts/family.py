@@ -158,6 +158,17 @@ def _skip_reason(m: DraftManifest, target: Path, siblings: list[Sibling]) -> str
     return ""
 
 
+# The target size the CI-sized recipes were sized for (answering their seed prompts takes a few
+# minutes on 2 cores); a bigger target answers fewer of them, so the recipe keeps its minutes.
+CI_RECIPE_TARGET_BYTES = 600e6
+
+
+def ci_seeds(seeds_per_domain: int, target: Path) -> int:
+    """Seed prompts per domain of a CI-sized recipe for `target` (Qwen2.5-Coder-1.5B: 2 of 4)."""
+    scale = CI_RECIPE_TARGET_BYTES / max(target.stat().st_size, 1)
+    return max(1, min(seeds_per_domain, int(seeds_per_domain * scale)))
+
+
 def plan_family(target: Path, siblings: list[Sibling] | None = None) -> list[Planned]:
     """The testbed pool re-aimed at `target`, one entry per manifest, planned or skipped,
     then one model draft per sibling. Files are `<slug>-<id of the recipe that builds it>
@@ -174,6 +185,8 @@ def plan_family(target: Path, siblings: list[Sibling] | None = None) -> list[Pla
             out.append(Planned(m.id, None, reason))
             continue
         data = m.model_dump(exclude={"source_path"})
+        if m.build is not None and "ci" in m.tags and m.build.seeds_per_domain:
+            data["build"]["seeds_per_domain"] = ci_seeds(m.build.seeds_per_domain, target)
         if m.file:
             data["file"] = f"{prefix}-{builder.get(m.file, m.id)}{Path(m.file).suffix}"
         if m.build is not None:

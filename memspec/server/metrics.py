@@ -74,10 +74,19 @@ class _LiveCollector(Collector):
             "Bytes of each resident draft (0 for zero-weight drafts such as prompt lookup)",
             labels=["draft"],
         )
+        value = GaugeMetricFamily(
+            "memspec_draft_predicted_value",
+            "What the policy's last plan predicts holding each draft is worth (it prefetches "
+            "and evicts by this; 0: not wanted now)",
+            labels=["draft"],
+        )
         for row in v.drafts:
             if row.get("resident"):
                 resident.add_metric([str(row["id"])], float(row.get("bytes") or 0))
+            if row.get("compatible", True):
+                value.add_metric([str(row["id"])], float(row.get("value") or 0.0))
         yield resident
+        yield value
 
 
 class Metrics:

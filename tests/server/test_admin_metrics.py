@@ -124,6 +124,7 @@ def test_metrics(server, client):
         "memspec_process_memory_bytes",
         "memspec_queue_depth",
         "memspec_draft_resident_bytes",
+        "memspec_draft_predicted_value",
         "memspec_time_to_first_token_seconds",
         "memspec_token_latency_seconds",
     ):
