@@ -216,16 +216,22 @@ def start(
 
 @contextlib.contextmanager
 def running(
-    tmp: Path, preset: str = "default", *, shared: bool = False, **kw: Any
+    tmp: Path,
+    preset: str = "default",
+    *,
+    shared: bool = False,
+    ready_s: float = 180.0,
+    **kw: Any,
 ) -> Iterator[Daemon]:
     """A ready daemon for the block, stopped after it. `shared`: the one at MEMSPEC_TEST_URL
-    if that is set (start()'s other arguments are then ignored)."""
+    if that is set (start()'s other arguments are then ignored). `ready_s`: how long its start
+    may take (the 1.5B target calibrates for minutes on a busy 2-core box)."""
     if shared and EXTERNAL_URL:
         yield Daemon(EXTERNAL_URL)
         return
     daemon = start(tmp, preset, **kw)
     try:
-        daemon.wait_ready()
+        daemon.wait_ready(ready_s)
         yield daemon
     finally:
         daemon.stop()
