@@ -134,10 +134,12 @@ def check_safetensors(path: Path) -> None:
     except FileNotFoundError as e:
         raise ModelLoadError(f"draft file not found: {path}", param="draft") from e
     except (OSError, ValueError) as e:  # json.JSONDecodeError and UnicodeDecodeError included
-        raise ModelLoadError(f"{path.name} is not a safetensors file: {e}", param="draft") from e
+        raise ModelLoadError(
+            f"{path.name} is damaged (not a readable safetensors file): {e}", param="draft"
+        ) from e
     data = size - 8 - n
     if not isinstance(header, dict):
-        raise ModelLoadError(f"{path.name}: safetensors header is not an object", param="draft")
+        raise ModelLoadError(f"{path.name} is damaged: its header is not an object", param="draft")
     for name, t in header.items():
         if name == "__metadata__":
             ok = isinstance(t, dict) and all(isinstance(v, str) for v in t.values())
@@ -145,7 +147,7 @@ def check_safetensors(path: Path) -> None:
             ok = _tensor_fits(t, data)
         if not ok:
             raise ModelLoadError(
-                f"{path.name}: tensor {str(name)[:80]!r} does not fit the file's data",
+                f"{path.name} is damaged: tensor {str(name)[:80]!r} does not fit the file's data",
                 param="draft",
             )
 

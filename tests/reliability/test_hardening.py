@@ -236,8 +236,11 @@ def test_connection_cap(keyless):
                 refused.append(s.recv(4096))
             except TimeoutError:
                 continue
-        assert 4 <= len(refused) <= 5, len(refused)  # the cap (uvicorn may count one more)
-        assert all(r.startswith(b"HTTP/1.1 503") and b"too_many_connections" in r for r in refused)
+        # Over the cap: a 503 at once. (An idle one under it may meet its 408 on a slow box.)
+        over = [r for r in refused if r.startswith(b"HTTP/1.1 503")]
+        assert 4 <= len(over) <= 5, refused  # the cap (uvicorn may count one more)
+        assert all(b"too_many_connections" in r for r in over)
+        assert all(r.startswith(b"HTTP/1.1 408") for r in refused if r not in over), refused
     finally:
         for s in socks:
             s.close()
