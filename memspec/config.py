@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -48,9 +48,13 @@ class Settings(BaseSettings):
     manifest_dir: Path | None = None  # default: drafts/ in the checkout
     backend: str = Field("llama_cpp", description="model backend")
     device: str = Field("cpu", description="torch backend device")
-    n_ctx: int = Field(2048, description="context length in tokens")
-    n_threads: int | None = Field(None, description="CPU threads (default: all cores)")
-    n_gpu_layers: int = Field(0, description="layers offloaded to the GPU (-1: all)")
+    n_ctx: int = Field(2048, ge=16, le=1 << 20, description="context length in tokens")
+    n_threads: int | None = Field(
+        None, ge=1, le=1024, description="CPU threads (default: all cores)"
+    )
+    n_gpu_layers: int = Field(
+        0, ge=-1, le=100_000, description="layers offloaded to the GPU (-1: all)"
+    )
     rpc: list[str] = Field(
         [],
         description="ggml RPC workers (HOST:PORT, comma-separated) the target's layers are split "
@@ -62,20 +66,44 @@ class Settings(BaseSettings):
         "optionally one more for this device (default: the workers share equally)",
     )
     rpc_timeout_s: float = Field(
-        30.0, gt=0, description="a forward pass over rpc workers that takes longer fails"
+        30.0, gt=0, le=3600, description="a forward pass over rpc workers that takes longer fails"
     )
     # Speculation and memory (policies: memspec.scheduler.rounds and .policies)
-    k_max: int = Field(8, description="longest draft per round")
+    k_max: int = Field(8, ge=0, le=64, description="longest draft per round")
     policy: str = Field("memspec", description="draft policy: memspec, auto, ucb, exp3, fixed:<id>")
     predictor: Path | None = None  # acceptance predictor artifact; default predictors/*.json
     budget: str | int = Field("2GiB", description="memory for target + drafts + KV, e.g. 1.5GiB")
     # Server
     host: str = Field("127.0.0.1", description="bind address")
-    port: int = Field(8000, description="port")
+    port: int = Field(8000, ge=0, le=65535, description="port")
     api_key: SecretStr | None = None  # Bearer key for /v1 (env MEMSPEC_API_KEY); never logged
     admin_key: SecretStr | None = None  # Bearer key for /admin; falls back to api_key
     allow_insecure_bind: bool = Field(False, description="allow binding off loopback with no key")
-    max_queue: int = Field(16, ge=0, description="requests queued beyond the slots; then 429")
+    api_keys: list[SecretStr] = []  # more /v1 keys, one per client: each its own prefix cache
+    # With no key set, a request whose Host is not loopback, `host` or one of these is refused
+    # (403): a web page that rebinds its own DNS name to 127.0.0.1 cannot reach the daemon.
+    allowed_hosts: list[str] = Field(
+        [], description="extra Host names accepted with no key set (comma-separated)"
+    )
+    cors_origins: list[str] = Field(
+        [],
+        description="browser origins allowed to call the API (CORS), e.g. http://my.app; "
+        "loopback origins always are; '*' only with no key set",
+    )
+    # A client that sends its headers or body this slowly gets a 408 and is disconnected; it
+    # would otherwise hold a connection (and a file descriptor) for as long as it likes.
+    header_timeout_s: float = Field(10.0, gt=0, le=3600)
+    body_timeout_s: float = Field(30.0, gt=0, le=3600)
+    # Open connections at most (uvicorn limit_concurrency: 503 above it); 0: sized from the
+    # process's file descriptors and the memory budget (memspec.server.serve.connection_cap).
+    max_connections: int = Field(0, ge=0, le=100_000)
+    admin_queue: int = Field(4, ge=1, le=64)  # admin jobs waiting; then 429
+    # A tuned state in place at this many starts in a row that never got ready (failed, or
+    # killed: OOM at a budget above MemoryMax, say) is moved aside at the next start.
+    tune_failed_starts: int = Field(2, ge=1, le=100)
+    max_queue: int = Field(
+        16, ge=0, le=100_000, description="requests queued beyond the slots; then 429"
+    )
     parallel: int = Field(
         0,
         ge=0,
@@ -84,11 +112,17 @@ class Settings(BaseSettings):
         "fits beside the drafts, at most 8; `memspec plan` says how many)",
     )
     max_body: str | int = "1MiB"  # request body limit (413 above it)
-    max_prompt_chars: int = Field(default=200_000, ge=1)  # before tokenizing (400 above it)
-    default_max_tokens: int = Field(default=512, ge=1)  # chat completions without max_tokens
+    max_prompt_chars: int = Field(
+        default=200_000, ge=1, le=1 << 30
+    )  # before tokenizing (400 above it)
+    default_max_tokens: int = Field(
+        default=512, ge=1, le=1 << 20
+    )  # chat completions without max_tokens
     prefix_cache: str | int = "256MiB"  # multi-session KV snapshots (0: off); within budget
     state_dir: Path | None = Field(None, description="tuned settings dir (default <data>/state)")
-    shutdown_grace_s: float = Field(default=10.0, ge=0)  # in-flight streams are cut after it
+    shutdown_grace_s: float = Field(
+        default=10.0, ge=0, le=3600
+    )  # in-flight streams are cut after it
     log_level: str = Field("info", description="log level")
 
     @field_validator("budget", "max_body", "prefix_cache")
@@ -96,6 +130,16 @@ class Settings(BaseSettings):
     def _budget(cls, v: str | int) -> str | int:
         parse_size(v)  # fail at load with a clear message
         return v
+
+    @model_validator(mode="after")
+    def _cors(self) -> Settings:
+        keyed = any(
+            k is not None and k.get_secret_value().strip()
+            for k in (self.api_key, self.admin_key, *self.api_keys)
+        )
+        if keyed and "*" in self.cors_origins:  # any page could then drive a keyed API
+            raise ValueError("cors_origins '*' is refused while an API or admin key is set")
+        return self
 
     @field_validator("chat_template")
     @classmethod
@@ -148,3 +192,12 @@ class Settings(BaseSettings):
 
 
 _CONFIG_FILE_OVERRIDE: dict[str, Path | None] = {}
+
+
+def settings_error(e: ValidationError) -> str:
+    """One line for a settings error (pydantic's own message spans several)."""
+    parts = []
+    for err in e.errors()[:3]:
+        where = ".".join(str(p) for p in err.get("loc", ())) or "settings"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "invalid settings: " + "; ".join(parts)

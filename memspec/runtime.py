@@ -75,6 +75,7 @@ class ClientRequest:
     stop: list[str] = field(default_factory=list)
     draft: str = "auto"  # "auto", "none" or a draft id
     policy: str | None = None  # for draft "auto"; None: settings.policy
+    cache_partition: str = ""  # whose cached prefixes it may reuse (key and cache_salt)
 
 
 def id_runs(ids: set[int]) -> int:
@@ -91,6 +92,7 @@ class GenerationRequest:
     draft: str = "auto"
     policy: str | None = None  # None: settings.policy
     messages: list[dict[str, str]] | None = None  # chat: what the scheduler's predictor reads
+    cache_partition: str = ""  # whose cached prefixes it may reuse (PrefixCache)
 
 
 class Runtime:
@@ -99,7 +101,10 @@ class Runtime:
         daemon); tools that decode one sequence at a time get one."""
         self.settings = settings
         pool = settings_pool_dir(settings)
-        self.manifests: dict[str, DraftManifest] = load_manifests(pool)
+        self.manifest_errors: dict[str, str] = {}  # manifests left out (file stem -> why)
+        self.manifests: dict[str, DraftManifest] = load_manifests(pool, self.manifest_errors)
+        for name, why in self.manifest_errors.items():
+            log.error("draft manifest %s left out: %s", name, why)
         # What is loaded at start: settings.drafts, else the whole family as far as it is built.
         self.preload_ids = (
             list(settings.drafts) if settings.drafts is not None else self._whole_family()
@@ -540,21 +545,28 @@ class Runtime:
             seed=None if ask.seed is None else ask.seed % 2**64,
             stop=ask.stop,
         )
-        return GenerationRequest(prompt, params, ask.draft, ask.policy, ask.messages)
+        return GenerationRequest(
+            prompt, params, ask.draft, ask.policy, ask.messages, ask.cache_partition
+        )
 
     def prepare_prefix(
-        self, cache: PrefixCache, prompt: list[int], use_drafts: bool, slot: int = 0
+        self,
+        cache: PrefixCache,
+        prompt: list[int],
+        use_drafts: bool,
+        slot: int = 0,
+        partition: str = "",
     ) -> int:
         """Ready a slot of the target's (and, when drafting in the lead slot, each model
-        draft's) KV cache for `prompt` from `cache`. Returns the prompt tokens a restored
-        target snapshot covers (0: none)."""
+        draft's) KV cache for `prompt` of `partition` from `cache`. Returns the prompt tokens
+        a restored target snapshot covers (0: none)."""
         with self.lock:  # a background scheduler may load/evict drafts
             drafts = [d.backend for d in self.drafts.values() if isinstance(d, ModelBacked)]
             cache.forget([self.target, *drafts])
-            restored = cache.prepare(self.target.slots[slot], prompt)
+            restored = cache.prepare(self.target.slots[slot], prompt, partition)
             if use_drafts and slot == 0:
                 for be in drafts:
-                    cache.prepare(be, prompt)
+                    cache.prepare(be, prompt, partition)
         return restored
 
     # --- generation ---------------------------------------------------------------------
@@ -607,7 +619,7 @@ class Runtime:
         return gen
 
     # --- batched decoding (the daemon's engine thread) ------------------------------------
-    def pick_slot(self, prompt: list[int], busy: set[int]) -> int | None:
+    def pick_slot(self, prompt: list[int], busy: set[int], partition: str = "") -> int | None:
         """A free slot for `prompt` (None when all are busy). First, one that keeps the busy
         slots' ids in as few consecutive runs as it can: llama.cpp splits a pass over
         per-sequence KV streams into one ubatch per run of consecutive ids, each reading all
@@ -616,14 +628,18 @@ class Runtime:
         draft kind, unless another slot's KV cache shares clearly more of the prompt (a
         conversation's follow-up goes back to its slot). Off the lead: the longest shared
         prefix, else the slot holding least (live KV of other conversations is kept for
-        their follow-ups; the prefix cache has the rest)."""
+        their follow-ups; the prefix cache has the rest). A slot holding another partition's
+        prompt shares nothing with this one."""
         free = [s for s in self.target.slots if s.seq_id not in busy]
         if not free:
             return None
         runs = {s.seq_id: id_runs(busy | {s.seq_id}) for s in free}
         fewest = min(runs.values())
         free = [s for s in free if runs[s.seq_id] == fewest]
-        shared = {s.seq_id: common_prefix(s.tokens, prompt) for s in free}
+        shared = {
+            s.seq_id: common_prefix(s.tokens, prompt) if s.kv_partition == partition else 0
+            for s in free
+        }
         best = max(free, key=lambda s: (shared[s.seq_id], -len(s.tokens), -s.seq_id))
         if 0 in shared and shared[best.seq_id] < shared[0] + SLOT_GAIN_TOKENS:
             return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -21,17 +22,40 @@ _UNITS = {
 }
 
 
+# No memory, file or body this daemon handles comes near 1 PiB; a larger number is a typo or
+# an attack (a 400-digit budget made float() give infinity, and int(inf) an OverflowError).
+MAX_SIZE = 1 << 50
+_MAX_DIGITS = 24  # before the decimal point; more is refused before any arithmetic
+
+
 def parse_size(value: int | float | str) -> int:
+    """Bytes, 0..MAX_SIZE; ValueError (never OverflowError) for anything else."""
     if isinstance(value, bool):
         raise ValueError(f"not a size: {value!r}")
     if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError(f"size must be >= 0: {value!r}")
+        # Compared as given: math.isfinite(10**400) itself overflows.
+        if (isinstance(value, float) and not math.isfinite(value)) or not 0 <= value <= MAX_SIZE:
+            raise ValueError(f"size out of range 0..{MAX_SIZE}: {_short(value)}")
         return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"not a size: {_short(value)} (e.g. 2GiB, 800MB, 123456)")
+    if len(value) > 64:
+        raise ValueError(f"size out of range 0..{MAX_SIZE}: {_short(value)}")
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a size: {value!r} (e.g. 2GiB, 800MB, 123456)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if len(m.group(1).split(".")[0]) > _MAX_DIGITS:
+        raise ValueError(f"size out of range 0..{MAX_SIZE}: {_short(value)}")
+    n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(n) or n > MAX_SIZE:
+        raise ValueError(f"size out of range 0..{MAX_SIZE}: {_short(value)}")
+    return int(n)
+
+
+def _short(value: object) -> str:
+    """A value for an error message, cut short (a 400-digit number is not worth echoing)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} chars)"
 
 
 def format_size(n: int) -> str:

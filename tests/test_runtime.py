@@ -9,7 +9,9 @@ from memspec.runtime import SLOT_GAIN_TOKENS, Runtime, id_runs
 
 def pick(busy: set[int], holding: dict[int, list[int]] | None = None, prompt=(1, 2, 3)) -> int:
     holding = holding or {}
-    slots = [SimpleNamespace(seq_id=i, tokens=holding.get(i, [])) for i in range(8)]
+    slots = [
+        SimpleNamespace(seq_id=i, tokens=holding.get(i, []), kv_partition="") for i in range(8)
+    ]
     rt = SimpleNamespace(target=SimpleNamespace(slots=slots))
     return Runtime.pick_slot(rt, list(prompt), busy)  # type: ignore[arg-type]
 

@@ -8,7 +8,7 @@
 # video (+ jtop); venv under PREFIX (default /opt/memspec); llama-cpp-python built with CUDA for
 # Orin (sm_87); MemSpec itself; /etc/memspec/config.toml from the profile; the drafts/ tree
 # (manifests and the data beside them) into /etc/memspec/drafts; the systemd unit plus a
-# memory-limit drop-in from the budget; enable it.
+# memory-limit drop-in from the budget; enable it. The rpc-worker unit is installed, not enabled.
 # Idempotent: an existing config, manifests and a CUDA llama-cpp-python are kept.
 #
 # --dry-run prints the detection result and every action instead of doing it, as any user and
@@ -307,6 +307,12 @@ if [[ -f $UNIT_SRC ]]; then
 	fi
 else
 	info missing "$UNIT_SRC (a real run stops before this)"
+fi
+# The RPC worker's own unit (a target split over devices: docs/rpc.md), installed, not enabled.
+RPC_UNIT_SRC=${MEMSPEC_RPC_UNIT_SRC:-$SRC_DIR/systemd/memspec-rpc-worker.service}
+if [[ -f $RPC_UNIT_SRC ]]; then
+	sed -e "s#/opt/memspec#$PREFIX#g" "$RPC_UNIT_SRC" |
+		write_file "$UNIT_DIR/memspec-rpc-worker.service" 0644
 fi
 # Memory limits from the budget: MemoryHigh (reclaim pressure) a little above the budget,
 # MemoryMax (OOM kill) 1 GiB above, so the daemon's own budget enforcement acts first.

@@ -93,6 +93,9 @@ class Backend(ABC):
     metadata: dict[str, str]  # the GGUF's scalar keys it read (general.*, tokenizer.*), as text
 
     seq_id: int = 0  # which of the context's sequences this is (SequenceSlot: others)
+    # Whose prompt the KV cache holds (the daemon's per-key/cache_salt partition): a request
+    # of another partition never reuses it (memspec.engine.prefix_cache).
+    kv_partition: str = ""
     max_batch: int = 1 << 20  # most tokens one eval_many pass may carry (llama.cpp: n_batch)
 
     def __init__(self) -> None:

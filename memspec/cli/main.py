@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pydantic import ValidationError
+
 from memspec.cli import bench, doctor, drafts, generate, rpc, scheduling, serve
+from memspec.config import settings_error
 from memspec.errors import MemSpecError
 
 
@@ -23,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except MemSpecError as e:
         print(f"memspec: error: {e.message}", file=sys.stderr)
+        return 2
+    except ValidationError as e:  # MEMSPEC_BUDGET=<400 digits>: one line, not pydantic's page
+        print(f"memspec: error: {settings_error(e)}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as e:
         print(f"memspec: error: {e}", file=sys.stderr)

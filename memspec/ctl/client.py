@@ -99,7 +99,9 @@ class Client:
             raise _transport_error(self.url, e, self.timeout) from None
         if resp.status_code in (401, 403):
             hint = (
-                "the admin key was rejected"
+                "the daemon refused this client's Host or Origin (see allowed_hosts)"
+                if resp.status_code == 403
+                else "the admin key was rejected"
                 if self.key
                 else "the daemon needs an admin key: pass --key or set MEMSPEC_ADMIN_KEY"
             )

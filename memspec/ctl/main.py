@@ -5,6 +5,7 @@
       drafts list [--json]                   the draft pool and what is resident
       drafts load|evict|pin|unpin ID [--json]
       tune budget SIZE | policy NAME | k-max N | n-ctx N [--json]   applied live, persisted
+      reset [--json]                         undo every tune: the configured settings again
       watch [--interval S] [--count N]       live status view (Ctrl-C to quit)
       bench [--requests N] [--concurrency C] [--max-tokens M] [--prompt P ...] [--json]
 
@@ -74,7 +75,7 @@ def cmd_drafts(client: Client, args: argparse.Namespace) -> int:
         else:
             print(render.drafts_table(data.get("drafts") or []))
         return EXIT_OK
-    data = client.post(f"/admin/drafts/{quote(args.id, safe='')}/{args.action}")
+    data = client.post(f"/admin/drafts/{quote(args.id, safe='')}/{args.action}", {})
     if args.json:
         render.print_json(data)
         return EXIT_OK
@@ -88,6 +89,18 @@ def cmd_tune(client: Client, args: argparse.Namespace) -> int:
         render.print_json(data)
     else:
         print(render.tune(args.field, args.value, data.get("settings") or {}))
+    return EXIT_OK
+
+
+def cmd_reset(client: Client, args: argparse.Namespace) -> int:
+    data = client.post("/admin/reset", {})
+    if args.json:
+        render.print_json(data)
+    else:
+        changed = ", ".join(data.get("reset") or []) or "nothing was tuned"
+        print(
+            render.tune("configured settings", f"restored ({changed})", data.get("settings") or {})
+        )
     return EXIT_OK
 
 
@@ -267,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
         a.add_argument("value", type=kind, metavar=name.upper().replace("-", "_"))
         a.add_argument("--json", action="store_true")
         a.set_defaults(func=cmd_tune, field=field)
+
+    r = sub.add_parser("reset", help="undo every tune: the configured settings, live and at start")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=cmd_reset)
 
     w = sub.add_parser("watch", help="live status view")
     w.add_argument("--interval", type=_bounded(float, 0.1), default=2.0, help="seconds (default 2)")

@@ -24,6 +24,7 @@ trained on. memspec.drafts.head_build trains one (recipe "head").
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -111,8 +112,63 @@ def save_head(net: Any, sub_ids: np.ndarray, path: Path, meta: dict[str, Any]) -
     save_file(tensors, str(path), metadata=header)
 
 
+MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors format's own limit
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+    "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+}  # fmt: skip
+
+
+def check_safetensors(path: Path) -> None:
+    """ModelLoadError unless the header fits the file: its declared length, and every
+    tensor's dtype, shape and byte range within the data (checked before any reader maps or
+    allocates what the header claims)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 2 <= n <= min(MAX_SAFETENSORS_HEADER, size - 8):
+                raise ValueError(f"header length {n} does not fit a file of {size} bytes")
+            header = json.loads(f.read(n))
+    except FileNotFoundError as e:
+        raise ModelLoadError(f"draft file not found: {path}", param="draft") from e
+    except (OSError, ValueError) as e:  # json.JSONDecodeError and UnicodeDecodeError included
+        raise ModelLoadError(
+            f"{path.name} is damaged (not a readable safetensors file): {e}", param="draft"
+        ) from e
+    data = size - 8 - n
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{path.name} is damaged: its header is not an object", param="draft")
+    for name, t in header.items():
+        if name == "__metadata__":
+            ok = isinstance(t, dict) and all(isinstance(v, str) for v in t.values())
+        else:
+            ok = _tensor_fits(t, data)
+        if not ok:
+            raise ModelLoadError(
+                f"{path.name} is damaged: tensor {str(name)[:80]!r} does not fit the file's data",
+                param="draft",
+            )
+
+
+def _tensor_fits(t: Any, data: int) -> bool:
+    if not isinstance(t, dict) or t.get("dtype") not in _DTYPE_BYTES:
+        return False
+    shape, offsets = t.get("shape"), t.get("data_offsets")
+    if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
+        return False
+    if len(shape) > 8 or not all(type(d) is int and 0 <= d <= data for d in shape):
+        return False
+    begin, end = offsets
+    if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= data):
+        return False
+    return end - begin == math.prod(shape) * _DTYPE_BYTES[t["dtype"]]
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     """The artifact's metadata (JSON values decoded); ModelLoadError if it is no head file."""
+    check_safetensors(path)
     try:
         from safetensors import safe_open
     except ImportError as e:

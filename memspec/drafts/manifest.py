@@ -125,8 +125,14 @@ class DraftManifest(BaseModel, extra="forbid"):
         return models_dir / self.file
 
 
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few lines; a huge file is not read at all
+
+
 def load_manifest(path: Path) -> DraftManifest:
     try:
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{path}: {size} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ManifestError(f"{path}: {e}") from e
@@ -141,11 +147,22 @@ def load_manifest(path: Path) -> DraftManifest:
     return m
 
 
-def load_manifests(directory: Path = DEFAULT_MANIFEST_DIR) -> dict[str, DraftManifest]:
+def load_manifests(
+    directory: Path = DEFAULT_MANIFEST_DIR, errors: dict[str, str] | None = None
+) -> dict[str, DraftManifest]:
+    """Every manifest in `directory`. A bad one raises ManifestError, or, given `errors` (the
+    daemon), is left out with its reason there (keyed by file stem): one broken file must not
+    keep the daemon from serving the other drafts."""
     manifests: dict[str, DraftManifest] = {}
     for path in sorted(directory.glob("*.toml")):
-        m = load_manifest(path)
-        if m.id in manifests:
-            raise ManifestError(f"{path}: field 'id': duplicate id {m.id!r}")
+        try:
+            m = load_manifest(path)
+            if m.id in manifests:
+                raise ManifestError(f"{path}: field 'id': duplicate id {m.id!r}")
+        except ManifestError as e:
+            if errors is None:
+                raise
+            errors[path.stem] = str(getattr(e, "message", e))
+            continue
         manifests[m.id] = m
     return manifests

@@ -10,6 +10,12 @@ leaves after the models, and the least recently used go first.
 
 Only backends with `supports_kv_snapshot` take part; everything else keeps plain prefix reuse.
 Called on the engine thread only, between generations (Runtime.prepare_prefix).
+
+Partitions: a prompt's KV is reused only by requests of the same partition (the daemon's: the
+API key and `cache_salt`). A prefix reused from another client's prompt would show in
+`cached_tokens` and in the time to the first token how much of it that client also sent
+(vLLM's CVE-2025-46570). So a live cache holding another partition's prompt is saved aside
+and emptied first, and snapshots are matched within their partition only.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class _Entry:
     # restore it (Backend.kv_owner).
     owner: weakref.ref[Backend]
     snapshot: KVSnapshot
+    partition: str = ""
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -71,18 +78,24 @@ class PrefixCache:
         with self._lock:
             self._entries = [e for e in self._entries if any(e.owner() is b for b in keep)]
 
-    def prepare(self, backend: Backend, prompt: list[int]) -> int:
-        """Make `backend`'s KV cache the best available start for `prompt`.
+    def prepare(self, backend: Backend, prompt: list[int], partition: str = "") -> int:
+        """Make `backend`'s KV cache the best available start for `prompt` of `partition`.
 
         Returns the number of prompt tokens a restored snapshot covers (0: nothing restored).
         """
-        if not backend.supports_kv_snapshot or self._capacity() <= 0:
+        enabled = backend.supports_kv_snapshot and self._capacity() > 0
+        if backend.kv_partition != partition:
+            if enabled and len(backend.tokens) >= MIN_SAVE_TOKENS:
+                self._save(backend)  # its own client may come back for it
+            backend.reset()  # never a prefix for another partition's prompt
+            backend.kv_partition = partition
+        if not enabled:
             return 0
         live = common_prefix(backend.tokens, prompt)
         best, best_n = None, live
         with self._lock:
             for e in self._entries:
-                if e.owner() is backend.kv_owner:
+                if e.owner() is backend.kv_owner and e.partition == partition:
                     n = common_prefix(e.snapshot.tokens, prompt)
                     if n > best_n:
                         best, best_n = e, n
@@ -108,12 +121,14 @@ class PrefixCache:
         return 0
 
     def _save(self, backend: Backend) -> None:
-        tokens = backend.tokens
+        tokens, partition = backend.tokens, backend.kv_partition
         with self._lock:
             for e in self._entries:
-                if e.owner() is backend.kv_owner and common_prefix(
-                    e.snapshot.tokens, tokens
-                ) == len(tokens):
+                if (
+                    e.owner() is backend.kv_owner
+                    and e.partition == partition
+                    and common_prefix(e.snapshot.tokens, tokens) == len(tokens)
+                ):
                     e.last_used = time.monotonic()
                     return  # already held by a longer (or equal) snapshot
         snap = backend.kv_snapshot()
@@ -129,10 +144,11 @@ class PrefixCache:
                 for e in self._entries
                 if not (
                     e.owner() is backend.kv_owner
+                    and e.partition == partition
                     and common_prefix(e.snapshot.tokens, tokens) == len(e.snapshot.tokens)
                 )
             ]
-            self._entries.append(_Entry(weakref.ref(backend.kv_owner), snap))
+            self._entries.append(_Entry(weakref.ref(backend.kv_owner), snap, partition=partition))
             self.stats.saves += 1
             self._shrink(cap)
 

@@ -5,9 +5,12 @@ GET  /admin/drafts                      {"drafts": [...]}, each with compatible,
 POST /admin/drafts/{id}/load|evict|pin|unpin   {"ok": true, "draft": {...}}; load or pin of an
                                         incompatible draft: 400 draft_incompatible
 POST /admin/tune {budget?, policy?, k_max?, n_ctx?}   {"ok": true, "settings": {...}}
+POST /admin/reset                       back to the configured settings; the tuned file removed
 
-Changes run on the engine thread between generations (never under a running one). A tune is
-persisted atomically before it is applied and rolled back if applying it fails.
+Every POST needs `Content-Type: application/json` (415 otherwise): a plain HTML form, which a
+web page can send anywhere, can only send form or text/plain bodies. Changes run on the engine
+thread between generations (never under a running one), at most `admin_queue` waiting (429).
+A tune is persisted atomically before it is applied and rolled back if applying it fails.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import psutil
-from fastapi import APIRouter, Body, Depends
+from fastapi import APIRouter, Body, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import memspec
@@ -26,24 +30,46 @@ from memspec import telemetry
 from memspec.config import Settings
 from memspec.doctor import kernel_report
 from memspec.errors import BudgetExceeded, InvalidRequest
+from memspec.memory.limits import budget_ceiling
 from memspec.server.auth import require_admin_key
 from memspec.server.context import Ctx, ServerContext
-from memspec.server.openai_schema import ERROR_RESPONSES
-from memspec.server.state import TUNABLE, load_state, save_state, state_path
+from memspec.server.errors import UnsupportedMediaType
+from memspec.server.openai_schema import ERROR_RESPONSES, ErrorResponse
+from memspec.server.state import TUNABLE, clear_state, load_state, save_state, state_path
 from memspec.server.worker import EngineWorker
 from memspec.units import format_size, parse_size
 
 log = logging.getLogger("memspec.server")
 
+
+async def require_json(request: Request) -> None:
+    """A state change must come as JSON: no browser sends that cross-site without a CORS
+    preflight, which HostGuard refuses for a foreign origin."""
+    if request.method in ("GET", "HEAD", "OPTIONS"):
+        return
+    kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if kind != "application/json":
+        raise UnsupportedMediaType(
+            f"admin changes need Content-Type: application/json (got {kind[:80] or 'none'}); "
+            "send a JSON body, {} when there is nothing to say",
+            code="unsupported_media_type",
+        )
+
+
 router = APIRouter(
     prefix="/admin",
     tags=["admin"],
-    dependencies=[Depends(require_admin_key)],
-    responses=ERROR_RESPONSES,
+    dependencies=[Depends(require_admin_key), Depends(require_json)],
+    responses={
+        **ERROR_RESPONSES,
+        415: {"model": ErrorResponse, "description": "a change sent without a JSON body"},
+        429: {"model": ErrorResponse, "description": "admin jobs queue full (see Retry-After)"},
+    },
 )
 
 DRAFT_KEYS = (
-    "id", "kind", "bytes", "resident", "pinned", "acceptance", "requests", "compatible", "reason"
+    "id", "kind", "bytes", "resident", "pinned", "acceptance", "requests", "compatible", "reason",
+    "state", "error",
 )  # fmt: skip
 
 
@@ -174,6 +200,9 @@ async def draft_action(
     draft_id: str,
     action: Literal["load", "evict", "pin", "unpin"],
     ctx: Ctx,
+    _body: Annotated[
+        dict[str, Any] | None, Body(description="{} (a JSON body is required)")
+    ] = None,
 ) -> dict[str, Any]:
     def run(worker: EngineWorker) -> dict[str, Any]:
         rt = worker.runtime
@@ -206,11 +235,11 @@ def check_tune(worker: EngineWorker, changes: dict[str, Any]) -> None:
             )
     if "budget" in changes:
         budget = parse_size(changes["budget"])
-        total = psutil.virtual_memory().total
-        if budget > total:
+        ceiling = budget_ceiling() or (psutil.virtual_memory().total, "this machine's memory")
+        if budget > ceiling[0]:
+            # Persisted, such a budget gets the daemon OOM-killed at every start.
             raise InvalidRequest(
-                f"budget {format_size(budget)} exceeds this machine's memory "
-                f"({format_size(total)})",
+                f"budget {format_size(budget)} exceeds {ceiling[1]} ({format_size(ceiling[0])})",
                 param="budget",
                 code="invalid_value",
             )
@@ -230,51 +259,74 @@ def _as_tune_error(e: BudgetExceeded, changes: dict[str, Any]) -> InvalidRequest
     return InvalidRequest(e.message, param=param, code="budget_too_small")
 
 
+def apply_tune(
+    worker: EngineWorker, changes: dict[str, Any], path: Path, persist: dict[str, Any] | None
+) -> None:
+    """Engine thread: check, persist (`persist`: the new file; None: merged into the old),
+    apply; on any failure put settings, budget and file back as they were."""
+    check_tune(worker, changes)
+    s = worker.settings
+    before = {k: getattr(s, k) for k in TUNABLE}
+    persisted = load_state(path)
+    save_state(path, {**persisted, **changes} if persist is None else persist)  # 507 first
+    budget_applied = False
+    try:
+        rt = worker.runtime
+        if "budget" in changes and rt is not None:  # evicts to fit; raises if pinned block
+            rt.set_budget(parse_size(changes["budget"]))
+            budget_applied = True
+        for key in ("budget", "policy", "k_max"):
+            if key in changes:
+                setattr(s, key, changes[key])  # as sent ("1.5GiB"), as persisted
+                if rt is not None and rt.settings is not s:
+                    setattr(rt.settings, key, changes[key])
+        n_ctx, parallel = changes.get("n_ctx", s.n_ctx), changes.get("parallel", s.parallel)
+        if (n_ctx, parallel) != (s.n_ctx, s.parallel):
+            worker.reload_runtime(n_ctx, parallel)
+        worker.prefix_cache.shrink()
+    except BaseException as e:
+        for key, value in before.items():
+            setattr(s, key, value)
+        rt = worker.runtime
+        if budget_applied and rt is not None:
+            try:
+                rt.set_budget(parse_size(before["budget"]))
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                log.exception("could not restore the budget")
+        try:
+            save_state(path, persisted)
+        except Exception:  # noqa: BLE001 - the original error is the one to report
+            log.exception("could not roll back %s", path)
+        if isinstance(e, BudgetExceeded):
+            raise _as_tune_error(e, changes) from e
+        raise
+
+
 @router.post("/tune")
 async def tune(body: Annotated[TuneRequest, Body()], ctx: Ctx) -> dict[str, Any]:
     changes = body.model_dump(exclude_none=True)
     if not changes:
         raise InvalidRequest(f"nothing to tune: send any of {', '.join(TUNABLE)}")
     path = state_path(ctx.settings)
-
-    def run(worker: EngineWorker) -> None:
-        check_tune(worker, changes)
-        s = worker.settings
-        before = {k: getattr(s, k) for k in TUNABLE}
-        persisted = load_state(path)
-        save_state(path, {**persisted, **changes})  # raises (507) before anything changes
-        budget_applied = False
-        try:
-            rt = worker.runtime
-            if "budget" in changes and rt is not None:  # evicts to fit; raises if pinned block
-                rt.set_budget(parse_size(changes["budget"]))
-                budget_applied = True
-            for key in ("budget", "policy", "k_max"):
-                if key in changes:
-                    setattr(s, key, changes[key])  # as sent ("1.5GiB"), as persisted
-                    if rt is not None and rt.settings is not s:
-                        setattr(rt.settings, key, changes[key])
-            n_ctx, parallel = changes.get("n_ctx", s.n_ctx), changes.get("parallel", s.parallel)
-            if (n_ctx, parallel) != (s.n_ctx, s.parallel):
-                worker.reload_runtime(n_ctx, parallel)
-            worker.prefix_cache.shrink()
-        except BaseException as e:
-            for key, value in before.items():
-                setattr(s, key, value)
-            rt = worker.runtime
-            if budget_applied and rt is not None:
-                try:
-                    rt.set_budget(parse_size(before["budget"]))
-                except Exception:  # noqa: BLE001 - the original error is the one to report
-                    log.exception("could not restore the budget")
-            try:
-                save_state(path, persisted)
-            except Exception:  # noqa: BLE001 - the original error is the one to report
-                log.exception("could not roll back %s", path)
-            if isinstance(e, BudgetExceeded):
-                raise _as_tune_error(e, changes) from e
-            raise
-
-    await ctx.control(run, "tune")
+    await ctx.control(lambda w: apply_tune(w, changes, path, None), "tune")
     log.info("admin: tuned %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
     return {"ok": True, "settings": tuned_settings(ctx)}
+
+
+@router.post("/reset")
+async def reset(ctx: Ctx) -> dict[str, Any]:
+    """Undo every tune: the configured settings (flags, env, TOML, defaults) again, live, and
+    no tuned file left to apply at the next start."""
+    path = state_path(ctx.settings)
+
+    def run(worker: EngineWorker) -> list[str]:
+        s = worker.settings
+        changes = {k: v for k, v in ctx.configured.items() if getattr(s, k) != v}
+        if changes:
+            apply_tune(worker, changes, path, {})
+        clear_state(path)
+        return sorted(changes)
+
+    changed = await ctx.control(run, "reset")
+    log.info("admin: reset to the configured settings (%s)", ", ".join(changed) or "no change")
+    return {"ok": True, "reset": changed, "settings": tuned_settings(ctx)}

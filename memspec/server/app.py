@@ -22,11 +22,13 @@ from fastapi.responses import JSONResponse, Response
 import memspec
 from memspec.config import Settings
 from memspec.server import admin, openai_api
+from memspec.server.auth import fully_keyed
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.errors import error_body, install_error_handlers
 from memspec.server.metrics import CONTENT_TYPE, LiveValues, Metrics
-from memspec.server.middleware import BodyLimit, RequestMetrics
+from memspec.server.middleware import BodyLimit, HostGuard, RequestMetrics
 from memspec.server.notify import Notifier
+from memspec.server.state import TUNABLE, start_ready, state_path
 from memspec.server.worker import EngineWorker
 from memspec.units import parse_size
 
@@ -67,6 +69,7 @@ class Lifecycle:
             ):
                 return
             self._ready_sent = True
+        start_ready(state_path(ctx.settings))  # the tuned state, if any, can start
         if ctx.worker.state == "waiting_for_device":
             ctx.notifier.ready(f"waiting for a device: {ctx.worker.error}")
             log.info("started; waiting for a device: %s", ctx.worker.error)
@@ -127,6 +130,7 @@ def create_app(
         worker=EngineWorker(settings, metrics, runtime_factory, fallback=fallback),
         metrics=metrics,
         notifier=Notifier(environ),
+        configured={k: getattr(fallback or settings, k) for k in TUNABLE},
     )
     life = Lifecycle(ctx)
     ctx.worker._on_ready = life.on_engine_ready
@@ -180,7 +184,17 @@ def create_app(
         body = await asyncio.to_thread(ctx.metrics.render)
         return Response(body, media_type=CONTENT_TYPE)
 
-    # Outermost first: count every request, then refuse oversize bodies.
-    app.add_middleware(BodyLimit, limit=parse_size(settings.max_body))
+    # Outermost first: count every request, refuse foreign hosts and origins, then oversize
+    # or slow bodies.
+    app.add_middleware(
+        BodyLimit, limit=parse_size(settings.max_body), timeout_s=settings.body_timeout_s
+    )
+    app.add_middleware(
+        HostGuard,
+        keyed=fully_keyed(settings),
+        bind_host=settings.host,
+        allowed_hosts=settings.allowed_hosts,
+        cors_origins=settings.cors_origins,
+    )
     app.add_middleware(RequestMetrics, metrics=metrics)
     return app

@@ -29,6 +29,8 @@ class ServerContext:
     shutting_down: bool = False
     exit_code: int = 0
     request_exit: Callable[[int], None] | None = None  # set by the process runner
+    # The tunable settings as configured (flags, env, TOML, defaults): what a reset restores.
+    configured: dict[str, Any] = field(default_factory=dict)
     _model_id: str | None = field(default=None, repr=False)
 
     @property

@@ -46,6 +46,18 @@ class PayloadTooLarge(MemSpecError):
     """The request body exceeds the configured limit."""
 
 
+class Forbidden(MemSpecError):
+    """Refused whoever sends it: a Host or Origin this daemon does not serve (no key set)."""
+
+
+class UnsupportedMediaType(MemSpecError):
+    """A state change sent without a JSON body (a plain HTML form can send text/plain)."""
+
+
+class RequestTimeout(MemSpecError):
+    """The client sent its headers or body too slowly."""
+
+
 class QueueFull(MemSpecError):
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message)
@@ -80,9 +92,12 @@ HTTP_ERRORS: dict[type[MemSpecError], HttpError] = {
     ContextOverflow: HttpError(400, _CLIENT, "context_length_exceeded"),
     DraftIncompatible: HttpError(400, _CLIENT, "draft_incompatible"),
     Unauthorized: HttpError(401, _CLIENT, "invalid_api_key"),
+    Forbidden: HttpError(403, _CLIENT, "forbidden"),
     UnknownDraft: HttpError(404, _CLIENT, "draft_not_found"),
     UnknownModel: HttpError(404, _CLIENT, "model_not_found"),
+    RequestTimeout: HttpError(408, _CLIENT, "request_timeout"),
     PayloadTooLarge: HttpError(413, _CLIENT, "request_too_large"),
+    UnsupportedMediaType: HttpError(415, _CLIENT, "unsupported_media_type"),
     QueueFull: HttpError(429, "rate_limit_error", "queue_full"),
     ModelLoadError: HttpError(500, _SERVER, "model_load_failed"),
     PredictorError: HttpError(500, _SERVER, "predictor_unavailable"),

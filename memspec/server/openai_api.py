@@ -26,7 +26,7 @@ import memspec
 from memspec.engine.speculative import Generation
 from memspec.errors import DeviceUnavailable, InvalidRequest
 from memspec.runtime import ClientRequest
-from memspec.server.auth import require_api_key
+from memspec.server.auth import request_partition, require_api_key
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.errors import NotReady, UnknownModel, as_memspec_error, error_json
 from memspec.server.openai_schema import (
@@ -246,6 +246,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
     check_text("stop", *body.stop_list())
     check_prompt_size(ctx, sum(len(m["content"]) for m in messages))
     req = ClientRequest(messages=messages, max_tokens=body.token_limit(), **_sampling(body))
+    req.cache_partition = request_partition(request, body.cache_salt)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
@@ -301,6 +302,7 @@ async def completions(request: Request, body: CompletionRequest, ctx: Ctx) -> An
     check_text("stop", *body.stop_list())
     check_prompt_size(ctx, len(prompt) if isinstance(prompt, str) else len(prompt) * 4)
     req = ClientRequest(prompt=prompt, max_tokens=body.max_tokens, **_sampling(body))
+    req.cache_partition = request_partition(request, body.cache_salt)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(text: str | None, finish: str | None) -> dict[str, Any]:

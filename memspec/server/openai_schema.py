@@ -62,6 +62,15 @@ class _SamplingRequest(_Strict):
             "(memspec, ucb, exp3, fixed:<id>, ...); default: the daemon's",
         ),
     ] = None
+    cache_salt: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=256,
+            description="reuse cached prompt prefixes only among requests with this salt "
+            "(and the same API key)",
+        ),
+    ] = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

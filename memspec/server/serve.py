@@ -23,7 +23,8 @@ from memspec.net import is_loopback
 from memspec.server.app import Lifecycle, create_app
 from memspec.server.auth import configured
 from memspec.server.context import ServerContext
-from memspec.server.state import TUNABLE, load_state, reject_state, state_path
+from memspec.server.http import protocol_for
+from memspec.server.state import TUNABLE, load_state, note_start, reject_state, state_path
 
 log = logging.getLogger("memspec.server")
 
@@ -36,7 +37,8 @@ def check_bind(settings: Settings) -> None:
     """A non-loopback bind needs a key, or an explicit --allow-insecure-bind."""
     if is_loopback(settings.host):
         return
-    if configured(settings.api_key) is not None or configured(settings.admin_key) is not None:
+    keys = (settings.api_key, settings.admin_key, *settings.api_keys)
+    if any(configured(k) is not None for k in keys):
         return
     if settings.allow_insecure_bind:
         log.warning(
@@ -55,14 +57,27 @@ def load_settings(config_file: str | Path | None, cli: dict[str, Any]) -> Settin
 
 
 def load_settings_and_base(
-    config_file: str | Path | None, cli: dict[str, Any]
+    config_file: str | Path | None, cli: dict[str, Any], starting: bool = False
 ) -> tuple[Settings, Settings | None]:
     """The settings to start with, and the same without the tuned state (None when nothing
     is tuned): if the models cannot load with the tuned values, the daemon falls back to the
-    configured ones instead of failing every restart."""
+    configured ones instead of failing every restart. `starting` (the daemon): count this
+    start, and move aside a tuned file that preceded `tune_failed_starts` failed starts."""
     cli = {k: v for k, v in cli.items() if v is not None}
     base = Settings.load(config_file, **cli)
     path = state_path(base)
+    if starting:
+        configure_logging(base.log_level)  # not tunable: the same level the daemon runs at
+        failed, aside = note_start(path, base.tune_failed_starts)
+        if aside is not None:
+            log.error(
+                "tuned settings %s were in place at the last %d starts, none of which got "
+                "ready (failed or killed); moved aside as %s; starting on the configured "
+                "settings",
+                path,
+                failed,
+                aside,
+            )
     tuned = {k: v for k, v in load_state(path).items() if k not in cli}
     if not tuned:
         return base, None
@@ -127,12 +142,12 @@ def serve(
 ) -> int:
     """`runtime_factory`: builds the Runtime (default memspec.runtime.Runtime); the tests
     inject engine and load faults through it."""
-    settings, configured_settings = load_settings_and_base(config_file, cli)
-    configure_logging(settings.log_level)
+    settings, configured_settings = load_settings_and_base(config_file, cli, starting=True)
     check_bind(settings)
     sock = bind_socket(settings.host, settings.port)
     app = create_app(settings, runtime_factory, fallback=configured_settings)
     ctx: ServerContext = app.state.memspec
+    protocol = protocol_for(settings)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -140,14 +155,17 @@ def serve(
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5,
         lifespan="on",
+        http=protocol,  # h11 with a header time limit and a connection cap
+        limit_concurrency=protocol.max_connections,
     )
     server = Server(config, ctx, app.state.lifecycle)
     log.info(
-        "memspec serve on %s:%d (target %s, tunable: %s)",
+        "memspec serve on %s:%d (target %s, tunable: %s, max %d connections)",
         settings.host,
         settings.port,
         settings.target,
         ", ".join(TUNABLE),
+        protocol.max_connections,
     )
     server.run(sockets=[sock])
     state = ctx.worker.state

@@ -9,6 +9,7 @@ command-line flags still win.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -107,3 +108,69 @@ def reject_state(path: Path, keys: list[str] | None = None) -> Path | None:
         log.warning("could not set the rejected tuned settings in %s aside: %s", path, e)
         return None
     return aside
+
+
+def clear_state(path: Path) -> None:
+    """No tuned settings any more (`memspec-ctl reset`): the configured ones apply at start."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        raise StateWriteError(f"could not remove tuned settings {path}: {e.strerror or e}") from e
+
+
+# --- starts that never got ready ---------------------------------------------------------------
+# A tune can kill the process outright (a budget over the unit's MemoryMax: the OOM killer, at
+# every start), so no code of ours runs to undo it. Instead each start is counted in a small
+# record beside the tuned file, with the tuned file's hash, and the count is dropped once the
+# daemon is ready. A tuned file still in place after `limit` starts in a row that never got
+# ready is moved aside at the next start; systemd's StartLimitBurst (5) leaves room for that.
+STARTS_FILE = "starts.json"
+
+
+def _starts_path(path: Path) -> Path:
+    return path.with_name(STARTS_FILE)
+
+
+def _digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def note_start(path: Path, limit: int) -> tuple[int, Path | None]:
+    """Count this start against the tuned file at `path`: (unready starts before this one,
+    where the file was moved aside or None). Never raises: a read-only state dir only loses
+    the protection."""
+    record_path = _starts_path(path)
+    digest = _digest(path)
+    if digest is None:  # nothing tuned: nothing to count
+        start_ready(path)
+        return 0, None
+    try:
+        record = json.loads(record_path.read_text())
+        before = int(record["unready"]) if record.get("tuned") == digest else 0
+    except (OSError, ValueError, KeyError, TypeError):
+        before = 0
+    if before >= limit:
+        aside = reject_state(path)
+        try:
+            record_path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        return before, aside
+    try:
+        tmp = record_path.with_name(f".{record_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"tuned": digest, "unready": before + 1}) + "\n")
+        os.replace(tmp, record_path)
+    except OSError as e:
+        log.warning("cannot record this start in %s: %s", record_path, e)
+    return before, None
+
+
+def start_ready(path: Path) -> None:
+    """The daemon got ready with the tuned file in place: it is one it can start with."""
+    try:
+        _starts_path(path).unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("cannot clear the start record beside %s: %s", path, e)

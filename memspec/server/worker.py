@@ -3,9 +3,10 @@
 Generation jobs wait in a bounded FIFO (arrival order; full -> 429) until a sequence slot is
 free; then they join the batch the engine decodes round by round (Runtime.decode_round), and
 leave it when they finish, fail or are cancelled, without disturbing the others. Control jobs
-(admin: load, evict, pin, tune) go ahead of waiting generations: no new sequence joins while
-one waits, and it runs once the running ones have finished. Each job streams events back to
-the asyncio side: `Token` per text delta, then `Done` or `Failed`.
+(admin: load, evict, pin, tune; at most `admin_queue` waiting) go ahead of waiting
+generations: no new sequence joins while one waits, and it runs once the running ones have
+finished; after each, the waiting generations are admitted before the next control job. Each
+job streams events back to the asyncio side: `Token` per text delta, then `Done` or `Failed`.
 
 The thread loads the Runtime itself (the HTTP server is already answering /health with 503),
 beats a heartbeat while idle and per token (the systemd watchdog pings only while it is fresh),
@@ -123,6 +124,7 @@ class EngineWorker:
         self._queue: deque[GenerateJob] = deque()
         self._control: deque[ControlJob] = deque()
         self._current: Job | None = None  # the control job running
+        self._control_ran = False  # the last turn was a control job's (generations go next)
         self._active: dict[int, tuple[GenerateJob, Sequence]] = {}  # slot -> its generation
         self._admitting: list[GenerateJob] = []  # taken off the queue, not yet in a slot
         self._accepting = True
@@ -221,6 +223,13 @@ class EngineWorker:
             if self.state in ("waiting_for_device", "device_lost"):
                 raise DeviceUnavailable(f"the target cannot run: {self.error}")
             if isinstance(job, ControlJob):
+                # Bounded: each admin job holds back new generations while it waits.
+                if len(self._control) >= self.settings.admin_queue:
+                    raise QueueFull(
+                        f"admin queue is full ({len(self._control)} waiting, admin_queue "
+                        f"{self.settings.admin_queue}); retry later",
+                        self.retry_after_s(),
+                    )
                 self._control.append(job)
             else:
                 # max_queue requests wait beyond the slots' running ones.
@@ -312,6 +321,8 @@ class EngineWorker:
             )
         self._check_policy(rt)
         self._check_batch_invariance(rt)
+        for name, why in getattr(rt, "manifest_errors", {}).items():
+            self.warnings.append(f"draft manifest {name} left out: {why}")
         return rt
 
     def _check_batch_invariance(self, rt: Runtime) -> None:
@@ -361,9 +372,13 @@ class EngineWorker:
             admit: list[GenerateJob] = []
             with self._cond:
                 self.heartbeat = time.monotonic()
-                if self._control and not self._active:
+                # Control and generation take turns: after a control job, what waited for it
+                # is admitted before the next one, so admin jobs cannot starve generation.
+                control_turn = bool(self._control) and not (self._control_ran and self._queue)
+                if control_turn and not self._active:
                     control = self._current = self._control.popleft()
-                elif not self._control:
+                    self._control_ran = True
+                elif not control_turn:
                     free = self.slots - len(self._active)
                     while free > 0 and self._queue:
                         job = self._queue.popleft()
@@ -371,6 +386,8 @@ class EngineWorker:
                             admit.append(job)
                             free -= 1
                     self._admitting.extend(admit)
+                    if admit or not self._queue:
+                        self._control_ran = False
                 if control is None and not admit and not self._active:
                     if self._stop:
                         return
@@ -454,9 +471,11 @@ class EngineWorker:
 
         try:
             req = rt.request(job.request)  # the one check: a clean 4xx before anything runs
-            slot = rt.pick_slot(req.prompt, set(self._active))
+            slot = rt.pick_slot(req.prompt, set(self._active), req.cache_partition)
             assert slot is not None  # admitted only into a free slot
-            rt.prepare_prefix(self.prefix_cache, req.prompt, req.draft != "none", slot)
+            rt.prepare_prefix(
+                self.prefix_cache, req.prompt, req.draft != "none", slot, req.cache_partition
+            )
             seq = rt.open_sequence(req, slot, on_token, job.cancel, alone=alone)
         except MemSpecError as e:
             job.post(Failed(e))

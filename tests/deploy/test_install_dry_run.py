@@ -125,6 +125,7 @@ def test_dry_run_on_an_orin(env, tmp_path):
         "/etc/memspec/config.toml",
         "/etc/memspec/drafts/q4_0.toml",
         "write /etc/systemd/system/memspec.service (mode 0644)",
+        "write /etc/systemd/system/memspec-rpc-worker.service (mode 0644)",
         "write /etc/systemd/system/memspec.service.d/10-memory.conf",
         "systemctl daemon-reload",
         "systemctl enable memspec.service",
@@ -139,6 +140,8 @@ def test_dry_run_on_an_orin(env, tmp_path):
         pos = at
     # The unit is rewritten for the prefix, and the jtop group dropped when it does not exist.
     assert f"|   ExecStart={prefix}/venv/bin/memspec serve" in out
+    assert f"|   ExecStart={prefix}/venv/bin/memspec rpc-worker --host 127.0.0.1" in out
+    assert "systemctl enable memspec-rpc-worker" not in out  # installed, not enabled
     jtop_group = subprocess.run(["getent", "group", "jtop"], capture_output=True).returncode == 0
     if not jtop_group:
         assert "|   SupplementaryGroups=video\n" in out

@@ -304,6 +304,8 @@ def test_daemon_answers_400_and_goes_on(tmp_path):
         rows = httpx.get(daemon.url + "/admin/drafts", headers=admin, timeout=30).json()
         row = next(d for d in rows["drafts"] if d["id"] == "gemma")
         assert row["compatible"] is False and "gpt2 tokenizer" in row["reason"]
-        resp = httpx.post(daemon.url + "/admin/drafts/gemma/load", headers=admin, timeout=60)
+        resp = httpx.post(
+            daemon.url + "/admin/drafts/gemma/load", json={}, headers=admin, timeout=60
+        )
         assert resp.status_code == 400
         assert resp.json()["error"]["code"] == "draft_incompatible"

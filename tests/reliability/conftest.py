@@ -29,6 +29,8 @@ def hardened(tmp_path_factory) -> Hardened:
         "MEMSPEC_DEFAULT_MAX_TOKENS": "4",
         "MEMSPEC_MAX_PROMPT_CHARS": str(MAX_PROMPT_CHARS),
         "MEMSPEC_MAX_BODY": str(MAX_BODY),
+        # A second client's /v1 key: the prefix cache is kept apart per key (test_hardening).
+        "MEMSPEC_API_KEYS": '["sk-second-client-key"]',
     }
     settings = {"n_ctx": HARDENED_N_CTX, "log_level": "debug"}
     with running(tmp, "lookup", settings=settings, env=env, keys=True) as srv:

@@ -238,3 +238,9 @@ def test_systemd_unit_review_is_current():
     if measured is not None:
         assert measured == recorded, f"exposure now {measured}, docs say {recorded}"
     assert recorded <= 2.0
+    rpc = ROOT / "systemd" / "memspec-rpc-worker.service"
+    m = re.search(r"memspec-rpc-worker\.service`.*?overall exposure \*\*([0-9.]+)\*\*", doc, re.S)
+    assert m, "docs/security.md records no exposure for the rpc-worker unit"
+    measured = systemd_exposure(rpc)
+    if measured is not None:
+        assert measured == float(m.group(1)), f"rpc-worker exposure now {measured}"

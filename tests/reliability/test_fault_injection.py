@@ -57,7 +57,7 @@ class Faulty:
         return self.models / DRAFT_FILES[draft_id]
 
     def admin(self, draft_id: str, action: str) -> httpx.Response:
-        return httpx.post(f"{self.url}/admin/drafts/{draft_id}/{action}", timeout=120)
+        return httpx.post(f"{self.url}/admin/drafts/{draft_id}/{action}", json={}, timeout=120)
 
     def tune(self, **values) -> httpx.Response:
         return httpx.post(self.url + "/admin/tune", json=values, timeout=120)

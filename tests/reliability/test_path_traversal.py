@@ -109,6 +109,7 @@ def test_admin_draft_routes(hardened, watch, drafts_before, action):
         for segment in {quote(draft, safe=""), quote(draft, safe="/\\~$:")}:
             r = httpx.post(
                 f"{hardened.url}/admin/drafts/{segment}/{action}",
+                json={},
                 headers=hardened.admin,
                 timeout=60,
             )

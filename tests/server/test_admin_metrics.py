@@ -58,7 +58,7 @@ def test_status(admin_http):
 
 def test_draft_actions(admin_http):
     def act(draft: str, action: str) -> dict:
-        r = admin_http.post(f"/admin/drafts/{draft}/{action}")
+        r = admin_http.post(f"/admin/drafts/{draft}/{action}", json={})
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["ok"] is True and body["draft"]["id"] == draft
@@ -66,15 +66,15 @@ def test_draft_actions(admin_http):
 
     assert act("q2_k", "load")["resident"] is True
     assert act("q2_k", "pin")["pinned"] is True
-    r = admin_http.post("/admin/drafts/q2_k/evict")  # pinned: refused with a reason
+    r = admin_http.post("/admin/drafts/q2_k/evict", json={})  # pinned: refused with a reason
     assert r.status_code == 400 and "pinned" in r.json()["error"]["message"]
     assert act("q2_k", "unpin")["pinned"] is False
     assert act("q2_k", "evict")["resident"] is False
     listed = admin_http.get("/admin/drafts").json()["drafts"]
     assert {d["id"]: d["resident"] for d in listed}["q2_k"] is False
-    r = admin_http.post("/admin/drafts/nope/load")
+    r = admin_http.post("/admin/drafts/nope/load", json={})
     assert r.status_code == 404 and r.json()["error"]["code"] == "draft_not_found"
-    assert admin_http.post("/admin/drafts/q2_k/explode").status_code in (400, 404)
+    assert admin_http.post("/admin/drafts/q2_k/explode", json={}).status_code in (400, 404)
 
 
 def test_tune_applies_live_and_persists(server, admin_http, state_dir):

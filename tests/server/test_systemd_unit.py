@@ -16,9 +16,9 @@ from memspec.units import parse_size
 UNIT = ROOT / "systemd" / "memspec.service"
 
 
-def directives() -> dict[str, list[str]]:
+def directives(unit: Path = UNIT) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
-    for line in UNIT.read_text().splitlines():
+    for line in unit.read_text().splitlines():
         line = line.strip()
         if line and not line.startswith(("#", "[")) and "=" in line:
             key, _, value = line.partition("=")
@@ -69,3 +69,58 @@ def test_systemd_analyze_verify(tmp_path: Path):
     )
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip() == "", r.stderr
+
+
+RPC_UNIT = ROOT / "systemd" / "memspec-rpc-worker.service"
+GPU_DEVICES = {"/dev/nvmap rw", "char-nvhost* rw", "char-nvgpu* rw", "char-nvidia* rw"}
+
+
+def test_hardening_directives():
+    """Issue 29: devices closed but the Jetson GPU's, models read-only, no privileged or
+    resource syscalls, bounded descriptors and tasks, no core files."""
+    d = directives()
+    assert d["DevicePolicy"] == ["closed"] and set(d["DeviceAllow"]) == GPU_DEVICES
+    assert "-/var/lib/memspec/models" in d["ReadOnlyPaths"]
+    assert "~@privileged @resources" in d["SystemCallFilter"]
+    assert int(d["LimitNOFILE"][0]) >= 1024 and int(d["TasksMax"][0]) >= 64
+    assert d["LimitCORE"] == ["0"]
+
+
+def test_rpc_worker_unit():
+    d = directives(RPC_UNIT)
+    exec_start = d["ExecStart"][0].split()
+    assert exec_start[0].endswith("/memspec") and exec_start[1:4] == [
+        "rpc-worker",
+        "--host",
+        "127.0.0.1",
+    ]
+    assert "--allow-remote" not in exec_start
+    expect = {
+        "DynamicUser": "yes",
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "PrivateTmp": "yes",
+        "DevicePolicy": "closed",
+        "IPAddressDeny": "any",
+        "IPAddressAllow": "localhost",
+        "CapabilityBoundingSet": "",
+        "LimitCORE": "0",
+        "RestrictAddressFamilies": "AF_INET AF_INET6",
+    }
+    for key, value in expect.items():
+        assert d.get(key) == [value], key
+    assert set(d["DeviceAllow"]) == GPU_DEVICES
+    assert "~@privileged @resources" in d["SystemCallFilter"]
+    assert "MemoryMax" in d and "TasksMax" in d and "LimitNOFILE" in d
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+def test_rpc_worker_unit_verifies(tmp_path: Path):
+    unit = tmp_path / "memspec-rpc-worker.service"
+    text = RPC_UNIT.read_text()
+    exec_line = next(ln for ln in text.splitlines() if ln.startswith("ExecStart="))
+    unit.write_text(text.replace(exec_line, "ExecStart=/bin/true"))
+    r = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0 and r.stderr.strip() == "", r.stderr
