@@ -68,8 +68,8 @@ router = APIRouter(
 )
 
 DRAFT_KEYS = (
-    "id", "kind", "bytes", "resident", "pinned", "acceptance", "requests", "compatible", "reason",
-    "state", "error",
+    "id", "kind", "bytes", "resident", "pinned", "acceptance", "value", "requests", "compatible",
+    "reason", "state", "error",
 )  # fmt: skip
 
 
