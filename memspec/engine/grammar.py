@@ -168,13 +168,16 @@ class GrammarState:
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """A float32 copy of a row of logits with every token the grammar refuses at -inf.
-        The target's vocabulary may be padded past the tokenizer's: those ids are refused."""
+        The target's vocabulary may be padded past the tokenizer's: those ids are refused.
+        Nothing allowed (a dead end): EOS alone, which ends the text."""
         out = np.full(len(logits), -np.inf, dtype=np.float32)
         n = min(len(logits), len(self._full))
         self._full["logit"][:n] = logits[:n]
         self._full["logit"][n:] = -np.inf
         self._apply(self._full)
         out[:n] = self._full["logit"][:n]
+        if not np.isfinite(out).any():  # a dead end (or EOS banned at the end): end the text
+            out[self.vocab.eos] = 0.0
         return out
 
     def greedy(self, logits: np.ndarray) -> int:
