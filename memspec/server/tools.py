@@ -31,7 +31,9 @@ from memspec.errors import InvalidRequest
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+FENCE = "```json"
 _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
+_BARE_RE = re.compile(r"\s*(?:```(?:json)?\s*)?(\{.*\})\s*(?:```)?\s*", re.S)
 # A call's start up to its arguments object: what lets the arguments stream as they come.
 _HEADER_RE = re.compile(
     r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
@@ -140,9 +142,19 @@ class ToolPlan:
                 tail = tail[:start]
         rest.append(tail)
         if not calls:
-            return text, []
+            bare = self.bare_call(text)
+            return (None, [bare]) if bare is not None else (text, [])
         content = "".join(rest).strip()
         return content or None, calls
+
+    def bare_call(self, text: str) -> dict[str, Any] | None:
+        """A Hermes model's call written without its tags: the whole answer one
+        {"name", "arguments"} object of a known function, perhaps in a ```json fence
+        (Qwen2.5-Coder-1.5B answers so; llama.cpp's Hermes parser takes it too)."""
+        m = _BARE_RE.fullmatch(text)
+        call = _call_from_json(m.group(1)) if m else None
+        names = {t["function"]["name"] for t in self.tools}
+        return call if call is not None and call["function"]["name"] in names else None
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
@@ -221,6 +233,8 @@ class ToolStream:
     in_call: bool = False
     calls: int = 0
     _llama3_hold: bool | None = None  # llama3: an answer that may be one JSON call
+    # Whether the answer may be one call without its tags (held back whole); None: not known.
+    _bare: bool | None = None
     # The call being streamed: where its arguments start in buf, how much of them went out.
     _open: dict[str, int] | None = field(default=None)
 
@@ -282,6 +296,13 @@ class ToolStream:
         if self.plan.format == "llama3":
             return self._feed_llama3(text)
         self.buf += text
+        if self._bare is None and not self.calls and not self.in_call:
+            head = self.buf.lstrip()
+            if not head or (FENCE.startswith(head) and head != FENCE):
+                return "", []  # too early to tell
+            self._bare = head.startswith(("{", FENCE))
+        if self._bare:  # may be one bare call (bare_call): it is known at the end
+            return "", []
         content, deltas = "", []
         while True:
             if not self.in_call:
@@ -316,6 +337,15 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """What is held back, at the end of the answer."""
+        if self._bare is not False and self.plan.format != "llama3":
+            call = self.plan.bare_call(self.buf)
+            if call is not None:
+                self.buf = ""
+                return "", [self._delta(call)]
+            self._bare = False  # not a call: the answer goes out as it would have
+            content, deltas = self.feed("")
+            more, rest = self.finish()
+            return content + more, deltas + rest
         buf, self.buf = self.buf, ""
         if self.plan.format == "llama3":
             call = _llama3_call(buf) if self._llama3_hold else None

@@ -211,8 +211,9 @@ def test_tool_history_and_auto(client):
 
 
 def test_qwen_tool_call_in_its_own_format(qwen_server):
-    """Qwen2.5-Coder's template renders the tools itself and the model answers with a
-    Hermes <tool_call>: parsed, and streamed as tool-call deltas, unforced."""
+    """Qwen2.5-Coder's template renders the tools itself; unforced, the model answers with
+    its call (as a Hermes <tool_call>, or as this 1.5B does, a ```json block of it): parsed,
+    and streamed as tool-call deltas."""
     client = openai.OpenAI(
         base_url=qwen_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600
     )

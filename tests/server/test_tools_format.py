@@ -142,3 +142,22 @@ def test_forcing_grammars_parse_in_llama_cpp(jinja):
         time_tool = {"type": "function", "function": {"name": "get_time"}}
         plan = tools.plan_tools(template, [WEATHER, time_tool], choice, True)
         Grammar(plan.grammar(), models_dir() / TARGET_FILE)  # raises if llama.cpp refuses it
+
+
+def test_hermes_call_without_its_tags():
+    """Qwen2.5-Coder-1.5B often writes its call as a ```json block: a call when it is the
+    whole answer and names a known function; other code blocks stream as they come."""
+    plan = tools.plan_tools(ChatTemplate("gguf", jinja=QWEN_LIKE), [WEATHER], "auto", None)
+    fenced = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```'
+    content, calls = plan.parse(fenced)
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert plan.parse('{"name": "unknown", "arguments": {}}')[1] == []
+    stream = plan.stream()
+    assert stream.feed(fenced[:9]) == ("", []) and stream.feed(fenced[9:]) == ("", [])
+    _, deltas = stream.finish()
+    assert deltas[0]["function"]["name"] == "get_weather"
+    stream = plan.stream()
+    assert stream.feed("```py") == ("```py", [])  # not JSON: no holding back
+    stream = plan.stream()
+    assert stream.feed("```json\n[1, 2]\n") == ("", [])
+    assert stream.finish() == ("```json\n[1, 2]\n", [])
