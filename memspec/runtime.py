@@ -9,11 +9,14 @@ it. A client's request is checked once, by `request()`, into a GenerationRequest
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+import math
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
@@ -26,6 +29,8 @@ from memspec.drafts.manifest import DraftManifest, check_id, load_manifests
 from memspec.drafts.registry import PRIOR_ALPHA
 from memspec.engine.calibration import calibrate, measure_draft_cached
 from memspec.engine.costs import AcceptanceEstimator, CostModel
+from memspec.engine.fim import FimRequest, FimTokens, fim_prompt, find_fim_tokens
+from memspec.engine.grammar import Grammar
 from memspec.engine.prefix_cache import PrefixCache
 from memspec.engine.speculative import (
     Generation,
@@ -76,6 +81,34 @@ class ClientRequest:
     draft: str = "auto"  # "auto", "none" or a draft id
     policy: str | None = None  # for draft "auto"; None: settings.policy
     cache_partition: str = ""  # whose cached prefixes it may reuse (key and cache_salt)
+    # Sampling fields beyond temperature/top_p (None: SamplingParams' default, i.e. off).
+    top_k: int | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    ignore_eos: bool = False  # llama-server's: end-of-generation tokens banned
+    logprobs: int | None = None  # report logprobs with this many alternatives; None: off
+    fim: FimRequest | None = None  # fill-in-the-middle: the prompt is built from it
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: end the text like EOS
+    grammar: str | None = None  # GBNF the output must follow (engine/grammar.py)
+    grammar_param: str = "grammar"  # the request field the grammar came from (its 400s)
+    tools: list[dict[str, Any]] | None = None  # chat: the tools the chat template receives
+
+
+# ClientRequest's sampling fields that map one to one onto SamplingParams.
+SAMPLING_FIELDS = (
+    "top_k",
+    "min_p",
+    "typical_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 def id_runs(ids: set[int]) -> int:
@@ -484,11 +517,14 @@ class Runtime:
 
     # --- requests -----------------------------------------------------------------------
     def prompt_tokens(
-        self, prompt: str | None = None, messages: list[dict[str, str]] | None = None
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if messages is not None:
             try:
-                text = self.target.chat_prompt(messages)
+                text = self.target.chat_prompt(messages, tools)
             except jinja2.TemplateError as e:  # the model's template refuses these messages
                 raise InvalidRequest(
                     f"the model's chat template cannot render these messages: {e}",
@@ -500,8 +536,10 @@ class Runtime:
     def request(self, ask: ClientRequest) -> GenerationRequest:
         """Check a client's request against this runtime, once: its tokens, the context,
         the draft and the policy it names. Raises the error the client gets."""
-        if ask.messages is not None:
-            prompt = self.prompt_tokens(messages=ask.messages)
+        if ask.fim is not None:
+            prompt = fim_prompt(self.target, ask.fim, self.fim_tokens)
+        elif ask.messages is not None:
+            prompt = self.prompt_tokens(messages=ask.messages, tools=ask.tools)
         elif isinstance(ask.prompt, list):
             n_vocab = self.target.n_vocab
             bad = next((t for t in ask.prompt if not 0 <= t < n_vocab), None)
@@ -521,11 +559,6 @@ class Runtime:
                 f"{len(prompt)}. Shorten the prompt or the conversation.",
                 param="messages" if ask.messages is not None else "prompt",
             )
-        if ask.max_tokens is not None and ask.max_tokens > n_ctx:
-            raise ContextOverflow(
-                f"max_tokens {ask.max_tokens} exceeds the context of {n_ctx} tokens",
-                param="max_tokens",
-            )
         if ask.draft not in ("auto", "none"):
             self.usable(ask.draft)  # unknown (404) or incompatible (400) before anything runs
         if ask.policy and ask.policy.startswith("fixed:"):
@@ -537,6 +570,8 @@ class Runtime:
                 f"unknown policy {ask.policy!r}; known: {', '.join(sorted(self.policies))}",
                 param="policy",
             )
+        # A max_tokens beyond what the context holds is capped there (finish_reason length),
+        # as llama-server does; only a prompt that does not fit is refused.
         max_tokens = ask.max_tokens or self.settings.default_max_tokens
         params = SamplingParams(
             max_tokens=min(max_tokens, n_ctx - len(prompt)),
@@ -544,10 +579,52 @@ class Runtime:
             top_p=ask.top_p,
             seed=None if ask.seed is None else ask.seed % 2**64,
             stop=ask.stop,
+            logit_bias=self._logit_bias(ask),
+            logprobs=ask.logprobs,
+            stop_token_ids=self._stop_tokens(ask),
+            **{
+                name: getattr(ask, name)
+                for name in SAMPLING_FIELDS
+                if getattr(ask, name) is not None
+            },
         )
+        if ask.grammar is not None:  # parsed against the target's vocabulary: a bad one is a 400
+            params.grammar = Grammar(ask.grammar, self.target.path, param=ask.grammar_param)
         return GenerationRequest(
             prompt, params, ask.draft, ask.policy, ask.messages, ask.cache_partition
         )
+
+    def _logit_bias(self, ask: ClientRequest) -> dict[int, float]:
+        """The request's logit_bias checked against the vocabulary, with ignore_eos's ban on
+        the end-of-generation tokens."""
+        n_vocab = self.target.n_vocab
+        bad = next((t for t in ask.logit_bias if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"logit_bias token id {bad} is outside the vocabulary (0..{n_vocab - 1})",
+                param="logit_bias",
+            )
+        bias = dict(ask.logit_bias)
+        if ask.ignore_eos:
+            bias.update(dict.fromkeys(self.target.eos_token_ids, -math.inf))
+        return bias
+
+    def _stop_tokens(self, ask: ClientRequest) -> frozenset[int]:
+        """stop_token_ids, checked; a FIM prompt's middle also ends at the FIM end tokens."""
+        n_vocab = self.target.n_vocab
+        bad = next((t for t in ask.stop_token_ids if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"stop_token_ids: {bad} is outside the vocabulary (0..{n_vocab - 1})",
+                param="stop_token_ids",
+            )
+        fim_end = self.fim_tokens.end if ask.fim is not None and self.fim_tokens else frozenset()
+        return frozenset(ask.stop_token_ids) | fim_end
+
+    @functools.cached_property
+    def fim_tokens(self) -> FimTokens | None:
+        """The target's fill-in-the-middle tokens (None: it has none)."""
+        return find_fim_tokens(self.target)
 
     def prepare_prefix(
         self,

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 
 from memspec.backends.base import Backend
-from memspec.engine.sampling import SamplingParams, probs_from_logits
+from memspec.engine.sampling import SamplingParams, TokenHistory, target_probs
 
 N_SAMPLES = 1200
 # The power checks: a wrong acceptance rule is far off the exact joint, so this many samples
@@ -17,15 +17,20 @@ N_POWER = 400
 PARAMS = dict(temperature=1.0, top_p=0.9)
 
 
-def exact_joint(target: Backend, prompt: list[int]) -> dict[tuple[int, int], float]:
-    params = SamplingParams(**PARAMS)
+def exact_joint(
+    target: Backend, prompt: list[int], params: SamplingParams | None = None
+) -> dict[tuple[int, int], float]:
+    """Plain decoding's joint of the first two tokens, one position at a time: the second
+    token's penalties count the first (TokenHistory, as plain decoding pushes it)."""
+    params = params or SamplingParams(**PARAMS)
+    history = TokenHistory(params, prompt)
     target.reset()
     target.eval(prompt[:-1], all_logits=False)
-    p1 = probs_from_logits(target.eval([prompt[-1]])[-1], params)
+    p1 = target_probs(target.eval([prompt[-1]])[-1], params, history)
     joint = {}
     for t1 in np.flatnonzero(p1):
         target.truncate(len(prompt))
-        p2 = probs_from_logits(target.eval([int(t1)])[-1], params)
+        p2 = target_probs(target.eval([int(t1)])[-1], params, history, [int(t1)])
         for t2 in np.flatnonzero(p2):
             joint[(int(t1), int(t2))] = float(p1[t1] * p2[t2])
     target.reset()

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -128,9 +128,14 @@ class Backend(ABC):
             )
         return self._chat_template
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        """Render messages with `chat_template`, ready for tokenize(add_bos=True, special=True)."""
-        return self.chat_template.render(messages, self._bos_text, self._eos_text, self._add_bos)
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """Render messages (and the tools the model may call) with `chat_template`, ready for
+        tokenize(add_bos=True, special=True)."""
+        return self.chat_template.render(
+            messages, self._bos_text, self._eos_text, self._add_bos, tools=tools
+        )
 
     # --- compute ------------------------------------------------------------------------
     @abstractmethod

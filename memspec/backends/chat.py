@@ -15,11 +15,14 @@ one won: `setting:<name|file>`, `gguf`, `builtin:<name>` or `chatml-fallback`.
 from __future__ import annotations
 
 import ctypes
+import datetime
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -89,28 +92,59 @@ def _raise(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' `tojson`, which chat templates are written against (tools, tool-call
+    # arguments): Jinja's own escapes <, >, & and ' as HTML, which no model was trained on.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    # transformers' global too (Llama 3.x templates print today's date with it).
+    return datetime.datetime.now().strftime(fmt)
+
+
 @lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
     return env.from_string(template)
 
 
-def _check_messages(messages: list[dict[str, str]]) -> None:
+def _check_messages(messages: list[dict[str, Any]]) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise InvalidRequest(f"messages[{i}] needs 'role' and 'content'", param="messages")
 
 
 def render_chat(
-    template: str | None, messages: list[dict[str, str]], bos_token: str = "", eos_token: str = ""
+    template: str | None,
+    messages: list[dict[str, Any]],
+    bos_token: str = "",
+    eos_token: str = "",
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Render `messages` with a Jinja chat template (ChatML when None)."""
+    """Render `messages` with a Jinja chat template (ChatML when None); `tools` (OpenAI's
+    list of functions) reach the template as transformers passes them."""
     _check_messages(messages)
+    extra = {"tools": tools} if tools else {}
     return _compile(template or CHATML).render(
-        messages=messages, add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token
+        messages=messages,
+        add_generation_prompt=True,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        **extra,
     )
 
 
@@ -153,22 +187,29 @@ class ChatTemplate:
 
     def render(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         bos_token: str = "",
         eos_token: str = "",
         adds_bos: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt text for `messages` with the generation prompt. `adds_bos`: the
         tokenizer puts BOS in front itself, so a template's own leading BOS is dropped (a
         Jinja template copied from Hugging Face often starts with one: two would reach the
-        model)."""
+        model). `tools` go to a Jinja template (`takes_tools`); a built-in one has no place
+        for them (the caller describes them in a message instead: server/tools.py)."""
         if self.builtin is not None:
             text = render_builtin(self.builtin, messages)
         else:
-            text = render_chat(self.jinja, messages, bos_token, eos_token)
+            text = render_chat(self.jinja, messages, bos_token, eos_token, tools)
         if adds_bos and bos_token and text.startswith(bos_token):
             text = text[len(bos_token) :]
         return text
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template renders `tools` itself (a Jinja template that reads them)."""
+        return self.jinja is not None and "tools" in self.jinja
 
     def status(self) -> dict[str, str | None]:
         return {"source": self.source, "warning": self.warning}

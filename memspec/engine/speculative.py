@@ -23,12 +23,17 @@ import numpy as np
 
 from memspec.backends.base import Backend
 from memspec.engine.costs import BatchOption, CostModel, plan_batch
+from memspec.engine.grammar import GrammarState
 from memspec.engine.sampling import (
     SamplingParams,
+    TokenHistory,
+    TokenLogprob,
     accept_draft_token,
+    adjust_logits,
     probs_from_logits,
     residual,
     sample,
+    token_logprob,
 )
 from memspec.engine.text import TextAssembler
 from memspec.engine.types import Choice, Proposal, RoundPolicy
@@ -77,6 +82,8 @@ class Generation:
     proposed: int = 0
     accepted: int = 0
     k_per_round: list[int] = field(default_factory=list)
+    # One per generated token when params.logprobs is set, from the target's verified rows.
+    logprobs: list[TokenLogprob] | None = None
     drafts_used: dict[str, int] = field(default_factory=dict)  # draft id -> rounds
     per_draft: dict[str, dict[str, int]] = field(default_factory=dict)  # id -> proposed/accepted
     ttft_s: float = 0.0
@@ -112,26 +119,73 @@ def accept_greedy(drafted: list[int], target_argmax: list[int]) -> list[int]:
     return drafted[:n] + [target_argmax[n]]
 
 
+def accept_greedy_grammar(
+    drafted: list[int],
+    logits: np.ndarray,
+    grammar: GrammarState | None,
+    params: SamplingParams | None = None,
+    history: TokenHistory | None = None,
+) -> list[int]:
+    """Greedy under a grammar: row i's argmax among the tokens the grammar allows after the
+    accepted prefix; the grammar advances on each token kept, never on a rejected one.
+    With logit_bias or penalties (params), each row is adjusted first, its history being
+    the tokens before it, this round's drafted ones included (as plain decoding sees them)."""
+
+    def choose(i: int) -> int:
+        row = logits[i]
+        if params is not None and params.adjusts_logits:
+            row = adjust_logits(row, params, history, drafted[:i])
+        if grammar is None:
+            return int(np.argmax(row))
+        choice = grammar.greedy(row)
+        grammar.accept(choice)
+        return choice
+
+    new: list[int] = []
+    for i, tok in enumerate(drafted):
+        choice = choose(i)
+        if choice != tok:
+            return new + [choice]
+        new.append(tok)
+    return new + [choose(len(drafted))]
+
+
 def accept_sampled(
     drafted: list[int],
     logits: np.ndarray,
     proposal: Proposal | None,
     params: SamplingParams,
     rng: np.random.Generator,
+    grammar: GrammarState | None = None,
+    history: TokenHistory | None = None,
 ) -> list[int]:
     """Sampling: accept with min(1, p/q), else draw from norm(max(p - q, 0)); then the bonus.
 
     logits[i] is the target's distribution at drafted[i]'s slot (one more row than drafted
-    tokens); rows after the first rejection are never read.
+    tokens); rows after the first rejection are never read. A grammar masks each row (with its
+    state after the tokens kept so far) before p is formed, and advances on each token kept.
+    logit_bias and penalties adjust row i first, its history including drafted[:i].
     """
+
+    def row(i: int) -> np.ndarray:
+        z = logits[i]
+        if params.adjusts_logits:
+            z = adjust_logits(z, params, history, drafted[:i])
+        return z if grammar is None else grammar.mask(z)
+
+    def keep(tok: int) -> int:
+        if grammar is not None:
+            grammar.accept(tok)
+        return tok
+
     new: list[int] = []
     for i, tok in enumerate(drafted):
-        p = probs_from_logits(logits[i], params)
+        p = probs_from_logits(row(i), params)
         q = proposal.probs[i] if proposal is not None and proposal.probs else None
         if not accept_draft_token(tok, p, q, rng):
-            return new + [sample(residual(p, q, tok), rng)]
-        new.append(tok)
-    return new + [sample(probs_from_logits(logits[len(drafted)], params), rng)]
+            return new + [keep(sample(residual(p, q, tok), rng))]
+        new.append(keep(tok))
+    return new + [keep(sample(probs_from_logits(row(len(drafted)), params), rng))]
 
 
 class Sequence:
@@ -161,6 +215,20 @@ class Sequence:
         self.gen = Generation(prompt_tokens=len(prompt))
         self.text = TextAssembler(target, params.stop)
         self.ctx = list(prompt)
+        # The request's grammar, walked by the tokens this sequence keeps (engine/grammar.py).
+        self.grammar = params.grammar.start() if params.grammar is not None else None
+        # What the penalties count (prompt tail, generated tokens), pushed as tokens emit.
+        self.history = TokenHistory(params, prompt) if params.penalized else None
+        if params.logprobs is not None:
+            self.gen.logprobs = []
+        self._new_logprobs: list[TokenLogprob] = []
+        # Greedy reads only each row's argmax unless a row must be changed or reported.
+        self._argmax_only = (
+            params.greedy
+            and self.grammar is None
+            and not params.adjusts_logits
+            and params.logprobs is None
+        )
         self.done = False
         self.error: BaseException | None = None  # what ended it, if it failed
         # Prefill everything but the last prompt token, reusing any KV prefix already there.
@@ -244,21 +312,49 @@ class Sequence:
         """2. The target scores [pending] + drafted on this slot alone: greedy reads only each
         row's argmax; sampling reads rows up to the first rejection, in place."""
         tokens = [self.ctx[-1]] + self.drafted
-        if self.params.greedy:
+        if self._argmax_only:
             new = accept_greedy(self.drafted, self.target.eval_argmax(tokens))
         else:
             logits = self.target.eval(tokens, copy=False)
             self._t["logits"] = time.perf_counter()
-            new = accept_sampled(self.drafted, logits, self._proposal, self.params, self.rng)
+            new = self._accept_rows(logits)
         self._accept(new)
 
     def verify_rows(self, logits: np.ndarray) -> None:
         """2. The same with rows a batched pass returned for this sequence."""
-        if self.params.greedy:
+        if self._argmax_only:
             new = accept_greedy(self.drafted, logits.argmax(axis=1).tolist())
         else:
-            new = accept_sampled(self.drafted, logits, self._proposal, self.params, self.rng)
+            new = self._accept_rows(logits)
         self._accept(new)
+
+    def _accept_rows(self, logits: np.ndarray) -> list[int]:
+        """The accept rule on full rows: sampling, or greedy under a grammar, logit_bias or
+        penalties; and the logprobs of the tokens it keeps, from the same rows."""
+        if self.params.greedy:
+            new = accept_greedy_grammar(
+                self.drafted, logits, self.grammar, self.params, self.history
+            )
+        else:
+            new = accept_sampled(
+                self.drafted,
+                logits,
+                self._proposal,
+                self.params,
+                self.rng,
+                self.grammar,
+                self.history,
+            )
+        n_top = self.params.logprobs
+        if n_top is not None:  # token j was chosen at row j
+            piece = self._piece
+            self._new_logprobs = [
+                token_logprob(logits[j], tok, n_top, piece) for j, tok in enumerate(new)
+            ]
+        return new
+
+    def _piece(self, token: int) -> bytes:
+        return self.target.detokenize([token])
 
     def _accept(self, new: list[int]) -> None:
         """3. Keep the accepted prefix and the target's token; drop the rest from the KV."""
@@ -306,12 +402,20 @@ class Sequence:
             seconds = time.perf_counter() - t["draft"]
             self.policy.observe(proposal.key, len(drafted), n_accepted, seconds)
         t_emit = time.perf_counter()
-        for tok in new:
-            if tok in self.target.eos_token_ids:
+        for j, tok in enumerate(new):
+            if (
+                tok in self.target.eos_token_ids
+                or tok in self.params.stop_token_ids
+                or (self.grammar is not None and self.grammar.is_eog(tok))
+            ):
                 gen.finish_reason, self.done = "stop", True
                 break
             self.ctx.append(tok)
             gen.token_ids.append(tok)
+            if self.history is not None:
+                self.history.push(tok)
+            if gen.logprobs is not None:
+                gen.logprobs.append(self._new_logprobs[j])
             if gen.ttft_s == 0.0:
                 gen.ttft_s = time.perf_counter() - self.t0
             delta, hit_stop = self.text.push(tok)
@@ -341,6 +445,8 @@ class Sequence:
             self.on_token(tail, None)
         self.gen.text = self.text.text
         self.gen.elapsed_s = time.perf_counter() - self.t0
+        if self.grammar is not None:
+            self.grammar.close()
         return self.gen
 
 

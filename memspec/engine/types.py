@@ -9,24 +9,59 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from memspec.backends.base import Backend
 
+if TYPE_CHECKING:
+    from memspec.engine.grammar import Grammar
+
 
 @dataclass
 class SamplingParams:
+    """What the user asked for. The target's distribution at each position is built from
+    them in memspec.engine.sampling (its module doc gives the order); every field applies at
+    each verified position, so speculation never changes what is sampled."""
+
     max_tokens: int = 128
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    top_k: int = 0  # <= 0: off
+    min_p: float = 0.0  # 0: off
+    typical_p: float = 1.0  # 1: off
+    repeat_penalty: float = 1.0  # 1: off (llama.cpp's)
+    repeat_last_n: int = 64  # the context tokens repeat_penalty looks back on; -1: all
+    presence_penalty: float = 0.0  # OpenAI's, over the generated tokens
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logits
+    logprobs: int | None = None  # alternatives reported per token (0: the token's own); None: off
+    # Tokens that end the text like EOS (vLLM's stop_token_ids; a FIM prompt's end tokens).
+    stop_token_ids: frozenset[int] = frozenset()
+    # A grammar the output must follow (response_format, GBNF, tool calls): engine/grammar.py.
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logits are changed before the distribution (bias, penalties): greedy then
+        needs whole rows, not only each row's argmax."""
+        return bool(self.logit_bias) or self.penalized
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a position's distribution depends on the tokens before it (penalties)."""
+        return (
+            (self.repeat_penalty != 1.0 and self.repeat_last_n != 0)
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 @dataclass

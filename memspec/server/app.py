@@ -164,6 +164,7 @@ def create_app(
     app.state.lifecycle = life
     install_error_handlers(app)
     app.include_router(openai_api.router)
+    app.include_router(openai_api.llama_router)
     app.include_router(admin.router)
 
     @app.get("/health", tags=["daemon"])

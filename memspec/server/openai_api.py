@@ -6,11 +6,15 @@ so errors found before any token (unknown draft, prompt over the context) get th
 status even for a stream. Streams are SSE: `data: {chunk}` per text delta, a last chunk with
 finish_reason (and `memspec`), a usage chunk when asked for, then `data: [DONE]`. A client
 that disconnects, queued or streaming, cancels its generation.
+
+llama-server's own routes live here too (`llama_router`, no /v1 prefix): /tokenize,
+/detokenize and /infill (fill-in-the-middle), in its request and response shapes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -23,9 +27,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 import memspec
+from memspec.backends.chat import ChatTemplate
+from memspec.engine.fim import FimRequest
+from memspec.engine.sampling import TokenLogprob
 from memspec.engine.speculative import Generation
 from memspec.errors import DeviceUnavailable, InvalidRequest
 from memspec.runtime import ClientRequest
+from memspec.server import tools
 from memspec.server.auth import request_partition, require_api_key
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.errors import NotReady, UnknownModel, as_memspec_error, error_json
@@ -35,8 +43,11 @@ from memspec.server.openai_schema import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    DetokenizeRequest,
+    InfillRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from memspec.server.worker import Done, Event, Failed, GenerateJob, Token
 
@@ -45,6 +56,11 @@ router = APIRouter(
     tags=["openai"],
     dependencies=[Depends(require_api_key)],
     responses=ERROR_RESPONSES,
+)
+
+# llama-server's routes: the same keys, no /v1 prefix.
+llama_router = APIRouter(
+    tags=["llama.cpp"], dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES
 )
 
 FINGERPRINT = f"memspec-{memspec.__version__}"
@@ -70,9 +86,10 @@ def usage(gen: Generation) -> dict[str, Any]:
     }
 
 
-def memspec_stats(gen: Generation) -> dict[str, Any]:
+def memspec_stats(gen: Generation, ignored: list[str] | None = None) -> dict[str, Any]:
+    """The `memspec` object; `ignored`: unknown request fields that were not used."""
     ks = gen.k_per_round
-    return {
+    out = {
         "drafts_used": dict(gen.drafts_used),
         "proposed": gen.proposed,
         "accepted": gen.accepted,
@@ -87,6 +104,47 @@ def memspec_stats(gen: Generation) -> dict[str, Any]:
         "ttft_s": round(gen.ttft_s, 4),
         "tokens_per_s": round(gen.tokens_per_s, 2),
     }
+    if ignored:
+        out["ignored"] = list(ignored)
+    return out
+
+
+def _token_text(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI chat's `logprobs` object for these tokens."""
+    return {
+        "content": [
+            {
+                "token": _token_text(e.piece),
+                "logprob": e.logprob,
+                "bytes": list(e.piece),
+                "top_logprobs": [
+                    {"token": _token_text(p), "logprob": lp, "bytes": list(p)} for _, p, lp in e.top
+                ],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy completions' `logprobs` object; `offset`: characters before these tokens."""
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(offset)
+        text = _token_text(e.piece)
+        tokens.append(text)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{_token_text(p): lp for _, p, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def served_model(ctx: ServerContext) -> str:
@@ -100,6 +158,14 @@ def served_model(ctx: ServerContext) -> str:
             raise DeviceUnavailable(f"the target cannot load: {w.error}")
         raise NotReady("models are loading; retry shortly", code="model_loading")
     return model_id
+
+
+def chat_template(ctx: ServerContext) -> ChatTemplate:
+    """The target's chat template (tools and structured output are planned against it)."""
+    rt = ctx.worker.runtime
+    if rt is None:  # reloading
+        raise NotReady("models are loading; retry shortly", code="model_loading")
+    return rt.chat_template
 
 
 def check_model(ctx: ServerContext, model: str) -> str:
@@ -161,11 +227,17 @@ async def run_request(
     req: ClientRequest,
     stream: bool,
     include_usage: bool,
-    chunk: Callable[[str | None, str | None], dict[str, Any]],
+    chunk: Callable[[str | None, str | None, list[TokenLogprob] | None], dict[str, Any]],
     final: Callable[[Generation], dict[str, Any]],
     preamble: dict[str, Any] | None = None,
+    ignored: list[str] | None = None,
+    last: Callable[[Generation], dict[str, Any]] | None = None,
+    done_marker: bool = True,
 ) -> Response | dict[str, Any]:
-    """Queue the generation; answer JSON (final(gen)) or an SSE stream of chunk(...)s."""
+    """Queue the generation; answer JSON (final(gen)) or an SSE stream of chunk(...)s: text,
+    finish reason, and the logprob entries of the tokens the text completes (None: not asked).
+    `last(gen)`: the stream's last event instead of the finish chunk (llama-server's shape);
+    `done_marker`: end with [DONE] (OpenAI's streams; llama-server's own routes do not)."""
     job = GenerateJob(asyncio.get_running_loop(), req, stream)
     ctx.worker.submit(job)
     try:
@@ -180,27 +252,33 @@ async def run_request(
 
     async def events() -> AsyncIterator[str]:
         ev: Event = first
+        sent = 0  # logprob entries streamed so far
         try:
             if preamble is not None:
                 yield sse(preamble)
             while True:
                 if isinstance(ev, Token):
-                    yield sse(chunk(ev.text, None))
+                    sent += len(ev.logprobs or ())
+                    yield sse(chunk(ev.text, None, ev.logprobs))
                 elif isinstance(ev, Done):
                     gen: Generation = ev.result
-                    last = chunk(None, gen.finish_reason)
-                    last["memspec"] = memspec_stats(gen)
-                    yield sse(last)
+                    # Tokens whose text never went out (cut by a stop string) keep their entries.
+                    rest = gen.logprobs[sent:] if gen.logprobs is not None else None
+                    end = last(gen) if last is not None else chunk(None, gen.finish_reason, rest)
+                    end["memspec"] = memspec_stats(gen, ignored)
+                    yield sse(end)
                     if include_usage:
-                        tail = chunk(None, None)
+                        tail = chunk(None, None, None)
                         tail["choices"] = []
                         tail["usage"] = usage(gen)
                         yield sse(tail)
-                    yield sse("[DONE]")
+                    if done_marker:
+                        yield sse("[DONE]")
                     return
                 else:  # Failed mid-stream: an OpenAI error event, then the end
                     yield sse(error_json(as_memspec_error(ev.error)))
-                    yield sse("[DONE]")
+                    if done_marker:
+                        yield sse("[DONE]")
                     return
                 ev = await job.next_event()
         finally:
@@ -213,15 +291,60 @@ async def run_request(
     )
 
 
-def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+async def run_choices(
+    request: Request,
+    ctx: ServerContext,
+    req: ClientRequest,
+    n: int,
+    final: Callable[[Generation], dict[str, Any]],
+) -> Response | dict[str, Any]:
+    """`n` choices of one request, not streamed: n generations (they share the slots like
+    separate requests), choice i seeded `seed + i` when a seed is given; usage counts the
+    prompt once and every choice's tokens."""
+    loop = asyncio.get_running_loop()
+    jobs: list[GenerateJob] = []
+    try:
+        for i in range(n):
+            seed = None if req.seed is None else req.seed + i
+            jobs.append(GenerateJob(loop, dataclasses.replace(req, seed=seed), False))
+            ctx.worker.submit(jobs[-1])
+        answers = []
+        for job in jobs:
+            ev = await next_event(request, job)
+            if isinstance(ev, Failed):
+                raise as_memspec_error(ev.error)
+            assert isinstance(ev, Done)
+            answers.append(final(ev.result))
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        for job in jobs:  # the others, when one failed or the client left
+            job.cancel.set()
+    out = answers[0]
+    out["choices"] = [dict(a["choices"][0], index=i) for i, a in enumerate(answers)]
+    completion = sum(a["usage"]["completion_tokens"] for a in answers)
+    out["usage"]["completion_tokens"] = completion
+    out["usage"]["total_tokens"] = out["usage"]["prompt_tokens"] + completion
+    return out
+
+
+def _sampling(body: ChatCompletionRequest | CompletionRequest | InfillRequest) -> dict[str, Any]:
     return {
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
-        "seed": body.seed,
+        # llama.cpp's -1 is "a random seed".
+        "seed": None if body.seed == -1 else body.seed,
         "stop": body.stop_list(),
         "draft": body.draft,
         "policy": body.policy,
+        **body.sampling_fields(),
     }
+
+
+def structured_output(body: CompletionRequest | InfillRequest) -> dict[str, Any]:
+    """ClientRequest's grammar fields for response_format / grammar / json_schema."""
+    gbnf, param = tools.structured_output(body.response_format, body.grammar, body.json_schema)
+    return {"grammar": gbnf, "grammar_param": param}
 
 
 # --- routes --------------------------------------------------------------------------------
@@ -241,15 +364,38 @@ async def get_model(model_id: str, ctx: Ctx) -> ModelCard:
 async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: Ctx) -> Any:
     model = check_model(ctx, body.model)
     body.check_supported()
-    messages = body.message_dicts()
+    # Tools, tool calls in the history, and structured output, as the target's template takes
+    # them (memspec/server/tools.py).
+    choice = body.tool_choice
+    chat = tools.prepare_chat(
+        body.message_dicts(),
+        chat_template(ctx),
+        body.tool_dicts(),
+        choice.model_dump() if choice is not None and not isinstance(choice, str) else choice,
+        body.parallel_tool_calls,
+        body.response_format,
+        body.grammar,
+        body.json_schema,
+    )
+    messages = chat.messages
     check_text("messages", *(m["content"] for m in messages))
     check_text("stop", *body.stop_list())
     check_prompt_size(ctx, sum(len(m["content"]) for m in messages))
-    req = ClientRequest(messages=messages, max_tokens=body.token_limit(), **_sampling(body))
+    req = ClientRequest(
+        max_tokens=body.token_limit(),
+        logprobs=body.logprobs_n(),
+        **chat.request_fields(),
+        **_sampling(body),
+    )
     req.cache_partition = request_partition(request, body.cache_salt)
+    tool_stream = chat.stream() if body.stream else None
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    ignored = body.ignored_fields()
 
-    def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+    def chunk(
+        text: str | None, finish: str | None, lps: list[TokenLogprob] | None = None
+    ) -> dict[str, Any]:
+        delta, finish = tools.stream_delta(tool_stream, text, finish)
         return {
             "id": cid,
             "object": "chat.completion.chunk",
@@ -259,14 +405,15 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
             "choices": [
                 {
                     "index": 0,
-                    "delta": {} if text is None else {"content": text},
+                    "delta": delta,
                     "finish_reason": finish,
-                    "logprobs": None,
+                    "logprobs": chat_logprobs(lps) if lps else None,
                 }
             ],
         }
 
     def final(gen: Generation) -> dict[str, Any]:
+        message, finish = chat.answer(gen.text, gen.finish_reason)
         return {
             "id": cid,
             "object": "chat.completion",
@@ -276,19 +423,29 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": gen.text},
-                    "finish_reason": gen.finish_reason,
-                    "logprobs": None,
+                    "message": message,
+                    "finish_reason": finish,
+                    "logprobs": chat_logprobs(gen.logprobs) if gen.logprobs is not None else None,
                 }
             ],
             "usage": usage(gen),
-            "memspec": memspec_stats(gen),
+            "memspec": memspec_stats(gen, ignored),
         }
 
     preamble = chunk(None, None)
     preamble["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+    if (body.n or 1) > 1:
+        return await run_choices(request, ctx, req, body.n or 1, final)
     return await run_request(
-        request, ctx, req, body.stream, body.include_usage(), chunk, final, preamble=preamble
+        request,
+        ctx,
+        req,
+        body.stream,
+        body.include_usage(),
+        chunk,
+        final,
+        preamble=preamble,
+        ignored=ignored,
     )
 
 
@@ -300,12 +457,31 @@ async def completions(request: Request, body: CompletionRequest, ctx: Ctx) -> An
     if isinstance(prompt, str):
         check_text("prompt", prompt)
     check_text("stop", *body.stop_list())
-    check_prompt_size(ctx, len(prompt) if isinstance(prompt, str) else len(prompt) * 4)
-    req = ClientRequest(prompt=prompt, max_tokens=body.max_tokens, **_sampling(body))
+    fim = None
+    if body.suffix is not None:  # fill in the middle: the prompt is the text before the hole
+        check_text("suffix", body.suffix)
+        fim = FimRequest(prefix=str(prompt), suffix=body.suffix, param="suffix")
+    size = len(prompt) if isinstance(prompt, str) else len(prompt) * 4
+    check_prompt_size(ctx, size + len(body.suffix or ""))
+    req = ClientRequest(
+        prompt=prompt,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        fim=fim,
+        **structured_output(body),
+        **_sampling(body),
+    )
     req.cache_partition = request_partition(request, body.cache_salt)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    ignored = body.ignored_fields()
+    offset = 0  # characters streamed so far (logprobs' text_offset)
 
-    def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+    def chunk(
+        text: str | None, finish: str | None, lps: list[TokenLogprob] | None = None
+    ) -> dict[str, Any]:
+        nonlocal offset
+        logprobs = completion_logprobs(lps, offset) if lps else None
+        offset += len(text or "")
         return {
             "id": cid,
             "object": "text_completion",
@@ -313,14 +489,142 @@ async def completions(request: Request, body: CompletionRequest, ctx: Ctx) -> An
             "model": model,
             "system_fingerprint": FINGERPRINT,
             "choices": [
-                {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
             ],
         }
 
     def final(gen: Generation) -> dict[str, Any]:
         out = chunk(gen.text, gen.finish_reason)
+        if gen.logprobs is not None:
+            out["choices"][0]["logprobs"] = completion_logprobs(gen.logprobs, 0)
         out["usage"] = usage(gen)
-        out["memspec"] = memspec_stats(gen)
+        out["memspec"] = memspec_stats(gen, ignored)
         return out
 
-    return await run_request(request, ctx, req, body.stream, body.include_usage(), chunk, final)
+    if (body.n or 1) > 1:
+        return await run_choices(request, ctx, req, body.n or 1, final)
+    return await run_request(
+        request, ctx, req, body.stream, body.include_usage(), chunk, final, ignored=ignored
+    )
+
+
+# --- llama-server's routes -------------------------------------------------------------------
+
+
+async def _with_target(ctx: ServerContext, fn: Callable[[Any], Any]) -> Any:
+    """fn(target) on a worker thread, between the engine's rounds (a target in another
+    process answers one caller at a time)."""
+    served_model(ctx)  # NotReady while loading
+    rt = ctx.worker.runtime
+    if rt is None:
+        raise NotReady("models are loading; retry shortly", code="model_loading")
+
+    def run() -> Any:
+        with rt.lock:
+            return fn(rt.target)
+
+    return await asyncio.to_thread(run)
+
+
+def _piece_json(piece: bytes) -> str | list[int]:
+    """llama-server's piece: the text, or its bytes when they are not valid UTF-8 alone."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)
+
+
+@llama_router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, ctx: Ctx) -> dict[str, Any]:
+    check_text("content", body.content)
+    check_prompt_size(ctx, len(body.content))
+
+    def run(target: Any) -> dict[str, Any]:
+        ids = target.tokenize(body.content, add_bos=body.add_special, special=body.parse_special)
+        if not body.with_pieces:
+            return {"tokens": ids}
+        return {"tokens": [{"id": t, "piece": _piece_json(target.detokenize([t]))} for t in ids]}
+
+    return await _with_target(ctx, run)
+
+
+@llama_router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, ctx: Ctx) -> dict[str, Any]:
+    def run(target: Any) -> dict[str, Any]:
+        bad = next((t for t in body.tokens if t >= target.n_vocab), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"token id {bad} is outside the vocabulary (0..{target.n_vocab - 1})",
+                param="tokens",
+            )
+        return {"content": target.detokenize(body.tokens).decode("utf-8", errors="replace")}
+
+    return await _with_target(ctx, run)
+
+
+@llama_router.post("/infill", responses=STREAM_RESPONSES)
+async def infill(request: Request, body: InfillRequest, ctx: Ctx) -> Any:
+    """llama-server's fill-in-the-middle: input_prefix, input_suffix, input_extra (other files
+    of the project) and prompt (the start of the middle); its /completion answer shape."""
+    model = served_model(ctx) if body.model is None else check_model(ctx, body.model)
+    body.check_supported()
+    if (body.n or 1) != 1:
+        raise InvalidRequest("/infill fills one middle: n must be 1", param="n")
+    texts = [body.input_prefix, body.input_suffix, body.prompt]
+    texts += [t for e in body.input_extra for t in (e.filename, e.text)]
+    check_text("input_prefix", *texts)
+    check_text("stop", *body.stop_list())
+    check_prompt_size(ctx, sum(len(t) for t in texts))
+    fim = FimRequest(
+        prefix=body.input_prefix,
+        suffix=body.input_suffix,
+        middle=body.prompt,
+        extra=[(e.filename, e.text) for e in body.input_extra],
+        param="input_suffix",
+    )
+    req = ClientRequest(
+        fim=fim, max_tokens=body.max_tokens, **structured_output(body), **_sampling(body)
+    )
+    req.cache_partition = request_partition(request, body.cache_salt)
+    ignored = body.ignored_fields()
+
+    def chunk(
+        text: str | None, finish: str | None, lps: list[TokenLogprob] | None = None
+    ) -> dict[str, Any]:
+        return {"index": 0, "content": text or "", "stop": finish is not None}
+
+    def final(gen: Generation) -> dict[str, Any]:
+        prompt_ms = gen.ttft_s * 1000
+        predicted_ms = max(0.0, gen.elapsed_s * 1000 - prompt_ms)
+        return {
+            "index": 0,
+            "content": gen.text,
+            "stop": True,
+            "model": model,
+            "id_slot": 0,
+            "stop_type": "limit" if gen.finish_reason == "length" else "eos",
+            "stopping_word": "",
+            "truncated": False,
+            "tokens_predicted": gen.completion_tokens,
+            "tokens_evaluated": gen.prompt_tokens,
+            "tokens_cached": gen.cached_tokens,
+            "timings": {
+                "prompt_n": gen.prompt_tokens - gen.cached_tokens,
+                "prompt_ms": round(prompt_ms, 3),
+                "predicted_n": gen.completion_tokens,
+                "predicted_ms": round(predicted_ms, 3),
+                "predicted_per_second": round(gen.tokens_per_s, 3),
+                "draft_n": gen.proposed,
+                "draft_n_accepted": gen.accepted,
+            },
+            "memspec": memspec_stats(gen, ignored),
+        }
+
+    def last(gen: Generation) -> dict[str, Any]:
+        out = final(gen)
+        out["content"] = ""  # the text went out in the chunks
+        return out
+
+    return await run_request(
+        request, ctx, req, body.stream, False, chunk, final, last=last, done_marker=False
+    )

@@ -48,6 +48,8 @@ DEVICE_RETRY_S = 2.0  # how often an unreachable RPC worker is tried again
 @dataclass
 class Token:
     text: str
+    # The logprob entries (engine TokenLogprob) of the tokens this text completes, when asked.
+    logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -464,10 +466,17 @@ class EngineWorker:
         rt = self.runtime
         assert rt is not None
 
+        opened: list[Sequence] = []  # the sequence, once open: its logprobs go with the text
+        sent = 0  # its logprob entries posted so far
+
         def on_token(delta: str, _token: int | None) -> None:
+            nonlocal sent
             self.heartbeat = time.monotonic()
             if job.stream and delta:
-                job.post(Token(delta))
+                logprobs = opened[0].gen.logprobs if opened else None
+                if logprobs is not None:
+                    logprobs, sent = logprobs[sent:], len(logprobs)
+                job.post(Token(delta, logprobs))
 
         try:
             req = rt.request(job.request)  # the one check: a clean 4xx before anything runs
@@ -477,6 +486,7 @@ class EngineWorker:
                 self.prefix_cache, req.prompt, req.draft != "none", slot, req.cache_partition
             )
             seq = rt.open_sequence(req, slot, on_token, job.cancel, alone=alone)
+            opened.append(seq)
         except MemSpecError as e:
             job.post(Failed(e))
             return

@@ -11,6 +11,7 @@ purpose) must fail it: the test has power. Both model families run it: SmolLM2 (
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -74,5 +75,59 @@ def test_argmax_only_acceptance_is_detected(request, monkeypatch, family):
 
     monkeypatch.setattr(spec, "accept_draft_token", argmax_accept)
     counts = speculative_samples(runtime, prompt, "q2_k", N_POWER)
+    n = sum(counts.values())
+    assert tv(counts, exact, n) > null_threshold(exact, n, np.random.default_rng(0))
+
+
+# top_k and penalties on a prompt that repeats itself (the penalties move most of the mass):
+# the first two tokens are drafted and verified in one round, so the second one's penalties
+# count the first while it is still pending (tests/engine/test_sampling_fields.py checks that
+# part exactly, with greedy).
+PROCESSED = SamplingParams(
+    temperature=1.0, top_k=3, repeat_penalty=1.3, presence_penalty=0.5, frequency_penalty=1.5
+)
+REPEATING = "ha ha ha ha ha ha ha"
+# Fewer samples than the tests above (each costs a target pass or two): the threshold is the
+# null's for this many, and the mutant below is far off (the penalties move most of the mass).
+N_PROCESSED, N_PROCESSED_POWER = 600, 200
+_processed: dict[str, tuple] = {}
+
+
+def processed_setup(runtime):
+    if "smollm2" not in _processed:
+        prompt = runtime.prompt_tokens(REPEATING)
+        exact = exact_joint(runtime.target, prompt, PROCESSED)
+        threshold = null_threshold(exact, N_PROCESSED, np.random.default_rng(0))
+        _processed["smollm2"] = (prompt, exact, threshold)
+    return _processed["smollm2"]
+
+
+def processed_samples(runtime, prompt, n: int) -> Counter:
+    draft = runtime.drafts["q2_k"]
+    counts: Counter = Counter()
+    for seed in range(n):
+        params = replace(PROCESSED, max_tokens=2, seed=seed)
+        gen = spec.speculative_generate(runtime.target, prompt, params, FixedPolicy(draft, 2))
+        if len(gen.token_ids) == 2:
+            counts[tuple(gen.token_ids)] += 1
+    return counts
+
+
+def test_top_k_and_penalties_sample_the_processed_target(runtime):
+    prompt, exact, threshold = processed_setup(runtime)
+    assert len({t1 for t1, _ in exact}) == 3  # top_k cut the first token to 3
+    counts = processed_samples(runtime, prompt, N_PROCESSED)
+    n = sum(counts.values())
+    assert n == N_PROCESSED
+    assert tv(counts, exact, n) < threshold
+
+
+def test_a_rule_ignoring_top_k_and_penalties_is_detected(runtime, monkeypatch):
+    prompt, exact, _ = processed_setup(runtime)
+    plain = spec.probs_from_logits
+    # Wrong on purpose: the raw tempered distribution (no penalties, no top_k).
+    monkeypatch.setattr(spec, "adjust_logits", lambda z, params, history, pending: z)
+    monkeypatch.setattr(spec, "probs_from_logits", lambda z, p: plain(z, replace(p, top_k=0)))
+    counts = processed_samples(runtime, prompt, N_PROCESSED_POWER)
     n = sum(counts.values())
     assert tv(counts, exact, n) > null_threshold(exact, n, np.random.default_rng(0))

@@ -19,6 +19,7 @@ from launcher import (
     NotifySocket,
     require_testbed,
     running,
+    start,
 )
 
 
@@ -88,3 +89,34 @@ def reference_runtime():
     rt = Runtime(Settings.load(drafts=[], n_ctx=N_CTX, n_threads=N_THREADS), calibrate_costs=False)
     yield rt
     rt.close()
+
+
+QWEN_TARGET = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+
+
+@pytest.fixture(scope="session")
+def qwen_server(tmp_path_factory):
+    """A daemon on Qwen2.5-Coder-1.5B (FIM tokens, a chat template with tools), prompt lookup
+    as its draft; skipped when `memspec testbed fetch --family qwen2.5-coder` has not run.
+    Slow on a CPU (~60 ms a token): its tests ask for a handful of tokens."""
+    from memspec.paths import models_dir
+
+    path = models_dir() / QWEN_TARGET
+    if not path.is_file():
+        pytest.skip(f"{QWEN_TARGET} not fetched")
+    # k_max 2 and one slot: start-up calibrates the verify cost per batch size (cached after),
+    # each a forward pass of the 1.5B.
+    settings = {
+        "target": str(path),
+        "drafts": ["prompt-lookup"],
+        "n_ctx": 2048,
+        "k_max": 2,
+        "parallel": 1,
+    }
+    daemon = start(tmp_path_factory.mktemp("qwen"), settings=settings, keys=True)
+    try:
+        # Loading and calibrating the 1.5B takes minutes on 2 busy cores.
+        daemon.wait_ready(timeout=600)
+        yield daemon
+    finally:
+        daemon.stop()

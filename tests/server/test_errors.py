@@ -119,27 +119,41 @@ def test_prompt_over_context(client, http):
             model=MODEL, messages=[{"role": "user", "content": long}], stream=True
         )
     assert e.value.code == "context_length_exceeded"
-    assert_openai_error(
-        http.post(CHAT, json={"model": MODEL, "messages": MSG, "max_tokens": N_CTX * 4}),
-        400,
-        "context_length_exceeded",
-        "max_tokens",
-    )
+    # A max_tokens beyond the context is capped there, not refused (test_openai_api.py).
 
 
 @pytest.mark.parametrize(
     "extra,param",
     [
-        ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"n": 2, "stream": True}, "n"),  # n above 1: not streamed
+        ({"n": 17}, "n"),
+        ({"mirostat": 2}, "mirostat"),
+        ({"samplers": ["top_k", "temperature"]}, "samplers"),
+        ({"dry_multiplier": 0.8}, "dry_multiplier"),
+        ({"n_probs": 3}, "n_probs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),  # outside the vocabulary
+        ({"n_predict": 0}, "n_predict"),
+        ({"n_predict": 5, "max_tokens": 6}, "n_predict"),
+        ({"top_k": "3"}, "top_k"),
+        ({"repeat_penalty": 0}, "repeat_penalty"),
     ],
 )
 def test_unsupported_features_are_clear_400s(http, extra, param):
     assert_openai_error(
         http.post(CHAT, json={"model": MODEL, "messages": MSG} | extra), 400, param=param
     )
+
+
+def test_fill_in_the_middle_needs_fim_tokens(client, http):
+    """The testbed target (SmolLM2) has no FIM tokens: suffix and /infill name the field."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="def f(", suffix="    return x\n")
+    assert e.value.body["param"] == "suffix" and "fill-in-the-middle" in e.value.message
+    r = http.post("/infill", json={"input_prefix": "def f(", "input_suffix": "\n"})
+    assert_openai_error(r, 400, param="input_suffix")
 
 
 def test_oversize_body_is_413(http):

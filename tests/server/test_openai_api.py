@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from launcher import MODEL, TARGET_FILE
+from launcher import MODEL, N_CTX, TARGET_FILE
 
 from memspec.engine.sampling import SamplingParams
 
@@ -217,3 +217,163 @@ def test_named_draft(client, reference):
     )
     assert r.choices[0].message.content == reference["chat"]
     assert set(r.model_extra["memspec"]["drafts_used"]) <= {"prompt-lookup"}
+
+
+# --- every sampling field, logprobs, the context, llama-server's routes (issue 28) ----------
+
+PROCESSED = {
+    "top_k": 20,
+    "min_p": 0.01,
+    "repeat_penalty": 1.3,
+    "repeat_last_n": 32,
+    "presence_penalty": 0.6,
+    "frequency_penalty": 0.4,
+    "logit_bias": {"28": -3.0},
+}
+
+
+def test_sampling_fields_greedy_equal_plain_decoding(client, reference_runtime):
+    """Greedy with the fields equals plain decoding with them in this process, whatever the
+    draft; llama-server's n_predict and repetition_penalty names map onto ours."""
+    rt = reference_runtime
+    prompt = rt.prompt_tokens(messages=[{"role": "user", "content": QUESTION}])
+    fields = {k: v for k, v in PROCESSED.items() if k != "logit_bias"}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logit_bias={28: -3.0}, **fields)
+    expected = rt.generate(prompt, params, draft="none").text
+    assert expected != rt.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS), "none").text
+    for draft in ("auto", "none", "q4_0"):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"draft": draft, **PROCESSED},
+        )
+        assert r.choices[0].message.content == expected, draft
+    aliased = dict(PROCESSED, repetition_penalty=PROCESSED["repeat_penalty"], n_predict=MAX_TOKENS)
+    del aliased["repeat_penalty"]
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        extra_body=aliased,
+    )
+    assert r.choices[0].message.content == expected
+
+
+def test_top_k_1_is_greedy_whatever_the_seed(client, reference):
+    """The issue's report: top_k 1 at temperature 1.5 gave a different answer per seed."""
+    for seed in (1, 2):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=MAX_TOKENS,
+            temperature=1.5,
+            seed=seed,
+            extra_body={"top_k": 1},
+        )
+        assert r.choices[0].message.content == reference["chat"], seed
+
+
+def test_logprobs_with_a_draft_equal_plain_decoding(client):
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    plain = client.chat.completions.create(**kwargs, extra_body={"draft": "none"})
+    # fixed:q4_0 drafts every round (k >= 1): logprobs come from batched verification rows.
+    drafted = client.chat.completions.create(**kwargs, extra_body={"policy": "fixed:q4_0"})
+    assert drafted.model_extra["memspec"]["proposed"] > 0
+    a, b = plain.choices[0].logprobs.content, drafted.choices[0].logprobs.content
+    assert len(a) == plain.usage.completion_tokens and len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.token == y.token and abs(x.logprob - y.logprob) < 1e-4
+        assert [t.token for t in x.top_logprobs] == [t.token for t in y.top_logprobs]
+        assert len(x.top_logprobs) == 3 and x.logprob <= 0
+    assert "".join(t.token for t in a) == plain.choices[0].message.content
+    # Streamed: the same entries, spread over the chunks.
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+        (e.token, round(e.logprob, 4)) for e in a
+    ]
+
+
+def test_completion_logprobs(client, reference):
+    kwargs = dict(
+        model=MODEL,
+        prompt="The three primary colors are",
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=2,
+    )
+    r = client.completions.create(**kwargs)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text == reference["completion"]
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+
+
+def test_max_tokens_beyond_the_context_is_capped(client, http):
+    """A prompt that leaves 6 tokens of context and max_tokens 4096: 6 tokens, `length`."""
+    ids = http.post("/tokenize", json={"content": "the sea " * 600}).json()["tokens"]
+    prompt = ids[: N_CTX - 6]
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4096, temperature=0, extra_body={"draft": "none"}
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 6
+
+
+def test_tokenize_and_detokenize(http, reference_runtime):
+    text = "Hello <|im_start|> world"
+    r = http.post("/tokenize", json={"content": text}).json()
+    assert r["tokens"] == reference_runtime.target.tokenize(text, add_bos=False, special=True)
+    plain = http.post("/tokenize", json={"content": text, "parse_special": False}).json()
+    assert len(plain["tokens"]) > len(r["tokens"])
+    pieces = http.post("/tokenize", json={"content": "Hello world", "with_pieces": True}).json()
+    assert "".join(p["piece"] for p in pieces["tokens"]) == "Hello world"
+    ids = http.post("/tokenize", json={"content": "Hello world"}).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": ids}).json() == {"content": "Hello world"}
+    bad = http.post("/detokenize", json={"tokens": [10**7]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_unknown_fields_are_named_not_silent(client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=1,
+        temperature=0,
+        extra_body={"cache_prompt": True, "my_sampler_knob": 3},
+    )
+    assert r.model_extra["memspec"]["ignored"] == ["my_sampler_knob"]  # cache_prompt: known
+
+
+def test_n_choices(client):
+    """n choices: choice i is the generation seeded seed + i would give alone."""
+    kwargs = dict(
+        model=MODEL,
+        prompt="The three primary colors are",
+        max_tokens=6,
+        temperature=1.0,
+        extra_body={"draft": "none"},
+    )
+    r = client.completions.create(n=2, seed=7, **kwargs)
+    assert [c.index for c in r.choices] == [0, 1]
+    alone = [client.completions.create(seed=s, **kwargs) for s in (7, 8)]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
