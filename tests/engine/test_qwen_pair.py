@@ -30,7 +30,7 @@ from memspec.errors import DraftIncompatible
 from memspec.paths import models_dir
 from memspec.testbed import QWEN_SIBLING_FILE
 
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 PROMPTS = [
     'def filter_by_substring(strings: list[str], substring: str) -> list[str]:\n    """Keep '
     'the strings that contain substring."""\n',
