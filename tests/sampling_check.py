@@ -51,3 +51,18 @@ def null_threshold(exact: dict, n: int, rng: np.random.Generator) -> float:
         draws = rng.multinomial(n, p)
         dists.append(0.5 * np.abs(draws / n - p).sum())
     return float(np.quantile(dists, 0.999))
+
+
+def speculative_samples(runtime, prompt: list[int], draft_id: str, n: int = N_SAMPLES) -> Counter:
+    """The first two tokens of `n` speculative samples (seeds 0..n-1) with `draft_id` at k 2."""
+    import memspec.engine.speculative as spec  # looked up per call: tests patch its rules
+    from memspec.engine.policy import FixedPolicy
+
+    draft = runtime.drafts[draft_id]
+    counts: Counter = Counter()
+    for seed in range(n):
+        params = SamplingParams(max_tokens=2, seed=seed, **PARAMS)
+        gen = spec.speculative_generate(runtime.target, prompt, params, FixedPolicy(draft, 2))
+        if len(gen.token_ids) == 2:
+            counts[tuple(gen.token_ids)] += 1
+    return counts

@@ -14,17 +14,13 @@ power of the harness is shown on the small families in test_sampling_distributio
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import pytest
 from launcher import QWEN_DRAFTS, QWEN_SIBLING, TARGET_FILE, require_qwen
-from sampling_check import PARAMS, exact_joint, null_threshold, tv
+from sampling_check import exact_joint, null_threshold, speculative_samples, tv
 
-import memspec.engine.speculative as spec
 from memspec.config import Settings
 from memspec.drafts.family import find_siblings, named_sibling
-from memspec.engine.policy import FixedPolicy
 from memspec.engine.sampling import SamplingParams
 from memspec.errors import DraftIncompatible
 from memspec.paths import models_dir
@@ -109,13 +105,7 @@ def test_speculative_sampling_with_the_sibling_matches_the_target(qwen):
     # eval per first token in the nucleus).
     prompt = qwen.prompt_tokens("Monday, Tuesday, Wednesday,")
     exact = exact_joint(qwen.target, prompt)
-    draft = qwen.drafts[QWEN_SIBLING]
-    counts: Counter = Counter()
-    for seed in range(N_SAMPLES):
-        params = SamplingParams(max_tokens=2, seed=seed, **PARAMS)
-        gen = spec.speculative_generate(qwen.target, prompt, params, FixedPolicy(draft, 2))
-        if len(gen.token_ids) == 2:
-            counts[tuple(gen.token_ids)] += 1
+    counts = speculative_samples(qwen, prompt, QWEN_SIBLING, N_SAMPLES)
     n = sum(counts.values())
     assert n == N_SAMPLES
     assert tv(counts, exact, n) < null_threshold(exact, n, np.random.default_rng(0))

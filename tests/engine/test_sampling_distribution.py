@@ -15,23 +15,18 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from sampling_check import N_POWER, N_SAMPLES, PARAMS, exact_joint, null_threshold, tv
+from sampling_check import (
+    N_POWER,
+    N_SAMPLES,
+    exact_joint,
+    null_threshold,
+    speculative_samples,
+    tv,
+)
 
 import memspec.engine.speculative as spec
 from memspec.engine.policy import FixedPolicy
 from memspec.engine.sampling import SamplingParams
-
-
-def speculative_samples(runtime, prompt, draft_id: str, n: int = N_SAMPLES) -> Counter:
-    draft = runtime.drafts[draft_id]
-    counts: Counter = Counter()
-    for seed in range(n):
-        params = SamplingParams(max_tokens=2, seed=seed, **PARAMS)
-        gen = spec.speculative_generate(runtime.target, prompt, params, FixedPolicy(draft, 2))
-        if len(gen.token_ids) == 2:
-            counts[tuple(gen.token_ids)] += 1
-    return counts
-
 
 RUNTIME_OF = {"smollm2": "runtime", "gemma3": "gemma_runtime"}  # conftest fixtures
 # A prompt whose first token's top-p nucleus is small: the exact joint takes one target eval per
