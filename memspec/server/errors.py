@@ -210,6 +210,15 @@ _HTTP_CODES = {
 }
 
 
+# OpenAI endpoints this daemon knows it does not serve: a 404 that says so, not "no route".
+UNSERVED = {
+    "/v1/embeddings": "embeddings need an embedding model; the target here is generative "
+    "(serve one with llama-server --embeddings beside this daemon)",
+    "/v1/responses": "the Responses API is not served; use /v1/chat/completions",
+    "/v1/moderations": "moderation is not served",
+}
+
+
 def _parse_failure(exc: BaseException) -> tuple[str, str] | None:
     """FastAPI's "error parsing the body" 400, said plainly: (message, code) or None."""
     cause = exc.__cause__
@@ -228,6 +237,9 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     code = _HTTP_CODES.get(exc.status_code)
     if exc.status_code == 400 and (plain := _parse_failure(exc)) is not None:
         detail, code = plain
+    elif exc.status_code == 404 and request.url.path in UNSERVED:
+        detail = f"{request.url.path} is not served: {UNSERVED[request.url.path]}"
+        code = "unsupported_endpoint"
     elif exc.status_code == 404:
         detail = f"no route {request.method} {request.url.path}"
     elif exc.status_code == 405:
