@@ -6,13 +6,11 @@ import os
 from pathlib import Path
 
 import pytest
-from launcher import GEMMA_DRAFTS, TARGET_FILE, require_gemma, require_testbed
+from launcher import GEMMA_DRAFTS, MODEL_DRAFTS, TARGET_FILE, require_gemma, require_testbed
 
 from memspec.backends.base import BackendOptions, load_backend
 from memspec.config import Settings
 from memspec.paths import models_dir
-
-MODEL_DRAFTS = ["q8_0", "q4_0", "q2_k"]
 
 PROMPTS = [
     # extraction: prompt lookup should accept a lot

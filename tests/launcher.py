@@ -66,6 +66,9 @@ def require_testbed() -> None:
         pytest.fail(f"testbed missing in {models_dir()}: run scripts/setup.sh", pytrace=False)
 
 
+# The testbed's model drafts (self-drafts of SmolLM2), which the session runtime preloads.
+MODEL_DRAFTS = ["q8_0", "q4_0", "q2_k"]
+
 # The second family's derived pool (memspec.drafts.family): what `drafts build --family gemma3`
 # builds for Gemma 3 270M (its Q4_0/Q8_0 self-drafts are skipped: the target is already Q4).
 GEMMA_DRAFTS = ["prompt-lookup", "q2_k", "datastore-ci"]

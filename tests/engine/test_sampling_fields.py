@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import MODEL_DRAFTS
+from launcher import MODEL_DRAFTS
 
 import memspec.engine.speculative as spec
 from memspec.engine.policy import FixedPolicy
