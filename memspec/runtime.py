@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import math
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -597,27 +598,25 @@ class Runtime:
     def _logit_bias(self, ask: ClientRequest) -> dict[int, float]:
         """The request's logit_bias checked against the vocabulary, with ignore_eos's ban on
         the end-of-generation tokens."""
-        n_vocab = self.target.n_vocab
-        bad = next((t for t in ask.logit_bias if not 0 <= t < n_vocab), None)
-        if bad is not None:
-            raise InvalidRequest(
-                f"logit_bias token id {bad} is outside the vocabulary (0..{n_vocab - 1})",
-                param="logit_bias",
-            )
+        self._check_token_ids(ask.logit_bias, "logit_bias")
         bias = dict(ask.logit_bias)
         if ask.ignore_eos:
             bias.update(dict.fromkeys(self.target.eos_token_ids, -math.inf))
         return bias
 
-    def _stop_tokens(self, ask: ClientRequest) -> frozenset[int]:
-        """stop_token_ids, checked; a FIM prompt's middle also ends at the FIM end tokens."""
+    def _check_token_ids(self, ids: Iterable[int], param: str) -> None:
+        """InvalidRequest naming `param` if an id is outside the target's vocabulary."""
         n_vocab = self.target.n_vocab
-        bad = next((t for t in ask.stop_token_ids if not 0 <= t < n_vocab), None)
+        bad = next((t for t in ids if not 0 <= t < n_vocab), None)
         if bad is not None:
             raise InvalidRequest(
-                f"stop_token_ids: {bad} is outside the vocabulary (0..{n_vocab - 1})",
-                param="stop_token_ids",
+                f"{param}: token id {bad} is outside the vocabulary (0..{n_vocab - 1})",
+                param=param,
             )
+
+    def _stop_tokens(self, ask: ClientRequest) -> frozenset[int]:
+        """stop_token_ids, checked; a FIM prompt's middle also ends at the FIM end tokens."""
+        self._check_token_ids(ask.stop_token_ids, "stop_token_ids")
         fim_end = self.fim_tokens.end if ask.fim is not None and self.fim_tokens else frozenset()
         return frozenset(ask.stop_token_ids) | fim_end
 
