@@ -4,8 +4,8 @@ Requests are strict (a string where a number belongs is a 400, not a silent coer
 field that would change the output is dropped: every sampling field of OpenAI, llama-server
 and vLLM is honoured or refused with a 400 naming it (REFUSED), llama-server's and vLLM's
 names for ours are mapped (ALIASES), fields that cannot change the output are ignored
-(IGNORED), and any other unknown field is ignored and named in the answer's
-`memspec.ignored`. docs/api.md tabulates them. The extra request field `draft` and the extra
+(IGNORED), and any other unknown field is a 400 naming it. docs/api.md tabulates them.
+The extra request field `draft` and the extra
 response object `memspec` are MemSpec's own.
 """
 
@@ -274,6 +274,11 @@ class _SamplingRequest(_Strict):
             refused = REFUSED.get(name)
             if refused is not None and not refused[0](value):
                 raise InvalidRequest(f"{name}: {refused[1]}", param=name)
+        for name in self.ignored_fields():  # a typo or a field not implemented: never a 200
+            raise InvalidRequest(
+                f"unknown field {name!r}: not implemented here (docs/api.md lists every field)",
+                param=name,
+            )
         self._map_aliases(extra)
         self.bias()  # a malformed logit_bias is a 400 before anything runs
         if self.stream_options is not None and not self.stream:
