@@ -86,8 +86,8 @@ def usage(gen: Generation) -> dict[str, Any]:
     }
 
 
-def memspec_stats(gen: Generation, ignored: list[str] | None = None) -> dict[str, Any]:
-    """The `memspec` object; `ignored`: unknown request fields that were not used."""
+def memspec_stats(gen: Generation) -> dict[str, Any]:
+    """The `memspec` object."""
     ks = gen.k_per_round
     out = {
         "drafts_used": dict(gen.drafts_used),
@@ -104,8 +104,6 @@ def memspec_stats(gen: Generation, ignored: list[str] | None = None) -> dict[str
         "ttft_s": round(gen.ttft_s, 4),
         "tokens_per_s": round(gen.tokens_per_s, 2),
     }
-    if ignored:
-        out["ignored"] = list(ignored)
     return out
 
 
@@ -230,7 +228,6 @@ async def run_request(
     chunk: Callable[[str | None, str | None, list[TokenLogprob] | None], dict[str, Any]],
     final: Callable[[Generation], dict[str, Any]],
     preamble: dict[str, Any] | None = None,
-    ignored: list[str] | None = None,
     last: Callable[[Generation], dict[str, Any]] | None = None,
     done_marker: bool = True,
 ) -> Response | dict[str, Any]:
@@ -265,7 +262,7 @@ async def run_request(
                     # Tokens whose text never went out (cut by a stop string) keep their entries.
                     rest = gen.logprobs[sent:] if gen.logprobs is not None else None
                     end = last(gen) if last is not None else chunk(None, gen.finish_reason, rest)
-                    end["memspec"] = memspec_stats(gen, ignored)
+                    end["memspec"] = memspec_stats(gen)
                     yield sse(end)
                     if include_usage:
                         tail = chunk(None, None, None)
@@ -390,7 +387,6 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
     req.cache_partition = request_partition(request, body.cache_salt)
     tool_stream = chat.stream() if body.stream else None
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    ignored = body.ignored_fields()
 
     def chunk(
         text: str | None, finish: str | None, lps: list[TokenLogprob] | None = None
@@ -429,7 +425,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
                 }
             ],
             "usage": usage(gen),
-            "memspec": memspec_stats(gen, ignored),
+            "memspec": memspec_stats(gen),
         }
 
     preamble = chunk(None, None)
@@ -445,7 +441,6 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
         chunk,
         final,
         preamble=preamble,
-        ignored=ignored,
     )
 
 
@@ -473,7 +468,6 @@ async def completions(request: Request, body: CompletionRequest, ctx: Ctx) -> An
     )
     req.cache_partition = request_partition(request, body.cache_salt)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    ignored = body.ignored_fields()
     offset = 0  # characters streamed so far (logprobs' text_offset)
 
     def chunk(
@@ -498,14 +492,12 @@ async def completions(request: Request, body: CompletionRequest, ctx: Ctx) -> An
         if gen.logprobs is not None:
             out["choices"][0]["logprobs"] = completion_logprobs(gen.logprobs, 0)
         out["usage"] = usage(gen)
-        out["memspec"] = memspec_stats(gen, ignored)
+        out["memspec"] = memspec_stats(gen)
         return out
 
     if (body.n or 1) > 1:
         return await run_choices(request, ctx, req, body.n or 1, final)
-    return await run_request(
-        request, ctx, req, body.stream, body.include_usage(), chunk, final, ignored=ignored
-    )
+    return await run_request(request, ctx, req, body.stream, body.include_usage(), chunk, final)
 
 
 # --- llama-server's routes -------------------------------------------------------------------
@@ -586,7 +578,6 @@ async def infill(request: Request, body: InfillRequest, ctx: Ctx) -> Any:
         fim=fim, max_tokens=body.max_tokens, **structured_output(body), **_sampling(body)
     )
     req.cache_partition = request_partition(request, body.cache_salt)
-    ignored = body.ignored_fields()
 
     def chunk(
         text: str | None, finish: str | None, lps: list[TokenLogprob] | None = None
@@ -617,7 +608,7 @@ async def infill(request: Request, body: InfillRequest, ctx: Ctx) -> Any:
                 "draft_n": gen.proposed,
                 "draft_n_accepted": gen.accepted,
             },
-            "memspec": memspec_stats(gen, ignored),
+            "memspec": memspec_stats(gen),
         }
 
     def last(gen: Generation) -> dict[str, Any]:

@@ -199,9 +199,8 @@ class _SamplingRequest(_Strict):
                 raise InvalidRequest(f"{alias} and {ours} disagree; send one", param=alias)
             setattr(self, ours, value)
 
-    def ignored_fields(self) -> list[str]:
-        """Fields of the request this server ignores and does not know: the answer names
-        them (memspec.ignored), so a dropped field is never silent."""
+    def unknown_fields(self) -> list[str]:
+        """Fields of the request this server does not know (check_supported refuses them)."""
         known = REFUSED.keys() | IGNORED.keys() | ALIASES.keys()
         return sorted(k for k in (self.model_extra or {}) if k not in known)
 
@@ -274,7 +273,7 @@ class _SamplingRequest(_Strict):
             refused = REFUSED.get(name)
             if refused is not None and not refused[0](value):
                 raise InvalidRequest(f"{name}: {refused[1]}", param=name)
-        for name in self.ignored_fields():  # a typo or a field not implemented: never a 200
+        for name in self.unknown_fields():  # a typo or a field not implemented: never a 200
             raise InvalidRequest(
                 f"unknown field {name!r}: not implemented here (docs/api.md lists every field)",
                 param=name,
@@ -495,9 +494,6 @@ class MemSpecStats(BaseModel):
     stall_s: float = Field(description="seconds waiting on draft loads")
     ttft_s: float
     tokens_per_s: float
-    ignored: list[str] | None = Field(
-        None, description="request fields this server does not know and did not use"
-    )
 
 
 class FunctionCallOut(BaseModel):
