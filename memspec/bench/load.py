@@ -483,7 +483,7 @@ async def run_load(
 BAD_REQUESTS: list[tuple[str, Any]] = [
     ("/v1/completions", b'{"model": "m", "prompt": '),  # truncated JSON
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": -1}),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}),  # past int32 (below: capped)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "draft": "../x"}),
     ("/v1/chat/completions", {"messages": "not a list"}),
 ]

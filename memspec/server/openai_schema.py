@@ -136,7 +136,8 @@ class _SamplingRequest(_Strict):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     model: Annotated[str, Field(max_length=256)]
-    max_tokens: Annotated[int | None, Field(ge=1)] = None
+    # Capped to the context at run time; beyond llama-server's int32 n_predict is a 400.
+    max_tokens: Annotated[int | None, Field(ge=1, le=UNLIMITED)] = None
     temperature: Annotated[float | None, Field(ge=0.0, le=2.0)] = None
     top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = None
     n: Annotated[int | None, Field(ge=1, le=128)] = None
@@ -342,7 +343,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
+    max_completion_tokens: Annotated[int | None, Field(ge=1, le=UNLIMITED)] = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
     tools: Annotated[list[ToolSpec] | None, Field(max_length=128)] = None
@@ -406,7 +407,8 @@ class CompletionRequest(_SamplingRequest):
             Field(min_length=1, max_length=1),
         ]
     )
-    max_tokens: Annotated[int | None, Field(ge=1)] = 16  # OpenAI's default for completions
+    # OpenAI's default for completions
+    max_tokens: Annotated[int | None, Field(ge=1, le=UNLIMITED)] = 16
     echo: bool = False
     best_of: Annotated[int | None, Field(ge=1, le=128)] = None
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
