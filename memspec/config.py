@@ -55,6 +55,11 @@ class Settings(BaseSettings):
     n_gpu_layers: int = Field(
         0, ge=-1, le=100_000, description="layers offloaded to the GPU (-1: all)"
     )
+    weight_repack: bool = Field(
+        True,
+        description="load the target with llama.cpp's repacked weights (its faster CPU kernels "
+        "for Q4_0, Q4_K, IQ4_NL...); the row rule keeps output bit-exact (docs/daemon.md)",
+    )
     rpc: list[str] = Field(
         [],
         description="ggml RPC workers (HOST:PORT, comma-separated) the target's layers are split "

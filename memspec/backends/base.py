@@ -36,8 +36,10 @@ class BackendOptions:
     # llama.cpp repacks some quantized weights (Q4_0, Q4_K, IQ4_NL...) for its CPU kernels,
     # whose batched and single-token paths sum in different orders: a position's logits then
     # depend on the batch, which breaks lossless verification. Off for a target; a draft,
-    # whose output is only ever a proposal, may take the speed.
+    # whose output is only ever a proposal, may take the speed. A target may take it too with
+    # `batch_invariant`, which routes rows so that each position always meets the same kernel.
     weight_repack: bool = False
+    batch_invariant: bool = False
     # Keep the target's final hidden state (the output layer's input, after the final norm)
     # for every row eval returns: Backend.last_features(). For drafts that read the target's
     # features (issue 11's head); off, nothing extra is computed or copied.
@@ -68,6 +70,9 @@ class KVSnapshot:
 
     tokens: tuple[int, ...]
     data: bytes
+    # How many leading positions the multi-row kernel computed (repacked weights: see
+    # backends/llama_cpp.py), so a restored cache is extended the way a cold one would be.
+    gemm_prefix: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -274,9 +279,15 @@ class Backend(ABC):
             del self.tokens[n:]
 
     def reuse_prefix(self, tokens: list[int]) -> int:
-        """Truncate the cache to its longest common prefix with `tokens`; return that length."""
-        n = common_prefix(self.tokens, tokens)
+        """Truncate the cache to its longest common prefix with `tokens`, less what a prompt
+        pass up to len(tokens) must compute again (`_reusable`); return the length kept."""
+        n = self._reusable(common_prefix(self.tokens, tokens), len(tokens))
         self.truncate(n)
+        return n
+
+    def _reusable(self, n: int, end: int) -> int:
+        """How many of n cached prefix tokens a prompt pass ending at `end` may keep: all,
+        unless the backend's kernels give a position other bits in another batch shape."""
         return n
 
     def reset(self) -> None:
@@ -355,6 +366,13 @@ class SequenceContext(Backend):
     def _truncate_kv(self, n: int) -> None:
         self._truncate_seq(0, n)
 
+    def _reusable(self, n: int, end: int) -> int:
+        return self._reusable_seq(0, n, end)
+
+    def _reusable_seq(self, seq_id: int, n: int, end: int) -> int:
+        """_reusable for sequence `seq_id`."""
+        return n
+
     def kv_snapshot(self) -> KVSnapshot | None:
         return self._snapshot_seq(0, self.tokens)
 
@@ -401,6 +419,9 @@ class SequenceSlot(Backend):
 
     def _truncate_kv(self, n: int) -> None:
         self.root._truncate_seq(self.seq_id, n)
+
+    def _reusable(self, n: int, end: int) -> int:
+        return self.root._reusable_seq(self.seq_id, n, end)  # type: ignore[attr-defined]
 
     def kv_snapshot(self) -> KVSnapshot | None:
         return self.root._snapshot_seq(self.seq_id, self.tokens)

@@ -12,9 +12,15 @@ one row, all kept out of a target:
 - llamafile's sgemm, which `scripts/setup.sh` builds out (`-DGGML_LLAMAFILE=OFF`);
 - the tiled K-quant matmul (Q3_K..Q6_K, taken from 8 rows on), off through its switch
   `GGML_CPU_TILED_MM=0`, which importing memspec sets before the library first reads it;
-- weight repacking (Q4_0, Q4_K, IQ4_NL... from 4 rows on), which a target loads without
-  (BackendOptions.weight_repack; drafts keep it: their output is only ever a proposal).
-`batch_invariant()` says whether this process has all three off.
+- weight repacking (Q4_0, Q4_K, IQ4_NL...): a matmul over a batch runs its rows in groups of
+  4 through a gemm kernel and the rest (fewer than 4) through gemv, which sum in another order
+  (logits differ by up to ~0.7 on Qwen2.5-Coder 1.5B Q4_K_M). A target keeps the repack's
+  speed with the *row rule* (BackendOptions.batch_invariant), which gives every position the
+  kernel a cold plain decoding gives it: a prompt pass of positions [start, end) computes
+  [0, end - end % 4) through gemm in groups aligned at position 0 and the rest through gemv
+  (`prompt_pass_start` says what must be computed again for that); generation passes go in
+  passes of at most 3 rows, all gemv. Each sequence keeps how far its gemm prefix reaches.
+`batch_invariant()` says whether this process has the first two off.
 
 Features (BackendOptions.features): the final hidden state of each returned row, read from
 llama.cpp's embeddings mode (its `t_embd`, the output layer's input), on only for the batches
@@ -52,6 +58,32 @@ def batch_invariant() -> bool:
 
     info = llama_cpp.llama_print_system_info().decode(errors="replace")
     return "LLAMAFILE = 1" not in info and os.environ.get("GGML_CPU_TILED_MM") == "0"
+
+
+# llama.cpp's repacked matmul runs a batch's rows in groups of GEMM_ROWS through its gemm
+# kernel and the remainder through gemv (ggml-cpu/repack.cpp, forward_mul_mat_one_chunk).
+GEMM_ROWS = 4
+
+
+def prompt_pass_start(n_past: int, end: int, gemm_prefix: int) -> int:
+    """Where a prompt pass that extends a sequence of `n_past` cached positions to `end` must
+    start so that every position gets the kernel a cold pass over [0, end) gives it: gemm
+    below `body` = end rounded down to GEMM_ROWS, in groups aligned at 0; gemv from there.
+    `gemm_prefix`: how many leading cached positions gemm computed (the rest, gemv)."""
+    body = end - end % GEMM_ROWS
+    start = n_past
+    if gemm_prefix < min(n_past, body):  # cached positions gemv computed that need gemm
+        start = gemm_prefix
+    if n_past > body and gemm_prefix > body:  # cached positions gemm computed that need gemv
+        start = min(start, body)
+    if start < body:  # llama.cpp groups rows from the pass's first one
+        start -= start % GEMM_ROWS
+    return start
+
+
+def _repacked(load_log: str) -> bool:
+    """Whether llama.cpp put any weights in its repacked buffer (its load log names it)."""
+    return "CPU_REPACK model buffer size" in load_log
 
 
 _params_lock = threading.Lock()
@@ -121,6 +153,7 @@ class LlamaCppBackend(SequenceContext):
                 contextlib.redirect_stderr(buf),
                 _load_params(options.weight_repack, n_seq, devices),
             ):
+                # verbose: the load log (in buf) says whether any weights were repacked.
                 self._llm = llama_cpp.Llama(
                     model_path=str(path),
                     n_ctx=options.n_ctx * n_seq,  # n_ctx per sequence
@@ -132,9 +165,13 @@ class LlamaCppBackend(SequenceContext):
                     use_mmap=options.use_mmap,
                     logits_all=False,
                     seed=options.seed,
-                    verbose=False,
+                    verbose=options.weight_repack,
                     **extra,
                 )
+                if options.weight_repack:
+                    from llama_cpp._logger import set_verbose
+
+                    set_verbose(False)  # llama.cpp's later logs stay quiet
         except Exception as e:  # llama.cpp reports a corrupt file as a bare ValueError
             raise ModelLoadError(f"failed to load {path.name}: {e}", param="model") from e
         # What each slot holds (llama.cpp rounds a sequence's context up to 256 cells).
@@ -162,6 +199,10 @@ class LlamaCppBackend(SequenceContext):
         self.head_dim_k = int(meta.get(f"{arch}.attention.key_length", head_dim))
         self.head_dim_v = int(meta.get(f"{arch}.attention.value_length", head_dim))
         self._slots: list[Backend] = [self] + [SequenceSlot(self, i) for i in range(1, n_seq)]
+        self.repacked = options.weight_repack and _repacked(buf.getvalue())
+        # The row rule (module docstring): only where repacked weights make the batch matter.
+        self._row_rule = self.repacked and options.batch_invariant and not options.features
+        self._gemm_prefix = [0] * n_seq  # per sequence: positions gemm computed
 
     def _rpc_devices(
         self, path: Path, options: BackendOptions
@@ -214,6 +255,10 @@ class LlamaCppBackend(SequenceContext):
         self, seq_id: int, n_past: int, tokens: list[int], all_logits: bool, copy: bool
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """One sequence's tokens in chunks of n_batch: its logits (and features) rows."""
+        if self._row_rule:
+            if all_logits:
+                return self._forward_rows([(seq_id, n_past, tokens)], copy)[0], None
+            return self._forward_prompt(seq_id, n_past, tokens, copy), None
         ctx = self._llm._ctx
         features = self.options.features
         rows, feats = [], []
@@ -262,9 +307,93 @@ class LlamaCppBackend(SequenceContext):
         rows[0].flags.writeable = copy  # a view of llama.cpp's buffer is read-only
         return rows[0], out_features
 
+    def _forward_prompt(
+        self, seq_id: int, n_past: int, tokens: list[int], copy: bool
+    ) -> np.ndarray:
+        """A prompt pass under the row rule: computed again from prompt_pass_start (cached
+        positions whose kernel a cold pass would not have given them), in n_batch chunks (a
+        multiple of GEMM_ROWS, so the groups stay aligned). The last position's logits."""
+        end = n_past + len(tokens)
+        start = prompt_pass_start(n_past, end, self._gemm_prefix[seq_id])
+        held = self._slots[seq_id].tokens  # the sequence's cached tokens (n_past of them)
+        if start < n_past:
+            self._truncate_seq(seq_id, start)
+            tokens = [*held[start:n_past], *tokens]
+        ctx = self._llm._ctx
+        out: np.ndarray | None = None
+        for i in range(start, end, self._n_batch):
+            chunk = tokens[i - start : i - start + self._n_batch]
+            self._fill_batch([(seq_id, i, chunk, 1)])
+            t = time.perf_counter()
+            try:
+                ctx.decode(self._llm._batch)
+            except Exception:
+                self._truncate_seq(seq_id, i)
+                del held[min(i, n_past) :]  # the sequence's tokens: what its cache holds
+                raise
+            self.decode_s += time.perf_counter() - t
+            self._gemm_prefix[seq_id] = min(end - end % GEMM_ROWS, i + len(chunk))
+            out = np.ctypeslib.as_array(ctx.get_logits(), shape=(1, self.n_vocab))
+        assert out is not None
+        if copy:
+            return out.copy()
+        out.flags.writeable = False
+        return out
+
+    def _forward_rows(
+        self, entries: list[tuple[int, int, list[int]]], copy: bool
+    ) -> list[np.ndarray]:
+        """Generation rows under the row rule: every row's logits, in passes of fewer than
+        GEMM_ROWS rows (all gemv, as a single-token decode), packed across entries."""
+        rows = [(seq, past + i, tok) for seq, past, toks in entries for i, tok in enumerate(toks)]
+        per_pass = GEMM_ROWS - 1
+        ctx = self._llm._ctx
+        lone = len(rows) <= per_pass and not copy  # one pass, read in place
+        outs: list[np.ndarray] = []
+        for at in range(0, len(rows), per_pass):
+            part = rows[at : at + per_pass]
+            self._fill_batch([(seq, pos, [tok], 1) for seq, pos, tok in part])
+            t = time.perf_counter()
+            try:
+                ctx.decode(self._llm._batch)
+            except Exception:
+                for seq, past, _ in entries:
+                    self._truncate_seq(seq, past)
+                raise
+            self.decode_s += time.perf_counter() - t
+            out = np.ctypeslib.as_array(ctx.get_logits(), shape=(len(part), self.n_vocab))
+            # The next pass overwrites the buffer: only a lone pass may stay a view.
+            outs.append(out if lone else out.copy())
+        logits = outs[0] if len(outs) == 1 else np.concatenate(outs)
+        logits.flags.writeable = not lone  # a view of llama.cpp's buffer is read-only
+        result, at = [], 0
+        for _, _, toks in entries:
+            result.append(logits[at : at + len(toks)])
+            at += len(toks)
+        return result
+
     def _forward_many(
         self, entries: list[tuple[int, int, list[int], int]]
     ) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+        if self._row_rule:
+            # An entry's tokens without logits are prompt (a pass of its own each), those
+            # with logits generation rows (verified, or a prompt's last token): in that order.
+            try:
+                for seq, past, tokens, rows in entries:
+                    if len(tokens) > rows:
+                        self._forward_prompt(seq, past, tokens[: len(tokens) - rows], copy=False)
+                gen = [
+                    (seq, past + len(tokens) - rows, tokens[len(tokens) - rows :])
+                    for seq, past, tokens, rows in entries
+                    if rows
+                ]
+                outs = iter(self._forward_rows(gen, copy=False) if gen else [])
+            except Exception:  # no entry's tokens are added: neither is its cache
+                for seq, past, _, _ in entries:
+                    self._truncate_seq(seq, min(past, len(self._slots[seq].tokens)))
+                raise
+            empty = np.zeros((0, self.n_vocab), dtype=np.float32)
+            return [next(outs) if rows else empty for *_, rows in entries], [None] * len(entries)
         total = sum(len(tokens) for _, _, tokens, _ in entries)
         if total > self._n_batch:
             raise ValueError(f"a batch of {total} tokens exceeds n_batch {self._n_batch}")
@@ -337,8 +466,14 @@ class LlamaCppBackend(SequenceContext):
             self._embeddings_on = on
 
     def _truncate_seq(self, seq_id: int, n: int) -> None:
+        self._gemm_prefix[seq_id] = min(self._gemm_prefix[seq_id], n)
         if not self._llm._ctx.kv_cache_seq_rm(seq_id, n, -1):
             raise RuntimeError(f"llama.cpp refused to truncate sequence {seq_id} to {n}")
+
+    def _reusable_seq(self, seq_id: int, n: int, end: int) -> int:
+        if not self._row_rule:
+            return n
+        return prompt_pass_start(n, end, min(self._gemm_prefix[seq_id], n))
 
     def _snapshot_seq(self, seq_id: int, tokens: list[int]) -> KVSnapshot | None:
         import llama_cpp
@@ -351,7 +486,11 @@ class LlamaCppBackend(SequenceContext):
         n = llama_cpp.llama_state_seq_get_data(ctx, buf, size, seq_id)
         if n == 0 or n > size:
             return None
-        return KVSnapshot(tokens=tuple(tokens), data=ctypes.string_at(buf, n))
+        return KVSnapshot(
+            tokens=tuple(tokens),
+            data=ctypes.string_at(buf, n),
+            gemm_prefix=min(self._gemm_prefix[seq_id], len(tokens)),
+        )
 
     def _restore_seq(self, seq_id: int, snapshot: KVSnapshot) -> bool:
         """Load a snapshot (of any slot of this context) into sequence `seq_id`."""
@@ -361,8 +500,9 @@ class LlamaCppBackend(SequenceContext):
             return False
         src = (ctypes.c_uint8 * len(snapshot.data)).from_buffer_copy(snapshot.data)
         if llama_cpp.llama_state_seq_set_data(self._llm._ctx.ctx, src, len(src), seq_id) == 0:
-            self._llm._ctx.kv_cache_seq_rm(seq_id, 0, -1)  # a failed load leaves it unknown
+            self._truncate_seq(seq_id, 0)  # a failed load leaves it unknown
             return False
+        self._gemm_prefix[seq_id] = snapshot.gemm_prefix
         return True
 
     def close(self) -> None:
@@ -381,9 +521,10 @@ class LlamaCppBackend(SequenceContext):
             **({"rpc": list(self.options.rpc)} if self.options.rpc else {}),
             # Offloaded layers run GPU kernels, whose invariance this does not establish; RPC
             # workers (memspec rpc-worker, set up from the same build) run the CPU's.
+            "weight_repack": self.repacked,
             "batch_invariant": batch_invariant()
             and (self.options.n_gpu_layers == 0 or bool(self.options.rpc))
-            and not self.options.weight_repack,
+            and (not self.repacked or self._row_rule),
         }
 
     def kv_layout(self) -> tuple[object, ...] | None:

@@ -1,4 +1,4 @@
-"""`memspec bench reuse|engine|cold|policies|load|soak|batch|rpc`: benchmarks writing JSON/PNG."""
+"""`memspec bench reuse|engine|cold|policies|load|soak|batch|rpc|kernels`: benchmarks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from memspec.bench import batch as batch_bench  # concurrent streams against a daemon
+from memspec.bench import kernels as kernels_bench  # the price of bit-exactness
 from memspec.bench import load as load_bench  # load and soak runs against a daemon
 from memspec.cli.flags import load_settings, model_flags, workload_flags
 
@@ -149,6 +150,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     load_bench.register_bench(bsub)
     batch_bench.register(bsub)
+    kernels_bench.register(bsub)
     _register_rpc(bsub)
 
 

@@ -13,8 +13,8 @@ from memspec.config import DEFAULT_CONFIG_FILE, Settings
 
 # The settings every command that loads the models takes, and those only the daemon takes.
 MODEL_SETTINGS = (
-    "target", "drafts", "backend", "device", "n_ctx", "n_threads", "n_gpu_layers", "k_max",
-    "chat_template", "rpc", "tensor_split", "rpc_timeout_s",
+    "target", "drafts", "backend", "device", "n_ctx", "n_threads", "n_gpu_layers",
+    "weight_repack", "k_max", "chat_template", "rpc", "tensor_split", "rpc_timeout_s",
 )  # fmt: skip
 SERVE_SETTINGS = (
     "host", "port", "budget", "policy", "max_queue", "parallel", "state_dir", "log_level",
@@ -37,8 +37,8 @@ def add_settings_flags(p: argparse.ArgumentParser, names: Iterable[str]) -> None
         field = Settings.model_fields[name]
         kind = _flag_type(field.annotation)
         opts: dict[str, Any] = {"help": _help(field, kind)}
-        if kind is bool:
-            opts.update(action="store_true", default=None)
+        if kind is bool:  # --name / --no-name; neither: None (the settings decide)
+            opts.update(action=argparse.BooleanOptionalAction, default=None)
         else:
             parse = {int: int, float: float, list: _comma_list}.get(kind, str)
             opts.update(type=parse, choices=CHOICES.get(name))

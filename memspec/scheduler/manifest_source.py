@@ -37,7 +37,13 @@ class ManifestSource:
         # (a draft serves the lead slot's sequence alone: docs/batching.md).
         # Drafts stay on this device when the target is split over RPC workers.
         self.options = dataclasses.replace(
-            options, weight_repack=True, features=False, n_seq=1, rpc=(), tensor_split=()
+            options,
+            weight_repack=True,
+            batch_invariant=False,
+            features=False,
+            n_seq=1,
+            rpc=(),
+            tensor_split=(),
         )
         self.backend_kind = backend_kind
         self.target = target

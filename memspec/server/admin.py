@@ -129,6 +129,16 @@ def _kernels() -> dict[str, Any]:
     return kernel_report()
 
 
+def _target_kernels(rt: Any) -> dict[str, Any]:
+    if rt is None or rt.target is None:
+        return {}
+    d = rt.target.describe()
+    return {
+        "target_weight_repack": bool(d.get("weight_repack", False)),
+        "target_batch_invariant": bool(d.get("batch_invariant", False)),
+    }
+
+
 def _devices_unloaded(s: Settings, error: str | None) -> list[dict[str, Any]]:
     """The devices configured while the target is not loaded (e.g. a worker unreachable)."""
     return [{"device": "local"}] + [
@@ -167,7 +177,9 @@ def status(ctx: ServerContext) -> dict[str, Any]:
         "slots": {"total": w.slots, "active": w.active_slots, "parallel": s.parallel},
         "engine": {"state": w.state, "heartbeat_age_s": round(w.heartbeat_age_s, 2)},
         "warnings": list(w.warnings) + ([chat["warning"]] if chat and chat["warning"] else []),
-        "kernels": _kernels(),
+        # The build's kernels, and the target's own: repacked weights (under the row rule,
+        # backends/llama_cpp.py) and whether its logits are independent of the batch.
+        "kernels": _kernels() | _target_kernels(rt),
         "devices": rt.devices() if rt is not None else _devices_unloaded(s, w.error),
         "tokens_per_s_recent": w.tokens_per_s_recent(),
         "requests_served": w.requests_served,

@@ -23,16 +23,20 @@ def test_batch_logits_match_single_steps(small_backend):
     assert np.array_equal(batch, singles)
 
 
-def test_k_quant_target_is_batch_invariant_at_every_batch_size():
+@pytest.mark.parametrize("repack", [False, True], ids=["plain-weights", "repacked-row-rule"])
+def test_k_quant_target_is_batch_invariant_at_every_batch_size(repack):
     """Gemma 3 270M Q4_K_M: with weight repacking (from 4 rows) or ggml's tiled K-quant matmul
     (from 8 rows) a batch's logits differed from single steps by up to 1.3, and greedy output
-    diverged at k >= 7. A target loads without both; every batch size must equal single steps,
-    read after a rollback as verification reads them."""
+    diverged at k >= 7. A target loads without the tiled matmul, and either without repacking
+    or with it under the row rule; every batch size must equal single steps, read after a
+    rollback as verification reads them."""
     from launcher import require_gemma
 
-    be = load_backend(require_gemma(), BackendOptions(n_ctx=256, n_threads=1))
+    options = BackendOptions(n_ctx=256, n_threads=1, weight_repack=repack, batch_invariant=True)
+    be = load_backend(require_gemma(), options)
     try:
         assert be.describe()["batch_invariant"]
+        assert be.describe()["weight_repack"] is repack  # Q4_K is repacked on x86 and ARM
         toks = be.tokenize(
             "The three primary colors are red, yellow and blue; mixed two at a time, they make "
             "the secondary colors orange, green and purple."
@@ -49,13 +53,14 @@ def test_k_quant_target_is_batch_invariant_at_every_batch_size():
         be.close()
 
 
-def test_drafts_may_repack_but_the_target_does_not():
-    """A draft's output is only a proposal: it keeps llama.cpp's faster repacked weights."""
+def test_drafts_repack_without_the_row_rule():
+    """A draft's output is only a proposal: it keeps llama.cpp's repacked weights without the
+    row rule's cost; without the rule a repacked model says it is not batch-invariant."""
     from memspec.scheduler.manifest_source import ManifestSource
 
-    target_options = BackendOptions(n_ctx=256, n_threads=1)
-    assert not target_options.weight_repack
-    assert ManifestSource({}, target_options, "llama_cpp").options.weight_repack
+    target_options = BackendOptions(n_ctx=256, n_threads=1, batch_invariant=True)
+    draft_options = ManifestSource({}, target_options, "llama_cpp").options
+    assert draft_options.weight_repack and not draft_options.batch_invariant
     be = load_backend(
         models_dir() / "smollm2-135m-q4_0.gguf",
         BackendOptions(n_ctx=128, n_threads=1, weight_repack=True),
