@@ -10,7 +10,8 @@ Each (config, c) reports aggregate tokens/s (all streams' tokens over the wall t
 tokens/s, TTFT p50/p95 and errors; auto's answers are compared with none's (greedy: they must
 be equal). Each level is measured after an unmeasured pass over its prompts, so every config
 finds them in its server's prompt cache alike. One run, configs measured one after another on
-an otherwise idle machine.
+an otherwise idle machine. `--cold` measures new prompts instead, prompt processing included
+(memspec.bench.batch_cold).
 """
 
 from __future__ import annotations
