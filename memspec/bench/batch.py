@@ -10,7 +10,8 @@ Each (config, c) reports aggregate tokens/s (all streams' tokens over the wall t
 tokens/s, TTFT p50/p95 and errors; auto's answers are compared with none's (greedy: they must
 be equal). Each level is measured after an unmeasured pass over its prompts, so every config
 finds them in its server's prompt cache alike. One run, configs measured one after another on
-an otherwise idle machine.
+an otherwise idle machine. `--cold` measures new prompts instead, prompt processing included
+(memspec.bench.batch_cold).
 """
 
 from __future__ import annotations
@@ -57,7 +58,13 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 class MemspecServer:
     """`memspec serve` in a subprocess, on a free loopback port."""
 
-    def __init__(self, parallel: int, config: str | None, n_threads: int | None):
+    def __init__(
+        self,
+        parallel: int,
+        config: str | None,
+        n_threads: int | None,
+        env: dict[str, str] | None = None,
+    ):
         self.port = _free_port()
         cmd = [sys.executable, "-m", "memspec.cli", "serve", "--port", str(self.port)]
         cmd += ["--parallel", str(parallel), "--log-level", "warning"]
@@ -65,7 +72,13 @@ class MemspecServer:
             cmd += ["--config", config]
         if n_threads:
             cmd += ["--n-threads", str(n_threads)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # `env` on top of ours (PYTHONPATH included: the daemon runs the code this bench runs).
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=os.environ | (env or {}),
+        )
         try:
             _wait_health(self.url, self.proc, 900)  # a first start calibrates the batch costs
         except BaseException:
@@ -105,6 +118,8 @@ def _requests(per_client: int, concurrency: int, max_tokens: int) -> list[list[d
 async def _run_level(
     url: str, model: str, clients: list[list[dict]], extra: dict[str, Any]
 ) -> dict[str, Any]:
+    """Each client sends its bodies one after another, all clients at once. A body's `path`
+    picks the endpoint and its `_id` (default: client * 1000 + j) keys its text."""
     results: list[tuple[int, dict[str, Any]]] = []
 
     async with async_client(url, None, 600.0, len(clients)) as http:
@@ -112,23 +127,22 @@ async def _run_level(
         async def client(c: int, bodies: list[dict]) -> None:
             for j, b in enumerate(bodies):
                 path = "/v1/chat/completions" if b["path"] == "chat" else "/v1/completions"
-                body = {k: v for k, v in b.items() if k != "path"} | {"model": model} | extra
+                body = {k: v for k, v in b.items() if k != "path" and not k.startswith("_")}
+                body |= {"model": model} | extra
+                key = int(b.get("_id", c * 1000 + j))
                 try:
                     resp, s = await stream_completion(http, path, body)
                 except (httpx.HTTPError, ValueError) as e:
-                    results.append((c * 1000 + j, {"error": f"{type(e).__name__}: {e}"}))
+                    results.append((key, {"error": f"{type(e).__name__}: {e}"}))
                     continue
                 if s is None or s.error is not None:
                     err = f"HTTP {resp.status_code}" if s is None else str(s.error)[:200]
-                    results.append((c * 1000 + j, {"error": err}))
+                    results.append((key, {"error": err}))
                     continue
                 tokens = s.usage_tokens or s.text_events
-                results.append(
-                    (
-                        c * 1000 + j,
-                        {"text": s.text, "tokens": tokens, "ttft": s.ttft_s, "s": s.latency_s},
-                    )
-                )
+                row = {"text": s.text, "tokens": tokens, "ttft": s.ttft_s, "s": s.latency_s}
+                row |= {"prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens}
+                results.append((key, row))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client(c, b) for c, b in enumerate(clients)))
@@ -147,10 +161,18 @@ async def _run_level(
         "per_stream_tokens_per_s": round(sum(per_stream) / len(per_stream), 2)
         if per_stream
         else 0.0,
+        "per_stream_tokens_per_s_p50": _round(percentile(per_stream, 50)),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p95_s": percentile(ttfts, 95),
+        # What the prompts cost: tokens sent, and those the server reused (usage), if it said.
+        "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in ok),
+        "cached_tokens": sum(r["cached_tokens"] or 0 for r in ok),
         "texts": {str(k): r.get("text") for k, r in sorted(results)},
     }
+
+
+def _round(x: float | None, nd: int = 2) -> float | None:
+    return None if x is None else round(x, nd)
 
 
 def _model_id(url: str) -> str:
@@ -295,6 +317,12 @@ def register(bsub: Any) -> None:
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--parallel", type=int, help="daemon slots (default: the highest level)")
     b.add_argument("--no-peer", action="store_true", help="skip llama-server")
+    b.add_argument(
+        "--cold",
+        action="store_true",
+        help="every request a new prompt, prefix caches off in both servers; each level's "
+        "prompts also run one at a time on a fresh server (serial baseline, solo answers)",
+    )
     b.add_argument("--config", help="settings TOML for the daemon")
     b.add_argument("--out", required=True, help="JSON report")
     b.add_argument("--plot", help="PNG of tokens/s and TTFT against concurrency")
@@ -308,6 +336,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
         raise SystemExit(f"--concurrency takes integers: {args.concurrency!r}") from None
     if not levels or levels[0] < 1:
         raise SystemExit("--concurrency needs levels of at least 1")
+    if args.cold:
+        from memspec.bench.batch_cold import cmd_batch_cold
+
+        return cmd_batch_cold(args, levels)
     rep = run_batch_bench(
         levels, args.per_client, args.max_tokens, args.config, args.parallel, not args.no_peer
     )

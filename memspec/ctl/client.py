@@ -155,6 +155,8 @@ class Streamed:
     finish_reason: str | None = None
     text_events: int = 0  # events that carried text: the token count when usage is missing
     usage_tokens: int | None = None
+    prompt_tokens: int | None = None  # usage.prompt_tokens, when the server sent usage
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (reused KV)
     ttft_s: float | None = None  # at the first event carrying text
     latency_s: float = 0.0
     done: bool = False  # ended with `data: [DONE]`
@@ -196,6 +198,11 @@ async def stream_completion(
             usage = event.get("usage")
             if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
                 out.usage_tokens = int(usage["completion_tokens"])
+                if usage.get("prompt_tokens") is not None:
+                    out.prompt_tokens = int(usage["prompt_tokens"])
+                details = usage.get("prompt_tokens_details")
+                if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                    out.cached_tokens = int(details["cached_tokens"])
         out.latency_s = time.perf_counter() - t0
         return resp, out
 

@@ -8,7 +8,9 @@ candidates are dropped from the KV cache by truncation.
 A round (`decode_round`) takes every active sequence: each chooses (draft, k) by its policy and
 proposes; with more than one, the batch-level rule (costs.plan_batch) re-plans the ks for the
 batch as a whole; then one forward pass of the target scores every sequence's tokens (and
-feeds a chunk of any joining sequence's prompt); each accepts, truncates and emits on its own.
+feeds a chunk of any joining sequence's prompt; the chunk that ends a prompt carries its pending
+token too, so the first token comes from that pass); each accepts, truncates and emits on its
+own.
 `speculative_generate` is a batch of one: the same rounds, no second engine.
 """
 
@@ -253,17 +255,20 @@ class Sequence:
         self.to_prefill = self.to_prefill[len(chunk) :]
         return chunk
 
-    def choose(self, in_batch: bool = False) -> bool:
+    def choose(self, in_batch: bool = False, ask: bool = True) -> bool:
         """1. The policy picks (draft, k); False when the sequence is over (cancelled, no room).
         `in_batch`: other sequences share the pass, and one the batch-level rule kept refusing
-        backs off (BATCH_BACKOFF_MAX) without asking its policy."""
+        backs off (BATCH_BACKOFF_MAX) without asking its policy. Not `ask`: k = 0 unasked
+        (the round that ends a joining prompt: its pending token rides with the last chunk)."""
         room = self.room
         if room <= 0 or (self.cancel is not None and self.cancel.is_set()):
             self.gen.finish_reason = "cancelled" if room > 0 else "length"
             self.done = True
             return False
         self._t = {"draft": time.perf_counter()}
-        if in_batch and self.skip > 0:
+        if not ask:
+            self._choice = Choice(None, 0)
+        elif in_batch and self.skip > 0:
             self.skip -= 1
             self._choice = Choice(None, 0)
         else:
@@ -477,7 +482,8 @@ def decode_round(
             s.fail(e)
     batched = len(deciding) + len(feeding) > 1
     ks: list[int | None] = [None] * len(deciding)
-    chunks: list[tuple[Sequence, list[int]]] = []
+    chunks: list[tuple[Sequence, list[int]]] = []  # prompt chunks: no rows
+    ending: list[tuple[Sequence, list[int]]] = []  # a prompt's last chunk + its pending token
     if batched:
         # A pass holds at most max_batch tokens: every verification (pending + drafted, no
         # deeper than any sequence asked), then prompt chunks in the room PREFILL_CHUNK and
@@ -491,7 +497,14 @@ def decode_round(
                 break
             chunk = s.prefill(room)
             room -= len(chunk)
-            chunks.append((s, chunk))
+            # The end of its prompt, and room for one more token: its pending token goes in
+            # the same part and its first token comes from this pass (k = 0, the policy
+            # unasked), not from a round of its own after it.
+            if not s.to_prefill and room > 0 and s.choose(in_batch, ask=False):
+                room -= 1
+                ending.append((s, chunk))
+            else:
+                chunks.append((s, chunk))
         options = []
         for s in deciding:
             try:
@@ -500,7 +513,8 @@ def decode_round(
                 s.fail(e)
         deciding = [s for s in deciding if not s.done]
         if costs is not None and deciding:
-            ks = list(plan_batch(options, costs, [len(chunk) for _, chunk in chunks]))
+            fed = [len(chunk) for _, chunk in chunks] + [len(c) + 1 for _, c in ending]
+            ks = list(plan_batch(options, costs, fed))
             for s, o, k in zip(deciding, options, ks, strict=True):
                 s.planned(o.k if o.draft_id is not None else 0, k)
         else:
@@ -513,6 +527,8 @@ def decode_round(
             verifying.append(s)
         except Exception as e:  # noqa: BLE001
             s.fail(e)
+    for s, _ in ending:
+        s.propose(0)  # no draft: only the bookkeeping of a round
     decode0 = target.decode_s
     if not batched:
         if feeding:  # one sequence joining alone: its whole prompt, in n_batch chunks
@@ -535,6 +551,7 @@ def decode_round(
         (s, [s.ctx[-1]] + s.drafted, len(s.drafted) + 1) for s in verifying
     ]
     parts += [(s, chunk, 0) for s, chunk in chunks]
+    parts += [(s, chunk + [s.ctx[-1]], 1) for s, chunk in ending]
     parts.sort(key=lambda p: p[0].target.seq_id)
     if not parts:  # every sequence of the round failed before its pass
         return 0, 0

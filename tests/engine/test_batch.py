@@ -353,8 +353,47 @@ def test_a_joining_prompt_is_fed_in_full_chunks_beside_decoding_sequences(target
     # One chunk fed; what is left is the rest of the prompt (its last token is the first
     # decoded, never prefilled).
     assert len(joining.to_prefill) == len(long_prompt) - 1 - PREFILL_CHUNK
+    # The next pass carries the rest of the prompt and, with it, the pending token: the
+    # first token comes from the pass that ends the prompt.
+    decode_round(target, [*[s for s in seqs if not s.done], joining], costs())
+    assert not joining.to_prefill and len(joining.gen.token_ids) == 1
     run_batch(target, [*seqs, joining])
     assert joining.result().token_ids == ref
+
+
+def test_four_new_requests_get_their_first_tokens_from_the_pass_that_carries_their_prompts(
+    target, prompts
+):
+    """Four requests arriving at once (nothing decoding): their prompts share one pass, and
+    each prompt's last (pending) token rides in it, so every first token comes from that one
+    pass rather than from a second round of pending tokens; every answer is its solo one."""
+    lookup = PromptLookupDraft()
+    params = SamplingParams(max_tokens=16)
+    refs = [alone(target, p, params) for p in prompts[4:8]]
+    for slot in target.slots:
+        slot.reset()
+    passes: list[list[tuple[int, int, int]]] = []
+    eval_many = target.eval_many
+
+    def counting(items):
+        passes.append([(be.seq_id, len(tokens), rows) for be, tokens, rows in items])
+        return eval_many(items)
+
+    target.eval_many = counting
+    try:
+        seqs = [
+            Sequence(target.slots[i], prompts[4 + i], params, policy(i, lookup)) for i in range(4)
+        ]
+        decode_round(target, seqs, costs())
+        # One pass: each slot's whole prompt (pending token included), one row each.
+        assert passes == [[(i, len(prompts[4 + i]), 1) for i in range(4)]]
+        assert [len(s.gen.token_ids) for s in seqs] == [1, 1, 1, 1]
+        run_batch(target, seqs)
+    finally:
+        del target.eval_many
+    for s, ref in zip(seqs, refs, strict=True):
+        assert s.error is None, s.error
+        assert s.result().token_ids == ref
 
 
 class CountingRule(DecisionRulePolicy):
