@@ -409,11 +409,19 @@ class CountingRule(DecisionRulePolicy):
         return super().choose(context, k_room, params, rng)
 
 
+class HeldCosts(CostModel):
+    """Costs as given, not moved by the passes this test times: what the batch rule is fed
+    stays the test's, whatever load the box is under."""
+
+    def observe_batch(self, n_tokens: int, seconds: float) -> None:
+        pass
+
+
 def test_a_sequence_the_batch_rule_keeps_refusing_stops_asking_its_policy(target, prompts):
     """Where a second ubatch is dear, the batch-level rule refuses the drafts round after
     round; the sequences then back off (speculative.BATCH_BACKOFF_MAX) instead of peeking
     their drafts every round, and every output stays exact."""
-    dear = CostModel(verify_s=costs().verify_s, batch_s={1: 0.044, 4: 0.07, 8: 0.1, 16: 0.4})
+    dear = HeldCosts(verify_s=costs().verify_s, batch_s={1: 0.044, 4: 0.07, 8: 0.1, 16: 0.4})
     params = SamplingParams(max_tokens=32)
     texts = [p * 3 for p in prompts[:4]]  # repeats: prompt lookup always finds a match
     refs = [alone(target, t, params) for t in texts]
