@@ -102,6 +102,7 @@ class Backend(ABC):
         self.tokens: list[int] = []  # exactly what the KV cache holds, in order
         self.forward_s = 0.0  # cumulative seconds inside forward passes (engine overhead)
         self.decode_s = 0.0  # the part of forward_s in the model itself (no batch set-up, copies)
+        self.argmax_s = 0.0  # the part of forward_s in eval_argmax's argmax (greedy's sampling)
         # The last eval's features rows (options.features only); _forward sets them.
         self._features: np.ndarray | None = None
         self._features_pos = 0  # the position of the token of _features' row 0
@@ -208,7 +209,11 @@ class Backend(ABC):
     def _forward_argmax(self, tokens: list[int]) -> list[int]:
         """_forward reduced to each row's argmax (a backend in another process sends only
         these back)."""
-        return self._forward(tokens, True, copy=False).argmax(axis=1).tolist()
+        logits = self._forward(tokens, True, copy=False)
+        t = time.perf_counter()
+        best = logits.argmax(axis=1).tolist()
+        self.argmax_s += time.perf_counter() - t
+        return best
 
     # --- sequence slots (batched decoding) ----------------------------------------------
     @property
