@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from memspec.backends.base import Backend
+from memspec.backends.base import Backend, argmax_rows
 from memspec.engine.costs import BatchOption, CostModel, plan_batch
 from memspec.engine.grammar import GrammarState
 from memspec.engine.sampling import (
@@ -118,7 +118,8 @@ def accept_greedy(drafted: list[int], target_argmax: list[int]) -> list[int]:
     """Greedy: the draft tokens that are the target's argmax, then the target's next one.
 
     target_argmax[i] is the target's choice at drafted[i]'s slot; one more entry than drafted
-    tokens gives the bonus token when everything is accepted.
+    tokens gives the bonus token when everything is accepted. It may stop at the first entry
+    that disagrees (argmax_rows): nothing after it is read.
     """
     n = 0
     while n < len(drafted) and drafted[n] == target_argmax[n]:
@@ -322,7 +323,7 @@ class Sequence:
         tokens = [self.ctx[-1]] + self.drafted
         if self._argmax_only:
             argmax0 = self.target.argmax_s
-            best = self.target.eval_argmax(tokens)
+            best = self.target.eval_argmax(tokens, self.drafted)  # rows up to a rejection
             self._t["logits"] = time.perf_counter()
             # The argmax ran inside eval_argmax (on the backend's buffer): it is sampling.
             self._argmax_s = self.target.argmax_s - argmax0
@@ -337,7 +338,7 @@ class Sequence:
         """2. The same with rows a batched pass returned for this sequence."""
         self._t["logits"] = time.perf_counter()
         if self._argmax_only:
-            new = accept_greedy(self.drafted, logits.argmax(axis=1).tolist())
+            new = accept_greedy(self.drafted, argmax_rows(logits, self.drafted))
         else:
             new = self._accept_rows(logits)
         self._accept(new)
