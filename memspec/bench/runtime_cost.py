@@ -298,15 +298,20 @@ def _peer_row(server: PeerServer, prompt: list[int], max_tokens: int) -> dict[st
 
 
 def _peer_summary(rows: list[dict[str, Any]], plain: dict[str, list[int]]) -> dict[str, Any]:
-    """llama-server's own timings, per token as memspec's split has them."""
+    """llama-server's own timings, per token as memspec's split has them. Its first token
+    comes from the prompt's pass (prompt_ms ends when it is sampled), so predicted_ms spans
+    predicted_n - 1 decode steps (its own predicted_per_token_ms divides by those): one step
+    a token, as each of memspec's plain rounds is one."""
     prompt_n = sum(r["prompt_n"] for r in rows)
     prompt_ms = sum(r["prompt_ms"] for r in rows)
     predicted_n = sum(r["predicted_n"] for r in rows)
     predicted_ms = sum(r["predicted_ms"] for r in rows)
+    steps = sum(max(r["predicted_n"] - 1, 0) for r in rows)
     return {
         "tokens": predicted_n,
+        "decode_steps": steps,
         "tokens_per_s": round(predicted_n / max((prompt_ms + predicted_ms) / 1e3, 1e-9), 2),
-        "ms_per_token": round(predicted_ms / max(predicted_n, 1), 4),
+        "ms_per_token": round(predicted_ms / max(steps, 1), 4),
         "prefill": {
             "tokens": prompt_n,
             "ms_per_token": round(prompt_ms / prompt_n, 4) if prompt_n else None,
@@ -531,23 +536,30 @@ def plot_report(report: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [p for p in ("real", "stub") if p in report]
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    panels = (["real", "own"] if "real" in report else []) + (["stub"] if "stub" in report else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
-        if panel == "real":
+        if panel in ("real", "own"):
             systems = report["real"]["systems"]
-            names = list(systems)
+            # The whole token beside llama-server's; then memspec's own parts, zoomed in.
+            names = (
+                list(systems) if panel == "real" else [n for n in systems if n != "llama-server"]
+            )
+            parts = SPLIT if panel == "real" else SPLIT[1:]
             left = np.zeros(len(names))
-            for part in SPLIT:
+            for part in parts:
                 vals = np.array(
                     [systems[n].get("split_ms_per_token", {}).get(part, 0.0) for n in names]
                 )
-                ax.barh(names, vals, left=left, label=part)
+                ax.barh(names, vals, left=left, label=part, color=f"C{SPLIT.index(part)}")
                 left += vals
-            peer = [systems[n]["ms_per_token"] if n == "llama-server" else 0.0 for n in names]
-            ax.barh(names, peer, left=left, label="llama-server (its predicted_ms)")
+            if panel == "real":
+                peer = [systems[n]["ms_per_token"] if n == "llama-server" else 0.0 for n in names]
+                ax.barh(names, peer, left=left, label="llama-server (its own timing)", color="C7")
+                ax.set_title(f"plain decoding, {report['target']}")
+            else:
+                ax.set_title("memspec's own parts (the model's left out)")
             ax.set_xlabel("ms per generated token")
-            ax.set_title(f"plain decoding, {report['target']}")
             ax.legend(fontsize=7)
         else:
             stub = report["stub"]

@@ -85,3 +85,20 @@ def test_stub_rows_are_views_of_one_table(tmp_path):
     stub.reset()
     gen = speculative_generate(stub, prompt, SamplingParams(max_tokens=40), FixedPolicy(None, 0))
     assert gen.token_ids == (stub.cycle * 3)[:40]
+
+
+def test_llama_servers_row_is_per_decode_step():
+    """llama-server's first token comes from the prompt's pass: predicted_ms spans one decode
+    step fewer than it has tokens, as its own predicted_per_token_ms counts."""
+    from memspec.bench.runtime_cost import _peer_summary
+
+    rows = [
+        {"id": "a", "token_ids": [1, 2], "prompt_n": 10, "prompt_ms": 30.0,
+         "predicted_n": 65, "predicted_ms": 640.0},
+        {"id": "b", "token_ids": [3], "prompt_n": 20, "prompt_ms": 50.0,
+         "predicted_n": 33, "predicted_ms": 320.0},
+    ]  # fmt: skip
+    s = _peer_summary(rows, {"a": [1, 2], "b": [4]})
+    assert s["decode_steps"] == 96 and s["ms_per_token"] == 10.0
+    assert s["prefill"] == {"tokens": 30, "ms_per_token": round(80.0 / 30, 4)}
+    assert s["tokens"] == 98 and not s["identical_to_plain"]
