@@ -130,9 +130,18 @@ class GenerationRequest:
 
 
 class Runtime:
-    def __init__(self, settings: Settings, calibrate_costs: bool = True, batched: bool = False):
+    def __init__(
+        self,
+        settings: Settings,
+        calibrate_costs: bool = True,
+        batched: bool = False,
+        target: Backend | None = None,
+    ):
         """`batched`: give the target the sequence slots settings.parallel asks for (the
-        daemon); tools that decode one sequence at a time get one."""
+        daemon); tools that decode one sequence at a time get one. `target`: a backend to
+        decode with instead of loading settings.target (whose file still sizes the budget
+        and checks the drafts' tokenizer): `memspec bench runtime` times the runtime's own
+        cost per token over a stub whose step costs nothing. The runtime closes it."""
         self.settings = settings
         pool = settings_pool_dir(settings)
         self.manifest_errors: dict[str, str] = {}  # manifests left out (file stem -> why)
@@ -207,7 +216,7 @@ class Runtime:
         # A head drafts from the target's features: a target with one it can use loads them.
         if any(self._usable_head(m) for m in self.manifests.values()):
             self.options = replace(self.options, features=True)
-        self.target: Backend = load_backend(target_path, self.options, settings.backend)
+        self.target: Backend = target or load_backend(target_path, self.options, settings.backend)
         # What the target is served as and how its chats are rendered, from its own metadata.
         self.model_id = served_model_id(
             settings.model_name, self.target.metadata.get("general.name"), target_path

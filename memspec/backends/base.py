@@ -107,6 +107,7 @@ class Backend(ABC):
         self.tokens: list[int] = []  # exactly what the KV cache holds, in order
         self.forward_s = 0.0  # cumulative seconds inside forward passes (engine overhead)
         self.decode_s = 0.0  # the part of forward_s in the model itself (no batch set-up, copies)
+        self.argmax_s = 0.0  # the part of forward_s in eval_argmax's argmax (greedy's sampling)
         # The last eval's features rows (options.features only); _forward sets them.
         self._features: np.ndarray | None = None
         self._features_pos = 0  # the position of the token of _features' row 0
@@ -205,15 +206,20 @@ class Backend(ABC):
         row = position - self._features_pos
         return self._features[row] if 0 <= row < len(self._features) else None
 
-    def eval_argmax(self, tokens: list[int]) -> list[int]:
+    def eval_argmax(self, tokens: list[int], drafted: list[int] | None = None) -> list[int]:
         """Append `tokens`; the argmax of every position's logits: all greedy decoding reads,
-        taken from the backend's buffer without copying a row."""
-        return self._append(tokens, True, lambda: self._forward_argmax(tokens))
+        taken from the backend's buffer without copying a row. With `drafted` (tokens[1:], the
+        proposals the rows verify), the rows up to the first that disagrees (argmax_rows)."""
+        return self._append(tokens, True, lambda: self._forward_argmax(tokens, drafted))
 
-    def _forward_argmax(self, tokens: list[int]) -> list[int]:
+    def _forward_argmax(self, tokens: list[int], drafted: list[int] | None = None) -> list[int]:
         """_forward reduced to each row's argmax (a backend in another process sends only
         these back)."""
-        return self._forward(tokens, True, copy=False).argmax(axis=1).tolist()
+        logits = self._forward(tokens, True, copy=False)
+        t = time.perf_counter()
+        best = argmax_rows(logits, drafted)
+        self.argmax_s += time.perf_counter() - t
+        return best
 
     # --- sequence slots (batched decoding) ----------------------------------------------
     @property
@@ -448,6 +454,20 @@ def llama_kv_layout(
     """A llama.cpp model's Backend.kv_layout, from its GGUF hyper-parameters (which a header
     read gives before any load)."""
     return ("llama.cpp", arch, n_layers, n_kv_heads, head_dim_k, head_dim_v)
+
+
+def argmax_rows(logits: np.ndarray, drafted: list[int] | None = None) -> list[int]:
+    """Each row's argmax, read in place. With `drafted` (row i verifies drafted[i]), only the
+    rows up to the first whose argmax disagrees, that one included: greedy verification keeps
+    nothing after it, and each row read is a pass over the whole vocabulary."""
+    if not drafted:
+        return logits.argmax(axis=1).tolist()
+    best: list[int] = []
+    for i in range(len(logits)):
+        best.append(int(logits[i].argmax()))
+        if i >= len(drafted) or best[i] != drafted[i]:
+            break
+    return best
 
 
 def common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:

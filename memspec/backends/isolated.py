@@ -31,6 +31,7 @@ from memspec.backends.base import (
     KVSnapshot,
     SequenceContext,
     SequenceSlot,
+    argmax_rows,
 )
 from memspec.errors import DeviceUnavailable
 
@@ -75,9 +76,9 @@ def _serve(conn: Connection, path: str, options: BackendOptions) -> None:
             break
         try:
             if name == "argmax_seq":  # one greedy pass: only the argmaxes travel back
-                seq_id, n_past, tokens = args
+                seq_id, n_past, tokens, drafted = args
                 rows, feats = backend._forward_seq(seq_id, n_past, tokens, True, False)
-                result: Any = (rows.argmax(axis=1).tolist(), feats)
+                result: Any = (argmax_rows(rows, drafted), feats)
             else:
                 result = getattr(backend, name)(*args)
             # With the time its forward passes have taken so far (the parent's decode_s).
@@ -220,8 +221,8 @@ class IsolatedBackend(SequenceContext):
         return b"".join(self._pieces[t] for t in tokens)
 
     # --- compute --------------------------------------------------------------------------
-    def _forward_argmax(self, tokens: list[int]) -> list[int]:
-        ids, self._features = self._call("argmax_seq", 0, len(self.tokens), tokens)
+    def _forward_argmax(self, tokens: list[int], drafted: list[int] | None = None) -> list[int]:
+        ids, self._features = self._call("argmax_seq", 0, len(self.tokens), tokens, drafted)
         return ids
 
     def _forward_seq(

@@ -85,6 +85,18 @@ class PeerServer:
 
     def complete(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float, int, int]:
         """Greedy completion of token ids: (tokens, seconds, drafted, accepted)."""
+        out = self.complete_json(prompt, max_tokens)
+        t = out.get("timings", {})
+        seconds = (t.get("prompt_ms", 0.0) + t.get("predicted_ms", 0.0)) / 1e3
+        return (
+            list(out.get("tokens", [])),
+            seconds,
+            t.get("draft_n", 0),
+            t.get("draft_n_accepted", 0),
+        )
+
+    def complete_json(self, prompt: list[int], max_tokens: int) -> dict:
+        """Greedy completion of token ids: llama-server's whole answer (`tokens`, `timings`)."""
         body = {
             "prompt": prompt,
             "n_predict": max_tokens,
@@ -99,15 +111,7 @@ class PeerServer:
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.load(r)
-        t = out.get("timings", {})
-        seconds = (t.get("prompt_ms", 0.0) + t.get("predicted_ms", 0.0)) / 1e3
-        return (
-            list(out.get("tokens", [])),
-            seconds,
-            t.get("draft_n", 0),
-            t.get("draft_n_accepted", 0),
-        )
+            return json.load(r)
 
     def close(self) -> None:
         if self.proc.poll() is None:

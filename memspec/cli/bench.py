@@ -1,4 +1,5 @@
-"""`memspec bench reuse|engine|cold|policies|load|soak|batch|rpc|kernels`: benchmarks."""
+"""`memspec bench reuse|engine|cold|policies|load|soak|batch|rpc|kernels|runtime`: benchmarks
+writing JSON/PNG."""
 
 from __future__ import annotations
 
@@ -152,6 +153,52 @@ def register(sub: argparse._SubParsersAction) -> None:
     batch_bench.register(bsub)
     kernels_bench.register(bsub)
     _register_rpc(bsub)
+    _register_runtime(bsub)
+
+
+def _register_runtime(bsub: argparse._SubParsersAction) -> None:
+    r = bsub.add_parser(
+        "runtime",
+        help="plain decoding's time per token, part by part, beside llama-server's; the "
+        "runtime's own cost per token and round over a stub target",
+    )
+    model_flags(r)
+    r.add_argument("--out", required=True, help="JSON report")
+    r.add_argument("--plot", help="PNG: the split per token, and the stub's own cost")
+    r.add_argument("--workload", choices=["mtbench", "heldout"], default="heldout")
+    r.add_argument("--prompts", type=int, default=3, help="prompts, over the categories")
+    r.add_argument("--max-tokens", type=int, default=128)
+    r.add_argument("--no-peer-server", action="store_true", help="skip llama-server")
+    r.add_argument("--no-stream", action="store_true", help="skip the streamed config")
+    part = r.add_mutually_exclusive_group()
+    part.add_argument("--stub-only", action="store_true", help="only the stub target's part")
+    part.add_argument("--no-stub", action="store_true", help="only the real target's part")
+    r.add_argument("--stub-tokens", type=int, default=512, help="tokens per stub generation")
+    r.add_argument(
+        "--sweep-mib", type=int, default=64, help="MiB a cold stub step sweeps (caches cold)"
+    )
+    r.set_defaults(func=cmd_bench_runtime)
+
+
+def cmd_bench_runtime(args: argparse.Namespace) -> int:
+    from memspec.bench.runtime_cost import run_runtime_bench
+
+    report = run_runtime_bench(
+        load_settings(args),
+        out=args.out,
+        plot=args.plot,
+        workload=args.workload,
+        prompts=args.prompts,
+        max_tokens=args.max_tokens,
+        stream=not args.no_stream,
+        peer_server=not args.no_peer_server,
+        real=not args.stub_only,
+        stub=not args.no_stub,
+        stub_tokens=args.stub_tokens,
+        sweep_mib=args.sweep_mib,
+    )
+    real = report.get("real", {}).get("systems", {})
+    return 0 if all(s["identical_to_plain"] for s in real.values()) else 1
 
 
 def _register_rpc(bsub: argparse._SubParsersAction) -> None:

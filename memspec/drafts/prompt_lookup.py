@@ -11,6 +11,10 @@ import numpy as np
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.types import Draft, Proposal
 
+# The indexed context's last tokens kept to tell the same list grown at its end (the engine
+# appends to one list per request) from one edited where the index ends.
+MARK_TOKENS = 8
+
 
 class PromptLookupDraft(Draft):
     kind = "prompt_lookup"
@@ -23,21 +27,35 @@ class PromptLookupDraft(Draft):
         # n-gram -> start of its latest occurrence, per n, over the context indexed so far.
         # The engine asks every round with the same context grown by a few tokens, so only the
         # new windows are added (a rescan of the whole context each round cost ~1 ms).
-        self._seen: list[int] = []
         self._latest: dict[int, dict[tuple[int, ...], int]] = {}
+        self._ctx: list[int] = []  # the context indexed last (the engine's list, not a copy)
+        self._done = 0  # how many of its tokens the index covers
+        self._mark: list[int] = []  # its last MARK_TOKENS covered tokens, as they were then
 
     def _index(self, context: list[int]) -> None:
         """Index every window that ends before the context's last token (the tail itself is
         what is looked up, so it must not match itself)."""
-        done = len(self._seen)
-        if done > len(context) or context[:done] != self._seen:  # another request: start over
-            self._seen, self._latest, done = [], {}, 0
+        done = self._done
+        if not self._extends(context, done):  # another request: start over
+            self._latest, done = {}, 0
         end = len(context) - 1  # windows lie in context[:end]
         for n in range(self.min_ngram, self.max_ngram + 1):
             table = self._latest.setdefault(n, {})
             for i in range(max(done - n, 0), end - n + 1):
                 table[tuple(context[i : i + n])] = i
-        self._seen = context[:end]
+        self._ctx, self._done = context, max(end, 0)
+        self._mark = context[max(end - MARK_TOKENS, 0) : max(end, 0)]
+
+    def _extends(self, context: list[int], done: int) -> bool:
+        """Whether `context` starts with the `done` tokens indexed. The list indexed last,
+        grown in place (the engine's, every round), is checked where the index ends: O(1),
+        where comparing (and copying) the whole prefix cost a pass over the context a round.
+        Another list (a new request) is compared whole, once."""
+        if done > len(context):
+            return False
+        if context is self._ctx:
+            return context[done - len(self._mark) : done] == self._mark
+        return context[:done] == self._ctx[:done]
 
     def find(self, context: list[int], k: int) -> tuple[list[int], int]:
         """Continuation (≤ k tokens) after the latest earlier match of the longest tail n-gram."""

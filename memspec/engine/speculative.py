@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from memspec.backends.base import Backend
+from memspec.backends.base import Backend, argmax_rows
 from memspec.engine.costs import BatchOption, CostModel, plan_batch
 from memspec.engine.grammar import GrammarState
 from memspec.engine.sampling import (
@@ -59,8 +59,12 @@ BATCH_BACKOFF_MAX = 8
 # prefill: the prompt tokens not in the KV cache (once per request). Then per round:
 # choose: the policy (lookups peeked, rule evaluated); draft_catchup: a model draft feeding
 # what it has not seen; draft_steps: its k per-token evals; verify_decode: the target's
-# forward pass; verify_copy: the rest of target.eval (batch set-up, reading the logits); accept:
-# the accept rule and KV truncation; emit: detokenizing, stop strings, callbacks, feedback.
+# forward pass; verify_copy: the rest of target.eval (batch set-up, reading the logits);
+# sample: the accept rule on the rows (greedy: each row's argmax, sampling: p, the draws);
+# accept: KV truncation; detokenize: text and stop strings of the kept tokens; stream: the
+# on_token callback (the daemon's hand-off to the client's stream); emit: the rest of the
+# round's bookkeeping (cost and acceptance feedback, EOS and max_tokens checks). The phases
+# are disjoint: `memspec bench runtime` adds them up into a per-token split.
 ROUND_PHASES = (
     "prefill",
     "choose",
@@ -68,7 +72,10 @@ ROUND_PHASES = (
     "draft_steps",
     "verify_decode",
     "verify_copy",
+    "sample",
     "accept",
+    "detokenize",
+    "stream",
     "emit",
 )
 
@@ -113,7 +120,8 @@ def accept_greedy(drafted: list[int], target_argmax: list[int]) -> list[int]:
     """Greedy: the draft tokens that are the target's argmax, then the target's next one.
 
     target_argmax[i] is the target's choice at drafted[i]'s slot; one more entry than drafted
-    tokens gives the bonus token when everything is accepted.
+    tokens gives the bonus token when everything is accepted. It may stop at the first entry
+    that disagrees (argmax_rows): nothing after it is read.
     """
     n = 0
     while n < len(drafted) and drafted[n] == target_argmax[n]:
@@ -241,6 +249,7 @@ class Sequence:
         self._proposal: Proposal | None = None
         self.drafted: list[int] = []
         self._t: dict[str, float] = {}
+        self._argmax_s = 0.0  # this round's argmax inside the backend (greedy, alone)
         # Batched rounds: drafts the batch-level rule refused in a row, rounds left unasked.
         self.refused, self.skip = 0, 0
 
@@ -318,7 +327,12 @@ class Sequence:
         row's argmax; sampling reads rows up to the first rejection, in place."""
         tokens = [self.ctx[-1]] + self.drafted
         if self._argmax_only:
-            new = accept_greedy(self.drafted, self.target.eval_argmax(tokens))
+            argmax0 = self.target.argmax_s
+            best = self.target.eval_argmax(tokens, self.drafted)  # rows up to a rejection
+            self._t["logits"] = time.perf_counter()
+            # The argmax ran inside eval_argmax (on the backend's buffer): it is sampling.
+            self._argmax_s = self.target.argmax_s - argmax0
+            new = accept_greedy(self.drafted, best)
         else:
             logits = self.target.eval(tokens, copy=False)
             self._t["logits"] = time.perf_counter()
@@ -327,8 +341,9 @@ class Sequence:
 
     def verify_rows(self, logits: np.ndarray) -> None:
         """2. The same with rows a batched pass returned for this sequence."""
+        self._t["logits"] = time.perf_counter()
         if self._argmax_only:
-            new = accept_greedy(self.drafted, logits.argmax(axis=1).tolist())
+            new = accept_greedy(self.drafted, argmax_rows(logits, self.drafted))
         else:
             new = self._accept_rows(logits)
         self._accept(new)
@@ -363,7 +378,7 @@ class Sequence:
 
     def _accept(self, new: list[int]) -> None:
         """3. Keep the accepted prefix and the target's token; drop the rest from the KV."""
-        self._t["accept"] = self._t.get("logits", time.perf_counter())
+        self._t["accept"] = time.perf_counter()
         self._new = new
         self.target.truncate(len(self.ctx) + len(new) - 1)
         self._t["emit"] = time.perf_counter()
@@ -371,10 +386,13 @@ class Sequence:
     def finish_round(self, decode_s: float, batched: bool) -> None:
         """4. Bookkeeping and feedback; 5. emit in order, stop on EOS, a stop string or
         max_tokens. `decode_s`: the target's forward-pass time in this round."""
+        t_emit = time.perf_counter()
         gen, t, c, proposal, drafted = self.gen, self._t, self._choice, self._proposal, self.drafted
         new = self._new
         n_accepted = len(new) - 1
-        verify_s = t["accept"] - t["verify"]
+        argmax_s, self._argmax_s = self._argmax_s, 0.0
+        # The target's time: its pass and reading the rows (a greedy argmax on its buffer too).
+        verify_s = t["logits"] - t["verify"]
         gen.target_s += verify_s
         catchup = proposal.catchup_s if proposal is not None else 0.0
         if not batched:  # a batched pass's time is the batch's (costs.observe_batch)
@@ -391,7 +409,8 @@ class Sequence:
             ("draft_catchup", catchup),
             ("draft_steps", t["verify"] - t["propose"] - catchup),
             ("verify_decode", decode_s),
-            ("verify_copy", max(0.0, verify_s - decode_s)),
+            ("verify_copy", max(0.0, verify_s - decode_s - argmax_s)),
+            ("sample", argmax_s + t["accept"] - t["logits"]),
             ("accept", t["emit"] - t["accept"]),
         ):
             gen.phases[phase] += seconds
@@ -406,7 +425,7 @@ class Sequence:
             per["accepted"] += n_accepted
             seconds = time.perf_counter() - t["draft"]
             self.policy.observe(proposal.key, len(drafted), n_accepted, seconds)
-        t_emit = time.perf_counter()
+        detok_s = stream_s = 0.0
         for j, tok in enumerate(new):
             if (
                 tok in self.target.eos_token_ids
@@ -423,16 +442,22 @@ class Sequence:
                 gen.logprobs.append(self._new_logprobs[j])
             if gen.ttft_s == 0.0:
                 gen.ttft_s = time.perf_counter() - self.t0
+            t0 = time.perf_counter()
             delta, hit_stop = self.text.push(tok)
+            t1 = time.perf_counter()
+            detok_s += t1 - t0
             if self.on_token is not None:
                 self.on_token(delta, tok)
+                stream_s += time.perf_counter() - t1
             if hit_stop:
                 gen.finish_reason, self.done = "stop", True
                 break
             if len(gen.token_ids) >= self.params.max_tokens:
                 self.done = True
                 break
-        gen.phases["emit"] += time.perf_counter() - t_emit
+        gen.phases["detokenize"] += detok_s
+        gen.phases["stream"] += stream_s
+        gen.phases["emit"] += time.perf_counter() - t_emit - detok_s - stream_s
 
     def fail(self, error: BaseException) -> None:
         """End this sequence with `error` (its request fails; the batch goes on): its

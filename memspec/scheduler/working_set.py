@@ -235,15 +235,22 @@ class WorkingSet:
             return [self._lease(s) for s in res]
 
     def release_leases(self) -> None:
-        """Release every draft this thread holds (the engine calls it between rounds)."""
+        """Release every draft this thread holds (the engine calls it between rounds). The
+        loader is woken only if a draft it waits to close is free now: leases hold nothing
+        else up, and a wake-up every round (the loader re-planning, a thread switch on the
+        cores the model decodes on) cost each speculative round for nothing."""
         leases: dict[str, int] = getattr(self._tls, "leases", {})
         if not leases:
             return
         with self._cond:
+            freed = False
             for draft_id, n in leases.items():
-                self._slots[draft_id].uses -= n
+                s = self._slots[draft_id]
+                s.uses -= n
+                freed = freed or (s.uses == 0 and s.state == DraftState.EVICTING)
             leases.clear()
-            self._kick()
+            if freed:
+                self._kick()
 
     @contextlib.contextmanager
     def using(self, ids: Iterable[str] | None = None) -> Iterator[list[Draft]]:

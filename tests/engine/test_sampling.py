@@ -52,3 +52,65 @@ def test_a_draw_past_the_end_takes_a_token_with_mass():
             return 1.0
 
     assert sample(np.array([0.25, 0.75, 0.0, 0.0]), EdgeRng()) == 1
+
+
+def cumsum_draw(p: np.ndarray, u: float) -> int:
+    """The definition sample() keeps: the inverse CDF over the whole vocabulary's cumsum."""
+    i = int(np.searchsorted(np.cumsum(p), u * p.sum(), side="right"))
+    return i if i < len(p) else int(np.flatnonzero(p)[-1])
+
+
+@pytest.mark.parametrize("vocab", [7, 512, 513, 49_152, 151_936])
+def test_a_draw_is_the_whole_cumsums_draw(vocab):
+    """Drawing through block sums picks the id the whole cumsum picks for the same uniform
+    number (they could part only where the two sums round apart, ~1e-16), zeros never."""
+    from memspec.engine.sampling import sample
+
+    rng = np.random.default_rng(vocab)
+    for trial in range(60):
+        z = rng.standard_normal(vocab) * rng.choice([0.5, 3.0, 30.0])
+        p = np.exp(z - z.max())
+        if trial % 2:  # a truncated distribution: most ids have no mass
+            p[rng.random(vocab) < 0.9] = 0.0
+            p[int(np.argmax(z))] = 1.0
+        p /= p.sum()
+        seed = int(rng.integers(1 << 32))
+        for _ in range(20):
+            u = float(np.random.default_rng(seed).random())
+            got = sample(p, np.random.default_rng(seed))
+            assert got == cumsum_draw(p, u)
+            assert p[got] > 0
+            seed += 1
+
+
+def test_a_draw_never_takes_a_whole_vocabulary_cumsum(monkeypatch):
+    """The serial cumsum runs over block sums and one block, never the whole vocabulary."""
+    from memspec.engine import sampling
+
+    lengths: list[int] = []
+
+    class CountingNumpy:
+        def __getattr__(self, name: str):
+            return getattr(np, name)
+
+        @staticmethod
+        def cumsum(a, *args, **kwargs):
+            lengths.append(len(a))
+            return np.cumsum(a, *args, **kwargs)
+
+    monkeypatch.setattr(sampling, "np", CountingNumpy())
+    p = np.full(151_936, 1 / 151_936)
+    sampling.sample(p, np.random.default_rng(0))
+    assert lengths and max(lengths) <= sampling.SAMPLE_BLOCK
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_probs_are_the_softmax_bit_for_bit_and_leave_the_row_alone(temperature):
+    logits = np.random.default_rng(1).standard_normal(49_152).astype(np.float32) * 4
+    logits.flags.writeable = False  # as llama.cpp's buffer is handed out: read in place
+    z = logits.astype(np.float64) / temperature
+    want = np.exp(z - z.max())
+    want /= want.sum()
+    got = probs_from_logits(logits, SamplingParams(temperature=temperature))
+    assert np.array_equal(got, want)
+    assert not np.shares_memory(got, logits)
