@@ -195,6 +195,7 @@ def run_cold_batch_bench(
     report: dict[str, Any] = {
         "kind": "batch",
         "mode": "cold",
+        "target": settings.target,
         "concurrency": concurrency,
         "parallel": slots,
         "per_client": per_client,
