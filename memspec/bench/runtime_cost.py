@@ -119,6 +119,7 @@ def split(rows: list[dict[str, Any]]) -> dict[str, Any]:
     detail["loop"] = max(parts["engine"] - sum(detail.values()), 0.0)
     own = gen_s - parts["model"]
     per_token = 1e3 / max(tokens, 1)
+    per_round = 1e3 / max(rounds, 1)
     fed = sum(r["prefill_tokens"] for r in rows)
     prefill_model = max(decode_s - parts["model"], 0.0)  # decode_s outside the rounds
     return {
@@ -128,6 +129,10 @@ def split(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens_per_s": round(tokens / max(gen_s + prefill_s, 1e-9), 2),
         "ms_per_token": round(gen_s * per_token, 4),
         "split_ms_per_token": {k: round(v * per_token, 4) for k, v in parts.items()},
+        # Per round: a plain round is one decode step and one token (but a last round whose
+        # token is EOS): the unit llama-server's own timing is per.
+        "ms_per_round": round(gen_s * per_round, 4),
+        "split_ms_per_round": {k: round(v * per_round, 4) for k, v in parts.items()},
         "engine_detail_ms_per_token": {k: round(v * per_token, 4) for k, v in detail.items()},
         # Everything but the model's own step: what this process adds to each token.
         "own_ms_per_token": round(own * per_token, 4),
@@ -253,7 +258,8 @@ def run_real(
                     timed = timed_generate(rt, prompt, params)
                 rows[name].append(timed.row(p.id))
             if server is not None:
-                peer_rows.append({"id": p.id, **_peer_row(server, prompt, params.max_tokens)})
+                row = _peer_row(server, prompt, params.max_tokens, rt.target.eos_token_ids)
+                peer_rows.append({"id": p.id, **row})
     finally:
         if sink is not None:
             sink.close()
@@ -285,11 +291,16 @@ def _peer(settings: Settings, wanted: bool) -> tuple[PeerServer | None, str]:
         return None, f"llama-server did not start: {e}"
 
 
-def _peer_row(server: PeerServer, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+def _peer_row(
+    server: PeerServer, prompt: list[int], max_tokens: int, eos: frozenset[int]
+) -> dict[str, Any]:
     out = server.complete_json(prompt, max_tokens)
     t = out.get("timings", {})
+    tokens = list(out.get("tokens", []))
+    if tokens and tokens[-1] in eos:  # it returns (and counts) the EOS it stopped on
+        tokens.pop()
     return {
-        "token_ids": list(out.get("tokens", [])),
+        "token_ids": tokens,
         "prompt_n": int(t.get("prompt_n", 0)),
         "prompt_ms": float(t.get("prompt_ms", 0.0)),
         "predicted_n": int(t.get("predicted_n", 0)),
@@ -298,20 +309,20 @@ def _peer_row(server: PeerServer, prompt: list[int], max_tokens: int) -> dict[st
 
 
 def _peer_summary(rows: list[dict[str, Any]], plain: dict[str, list[int]]) -> dict[str, Any]:
-    """llama-server's own timings, per token as memspec's split has them. Its first token
-    comes from the prompt's pass (prompt_ms ends when it is sampled), so predicted_ms spans
-    predicted_n - 1 decode steps (its own predicted_per_token_ms divides by those): one step
-    a token, as each of memspec's plain rounds is one."""
+    """llama-server's own timings, per decode step as memspec's plain rounds are. Its first
+    token comes from the prompt's pass (prompt_ms ends when it is sampled), so predicted_ms
+    spans predicted_n - 1 decode steps (its own predicted_per_token_ms divides by those);
+    predicted_n counts the EOS it stopped on, which memspec's tokens do not."""
     prompt_n = sum(r["prompt_n"] for r in rows)
     prompt_ms = sum(r["prompt_ms"] for r in rows)
-    predicted_n = sum(r["predicted_n"] for r in rows)
     predicted_ms = sum(r["predicted_ms"] for r in rows)
     steps = sum(max(r["predicted_n"] - 1, 0) for r in rows)
+    tokens = sum(len(r["token_ids"]) for r in rows)
     return {
-        "tokens": predicted_n,
-        "decode_steps": steps,
-        "tokens_per_s": round(predicted_n / max((prompt_ms + predicted_ms) / 1e3, 1e-9), 2),
-        "ms_per_token": round(predicted_ms / max(steps, 1), 4),
+        "tokens": tokens,
+        "rounds": steps,
+        "tokens_per_s": round(tokens / max((prompt_ms + predicted_ms) / 1e3, 1e-9), 2),
+        "ms_per_round": round(predicted_ms / max(steps, 1), 4),
         "prefill": {
             "tokens": prompt_n,
             "ms_per_token": round(prompt_ms / prompt_n, 4) if prompt_n else None,
@@ -497,18 +508,18 @@ def print_tables(report: dict[str, Any]) -> None:
     err = sys.stderr
     real = report.get("real")
     if real:
-        print("\nper generated token, ms (prefill: per prompt token)", file=err)
+        print("\nplain decoding, ms per decode step (prefill: per prompt token)", file=err)
         head = " ".join(f"{p:>10s}" for p in SPLIT)
         print(f"{'system':16s} {'tok/s':>7s} {'total':>7s} {head} {'prefill':>8s}", file=err)
         for name, s in real["systems"].items():
             cells = " ".join(
-                f"{s['split_ms_per_token'][p]:10.3f}" if "split_ms_per_token" in s else f"{'':10s}"
+                f"{s['split_ms_per_round'][p]:10.3f}" if "split_ms_per_round" in s else f"{'':10s}"
                 for p in SPLIT
             )
             prefill = s["prefill"]["ms_per_token"]
             same = "" if s["identical_to_plain"] else "  (output differs!)"
             print(
-                f"{name:16s} {s['tokens_per_s']:7.2f} {s['ms_per_token']:7.3f} {cells} "
+                f"{name:16s} {s['tokens_per_s']:7.2f} {s['ms_per_round']:7.3f} {cells} "
                 f"{prefill if prefill is not None else float('nan'):8.3f}{same}",
                 file=err,
             )
@@ -549,17 +560,17 @@ def plot_report(report: dict[str, Any], path: str) -> None:
             left = np.zeros(len(names))
             for part in parts:
                 vals = np.array(
-                    [systems[n].get("split_ms_per_token", {}).get(part, 0.0) for n in names]
+                    [systems[n].get("split_ms_per_round", {}).get(part, 0.0) for n in names]
                 )
                 ax.barh(names, vals, left=left, label=part, color=f"C{SPLIT.index(part)}")
                 left += vals
             if panel == "real":
-                peer = [systems[n]["ms_per_token"] if n == "llama-server" else 0.0 for n in names]
+                peer = [systems[n]["ms_per_round"] if n == "llama-server" else 0.0 for n in names]
                 ax.barh(names, peer, left=left, label="llama-server (its own timing)", color="C7")
                 ax.set_title(f"plain decoding, {report['target']}")
             else:
                 ax.set_title("memspec's own parts (the model's left out)")
-            ax.set_xlabel("ms per generated token")
+            ax.set_xlabel("ms per decode step (plain: one token)")
             ax.legend(fontsize=7)
         else:
             stub = report["stub"]

@@ -22,10 +22,12 @@ TOLERANCE_MS = 1e-3  # the split's cells are rounded to 1e-4 ms each
 
 
 def check_split(s: dict) -> None:
+    for unit in ("token", "round"):  # the same parts, per generated token and per round
+        parts = s[f"split_ms_per_{unit}"]
+        assert set(parts) == set(SPLIT)
+        assert all(v >= 0 for v in parts.values())
+        assert sum(parts.values()) <= s[f"ms_per_{unit}"] + TOLERANCE_MS
     parts = s["split_ms_per_token"]
-    assert set(parts) == set(SPLIT)
-    assert all(v >= 0 for v in parts.values())
-    assert sum(parts.values()) <= s["ms_per_token"] + TOLERANCE_MS
     detail = s["engine_detail_ms_per_token"]
     assert sum(detail.values()) <= parts["engine"] + TOLERANCE_MS
     # Our own cost is everything but the model's step.
@@ -99,6 +101,6 @@ def test_llama_servers_row_is_per_decode_step():
          "predicted_n": 33, "predicted_ms": 320.0},
     ]  # fmt: skip
     s = _peer_summary(rows, {"a": [1, 2], "b": [4]})
-    assert s["decode_steps"] == 96 and s["ms_per_token"] == 10.0
+    assert s["rounds"] == 96 and s["ms_per_round"] == 10.0
     assert s["prefill"] == {"tokens": 30, "ms_per_token": round(80.0 / 30, 4)}
-    assert s["tokens"] == 98 and not s["identical_to_plain"]
+    assert s["tokens"] == 3 and not s["identical_to_plain"]
