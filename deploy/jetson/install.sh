@@ -341,10 +341,10 @@ fi
 
 say "Next"
 cat <<EOF
-    Put the target and draft GGUFs in $STATE_DIR/models (owner $SERVICE_USER), or fetch and
-    build the testbed family there:
-             sudo -u $SERVICE_USER env MEMSPEC_DATA_DIR=$STATE_DIR $VENV/bin/memspec testbed fetch
-             sudo -u $SERVICE_USER env MEMSPEC_DATA_DIR=$STATE_DIR $VENV/bin/memspec drafts build
+    Fetch the profile's target (Qwen2.5-Coder 1.5B and its 0.5B sibling, 1.6 GB) and build
+    its draft family in $STATE_DIR (or put your own GGUFs in $STATE_DIR/models):
+             sudo -u $SERVICE_USER env MEMSPEC_DATA_DIR=$STATE_DIR $VENV/bin/memspec testbed fetch --family qwen2.5-coder
+             sudo -u $SERVICE_USER env MEMSPEC_DATA_DIR=$STATE_DIR $VENV/bin/memspec drafts build --family qwen2.5-coder
     then:    sudo systemctl start $SERVICE && $VENV/bin/memspec-ctl status
     Power and memory advice (nvpmodel, jetson_clocks, swap): deploy/jetson/README.md
 EOF

@@ -210,7 +210,11 @@ def test_profile_matches_settings(monkeypatch):
     s = Settings.load(PROFILE)  # extra="forbid": a key that is not a Settings field fails here
     assert s.budget_bytes == int(4.5 * 1024**3)
     assert s.n_gpu_layers == -1 and s.host == "127.0.0.1" and s.backend == "llama_cpp"
-    assert s.k_max > 0 and s.n_ctx >= 2048 and s.drafts
+    assert s.k_max > 0 and s.n_ctx >= 2048
+    # The Jetson-sized pair, its whole family as the pool (no allow-list, no manifest dir that
+    # would replace the family's).
+    assert s.target == "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    assert s.drafts is None and s.manifest_dir is None
     # Every number carries a comment saying why (on the lines just above it).
     lines = PROFILE.read_text().splitlines()
     for key in ("n_gpu_layers", "n_threads", "n_ctx", "k_max", "budget"):
