@@ -1,4 +1,4 @@
-"""Every shipped device profile loads, and the hand-written ones say where their numbers come from."""
+"""Every shipped device profile loads; the hand-written ones say where their numbers come from."""
 
 import pytest
 
