@@ -52,7 +52,8 @@ from memspec.memory.footprint import Footprint, split_footprint, target_footprin
 from memspec.memory.gguf_info import read_shape
 from memspec.memory.plan import draft_fits, slots_that_fit
 from memspec.model_id import served_model_id
-from memspec.paths import DEFAULT_PREDICTOR, data_dir, models_dir, resolve_model_path
+from memspec.paths import data_dir, models_dir, resolve_model_path
+from memspec.predictor.artifacts import predictor_path
 from memspec.predictor.model import load_or_fallback
 from memspec.rpc.endpoints import LayerSplit, layer_split
 from memspec.scheduler.learned import Memory
@@ -253,7 +254,7 @@ class Runtime:
             if calibrate_costs:
                 self.costs = calibrate(self.target, resident, settings.k_max)
                 self._measure_loads = True
-            predictor = load_or_fallback(settings.predictor or DEFAULT_PREDICTOR)
+            predictor = load_or_fallback(predictor_path(target_path, settings.predictor))
             if predictor.error:
                 log.warning("predictor: %s; using per-kind priors", predictor.error)
             self.scheduler = Scheduler(

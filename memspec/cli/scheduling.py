@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from memspec.cli.flags import load_settings, model_flags, workload_flags
@@ -44,10 +45,24 @@ def cmd_traces_collect(args: argparse.Namespace) -> int:
 
 
 def cmd_predictor_train(args: argparse.Namespace) -> int:
+    from memspec.predictor.artifacts import trained_path
+    from memspec.sim.traces import load_trace
     from memspec.sim.train_predictor import TrainConfig, train_from_traces
 
+    traces = [Path(t) for t in args.traces]
+    collected_on = {Path(load_trace(t).header["settings"]["target"]).name for t in traces}
+    target = Path(args.target).name if args.target else None
+    if len(collected_on) > 1 or (target is not None and collected_on != {target}):
+        print(
+            f"memspec: error: the traces were collected on {', '.join(sorted(collected_on))}"
+            + (f", not on {target}" if target else "; train one predictor per target"),
+            file=sys.stderr,
+        )
+        return 2
+    out = Path(args.out) if args.out else trained_path(Path(target or collected_on.pop()))
+    out.parent.mkdir(parents=True, exist_ok=True)
     config = TrainConfig(epochs=args.epochs, l2=args.l2, holdout=args.holdout, seed=args.seed)
-    report = train_from_traces([Path(t) for t in args.traces], Path(args.out), config)
+    report = train_from_traces(traces, out, config)
     print(json.dumps(report, indent=2))
     return 0
 
@@ -110,7 +125,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     psub = p.add_subparsers(dest="action", required=True)
     t = psub.add_parser("train", help="fit the predictor on traces; write a JSON artifact")
     t.add_argument("--traces", nargs="+", required=True, help="trace files (JSONL)")
-    t.add_argument("--out", required=True, help="artifact, e.g. predictors/NAME.json")
+    t.add_argument(
+        "--target",
+        help="the target the traces were collected on (checked); its predictor is what the "
+        "daemon then loads for it",
+    )
+    t.add_argument(
+        "--out",
+        help="artifact (default: <data>/predictors/<target>.json, which the daemon loads for "
+        "that target before the shipped ones)",
+    )
     t.add_argument("--epochs", type=int, default=400)
     t.add_argument("--l2", type=float, default=1e-2)
     t.add_argument("--holdout", type=float, default=0.25, help="share of questions held out")
