@@ -365,7 +365,7 @@ def print_structured_table(report: dict) -> None:
         f"{report['max_tokens']} tokens max; llama-server's best: "
         + (f"{best['config']} ({best['tokens_per_s']:.1f} tok/s)" if best else "none")
     )
-    print(f"{'config':34s} {'tok/s':>8s} {'x plain':>8s} {'(worst)':>8s} {'x llama':>8s} valid")
+    print(f"{'config':38s} {'tok/s':>8s} {'x plain':>8s} {'(worst)':>8s} {'x llama':>8s} valid")
     for name, e in report["configs"].items():
         o = e["overall"]
         vs = o["vs_llama_server_best"]
@@ -373,7 +373,7 @@ def print_structured_table(report: dict) -> None:
         if not o["identical_to_plain"]:
             same = "  (outputs differ!)" if e["system"] == "memspec" else "  (other output)"
         print(
-            f"{name:34s} {o['tokens_per_s']:8.2f} {o['speedup']:8.2f} "
+            f"{name:38s} {o['tokens_per_s']:8.2f} {o['speedup']:8.2f} "
             f"{o['worst_prompt_speedup'] or 0:8.2f} {'-' if vs is None else f'{vs:.2f}':>8s} "
             f"{o['valid']}/{o['prompts']}{same}"
         )
