@@ -44,15 +44,8 @@ from memspec.runtime import Runtime
 WORKLOAD = Path(__file__).resolve().parent / "data" / "structured_extraction.jsonl"
 PLAIN = "none"
 PEER_CONSTRAINTS = ("json_schema", "grammar")  # llama-server's /completion fields
-# (name, draft, k, policy), as bench engine names them; a config whose draft is not in the
-# runtime's pool is left out. `<draft>` stands for the model draft llama-server gets as -md.
-MEMSPEC_CONFIGS: list[tuple[str, str, int | None, str | None]] = [
-    (PLAIN, "none", None, None),
-    ("memspec", "auto", None, "memspec"),
-    ("auto", "auto", None, "auto"),
-    ("prompt-lookup adaptive-k", "prompt-lookup", None, None),
-    ("<draft> adaptive-k", "<draft>", None, None),
-]
+# (name, draft, k, policy), as bench engine names its configs.
+Config = tuple[str, str, int | None, str | None]
 WARM_SCHEMA = {
     "type": "object",
     "properties": {"greeting": {"type": "string"}},
@@ -186,11 +179,7 @@ def run_structured_bench(
         raise ValueError(f"peer_constraint is one of {', '.join(PEER_CONSTRAINTS)}")
     prompts = load_extraction_prompts(workload, ids, limit)
     rt, pool, model_draft = open_bench_runtime(settings)
-    configs = [
-        (name.replace("<draft>", model_draft or ""), d.replace("<draft>", model_draft or ""), k, p)
-        for name, d, k, p in MEMSPEC_CONFIGS
-        if d in ("none", "auto") or (d == "<draft>" and model_draft) or d in pool
-    ]
+    configs = memspec_configs(pool, model_draft)
     peer_draft = (model_draft, rt.manifest(model_draft)) if model_draft else None
     if only is not None:
         known = [n for n, *_ in configs] + list(peer_configs(draft_file(peer_draft)))
@@ -220,6 +209,20 @@ def run_structured_bench(
     return report
 
 
+def memspec_configs(pool: list[str], model_draft: str | None) -> list[Config]:
+    """Plain decoding, the default policy, the bare decision rule, and prompt lookup and
+    llama-server's -md draft alone (adaptive k) when the runtime has them."""
+    configs: list[Config] = [
+        (PLAIN, "none", None, None),
+        ("memspec", "auto", None, "memspec"),
+        ("auto", "auto", None, "auto"),
+    ]
+    for draft in ("prompt-lookup", model_draft):
+        if draft in pool:
+            configs.append((f"{draft} adaptive-k", draft, None, None))
+    return configs
+
+
 def _schema_grammar(rt: Runtime, json_schema: dict[str, Any]) -> Grammar:
     """The grammar memspec's daemon builds for response_format json_schema."""
     gbnf = response_format_grammar({"type": "json_schema", "json_schema": json_schema})
@@ -229,7 +232,7 @@ def _schema_grammar(rt: Runtime, json_schema: dict[str, Any]) -> Grammar:
 
 def _warm_up(
     rt: Runtime,
-    configs: list[tuple[str, str, int | None, str | None]],
+    configs: list[Config],
     servers: dict[str, PeerServer],
 ) -> None:
     """Every config once on a prompt and schema outside the workload, so draft loads, first
@@ -247,7 +250,7 @@ def _run_prompt(
     rt: Runtime,
     p: ExtractionPrompt,
     max_tokens: int,
-    configs: list[tuple[str, str, int | None, str | None]],
+    configs: list[Config],
     estimators: dict,
     servers: dict[str, PeerServer],
     peer_constraint: str,
@@ -304,7 +307,7 @@ def _report(
     settings: Settings,
     prompts: list[ExtractionPrompt],
     max_tokens: int,
-    configs: list[tuple[str, str, int | None, str | None]],
+    configs: list[Config],
     results: dict[str, list[dict]],
     skipped: str,
 ) -> dict:

@@ -118,3 +118,12 @@ def test_schema_check_without_jsonschema(value, error):
     # The same verdict from the check the bench runs (jsonschema's when installed).
     assert (schema_error(json.dumps(value), schema) is None) == (error is None)
     assert schema_error('{"city": "Par', schema).startswith("not JSON")
+
+
+def test_bench_structured_unknown_config_names_the_known_ones(tmp_path, settings, capsys):
+    out = tmp_path / "x.json"
+    args = ["bench", "structured", "--n-threads", "1", "--n-ctx", "1024", "--no-peer-server"]
+    assert main([*args, "--out", str(out), "--configs", "memspec,bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown bench configs ['bogus']" in err and "prompt-lookup adaptive-k" in err
+    assert not out.exists()
