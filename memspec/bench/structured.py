@@ -7,7 +7,9 @@ strict `json_schema`. Nothing is tuned on it. memspec decodes each prompt under 
 `response_format: {"type": "json_schema", ...}` (what the daemon builds for that field);
 llama-server gets the same prompt tokens and the same schema in /completion's `json_schema`
 field (its /v1/completions route ignores `response_format` and decodes unconstrained; only its
-chat route reads it), and converts it with its own C++ converter.
+chat route reads it), and converts it with its own C++ converter, which allows more whitespace
+than llama-cpp-python's (so its outputs may be other valid texts). With peer_constraint
+"grammar" it gets memspec's GBNF instead, and its outputs must equal memspec's.
 
 Configs and timing are `memspec bench engine`'s (memspec/bench/engine.py): interleaved per
 prompt, no KV reuse between configs, rate = tokens / (prompt processing + decoding). Every
@@ -260,7 +262,8 @@ def _run_prompt(
         prompt = rt.prompt_tokens(messages=[{"role": "user", "content": p.text}])
     else:
         prompt = rt.prompt_tokens(prompt=p.text)
-    params = SamplingParams(max_tokens=max_tokens, grammar=_schema_grammar(rt, p.json_schema))
+    grammar = _schema_grammar(rt, p.json_schema)
+    params = SamplingParams(max_tokens=max_tokens, grammar=grammar)
     base = {"id": p.id, "category": p.category}
     plain_ids: list[int] = []
     for name, draft, k, policy in configs:
@@ -281,7 +284,7 @@ def _run_prompt(
             }
         )
     for name, server in servers.items():
-        constraint = p.schema if peer_constraint == "json_schema" else params.grammar.gbnf
+        constraint = p.schema if peer_constraint == "json_schema" else grammar.gbnf
         out = server.complete_json(prompt, max_tokens, **{peer_constraint: constraint})
         t = out.get("timings", {})
         ids = list(out.get("tokens", []))
