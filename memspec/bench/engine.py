@@ -53,6 +53,18 @@ def family_siblings(settings: Settings) -> list[str]:
     ]
 
 
+def open_bench_runtime(settings: Settings) -> tuple[Runtime, list[str], str | None]:
+    """A runtime with the family's siblings and POOL added to `settings.drafts`: (runtime,
+    the one-draft ids it can use, llama-server's -md: a sibling, else a model of PEER_DRAFTS)."""
+    siblings = family_siblings(settings)
+    ones = siblings + POOL
+    settings.drafts = [d for d in settings.drafts or [] if d not in ones] + ones
+    rt = Runtime(settings)
+    pool = [d for d in ones if d in rt.manifests and d not in rt.incompatible]
+    peer_draft = next((d for d in siblings + PEER_DRAFTS if d in pool), None)
+    return rt, pool, peer_draft
+
+
 class PeerPromptLookup:
     """llama-cpp-python's own speculative path, on the same target file, for comparison."""
 
@@ -177,28 +189,23 @@ def run_engine_bench(
     baseline). An unknown name is an error that lists the names there are."""
     workloads = ["mtbench", "heldout"] if workload == "both" else [workload]
     prompts = {w: load_workload(w, per_category, categories) for w in workloads}
-    siblings = family_siblings(settings)
-    ones = siblings + POOL
-    settings.drafts = [d for d in settings.drafts or [] if d not in ones] + ones
-    rt = Runtime(settings)
-    pool = [d for d in ones if d in rt.manifests and d not in rt.incompatible]
+    rt, pool, peer_draft = open_bench_runtime(settings)
     # (name, draft, k, policy): `memspec` is the default policy; `auto` the bare decision rule.
     configs: list[tuple[str, str, int | None, str | None]] = [("none", "none", None, None)]
     for d in pool:
         configs += [(f"{d} k={k_fixed}", d, k_fixed, None), (f"{d} adaptive-k", d, None, None)]
     configs += [("memspec", "auto", None, "memspec"), ("auto", "auto", None, "auto")]
-    peer_draft = next((d for d in siblings + PEER_DRAFTS if d in pool), None)
     peer_draft_file = (peer_draft, rt.manifest(peer_draft)) if peer_draft else None
     if only is not None:
         known = [n for n, *_ in configs] + [PEER]
-        known += list(peer_configs(_draft_file(peer_draft_file)))
+        known += list(peer_configs(draft_file(peer_draft_file)))
         unknown = [n for n in only if n not in known]
         if unknown:
             rt.close()
             raise ValueError(f"unknown bench configs {unknown}; there are: {', '.join(known)}")
         configs = [c for c in configs if c[0] == "none" or c[0] in only]
     peer = PeerPromptLookup(settings, k_fixed) if only is None or PEER in only else None
-    servers, skipped = _start_peer_servers(settings, peer_server, peer_draft_file, only)
+    servers, skipped = start_peer_servers(settings, peer_server, peer_draft_file, only)
     params = SamplingParams(max_tokens=max_tokens)
     results: dict[str, dict[str, list[dict]]] = {w: defaultdict(list) for w in workloads}
     try:
@@ -267,11 +274,12 @@ def run_engine_bench(
     return report
 
 
-def _draft_file(draft: tuple[str, DraftManifest] | None) -> tuple[str, Path] | None:
+def draft_file(draft: tuple[str, DraftManifest] | None) -> tuple[str, Path] | None:
+    """(id, GGUF) of a model draft, as llama-server's -md takes it."""
     return (draft[0], draft[1].model_path(models_dir())) if draft else None
 
 
-def _start_peer_servers(
+def start_peer_servers(
     settings: Settings,
     wanted: bool,
     draft: tuple[str, DraftManifest] | None,
@@ -279,7 +287,7 @@ def _start_peer_servers(
 ) -> tuple[dict[str, PeerServer], str]:
     if not wanted:
         return {}, "not asked for (--no-peer-server)"
-    configs = peer_configs(_draft_file(draft))
+    configs = peer_configs(draft_file(draft))
     if only is not None:
         configs = {n: f for n, f in configs.items() if n in only}
         if not configs:

@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from memspec.config import Settings
 from memspec.paths import data_dir, resolve_model_path
@@ -83,9 +84,11 @@ class PeerServer:
         path = Path(env) if env else data_dir() / "bin" / "llama-server"
         return path if path.is_file() and os.access(path, os.X_OK) else None
 
-    def complete(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float, int, int]:
+    def complete(
+        self, prompt: list[int], max_tokens: int, **fields: Any
+    ) -> tuple[list[int], float, int, int]:
         """Greedy completion of token ids: (tokens, seconds, drafted, accepted)."""
-        out = self.complete_json(prompt, max_tokens)
+        out = self.complete_json(prompt, max_tokens, **fields)
         t = out.get("timings", {})
         seconds = (t.get("prompt_ms", 0.0) + t.get("predicted_ms", 0.0)) / 1e3
         return (
@@ -95,8 +98,9 @@ class PeerServer:
             t.get("draft_n_accepted", 0),
         )
 
-    def complete_json(self, prompt: list[int], max_tokens: int) -> dict:
-        """Greedy completion of token ids: llama-server's whole answer (`tokens`, `timings`)."""
+    def complete_json(self, prompt: list[int], max_tokens: int, **fields: Any) -> dict:
+        """Greedy completion of token ids: llama-server's whole answer (`tokens`, `timings`).
+        `fields`: more of /completion's request fields (e.g. `json_schema`)."""
         body = {
             "prompt": prompt,
             "n_predict": max_tokens,
@@ -104,6 +108,7 @@ class PeerServer:
             "top_k": 1,
             "cache_prompt": False,  # each prompt pays its prefill, as memspec's configs do
             "return_tokens": True,
+            **fields,
         }
         req = urllib.request.Request(
             f"{self.url}/completion",

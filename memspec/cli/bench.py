@@ -1,5 +1,5 @@
-"""`memspec bench reuse|engine|cold|policies|load|soak|batch|rpc|kernels|runtime`: benchmarks
-writing JSON/PNG."""
+"""`memspec bench reuse|engine|cold|policies|load|soak|batch|rpc|kernels|runtime|structured`:
+benchmarks writing JSON/PNG."""
 
 from __future__ import annotations
 
@@ -154,6 +154,49 @@ def register(sub: argparse._SubParsersAction) -> None:
     kernels_bench.register(bsub)
     _register_rpc(bsub)
     _register_runtime(bsub)
+    _register_structured(bsub)
+
+
+def _register_structured(bsub: argparse._SubParsersAction) -> None:
+    s = bsub.add_parser(
+        "structured",
+        help="extraction under a strict JSON schema: plain vs speculation vs llama-server",
+    )
+    model_flags(s)
+    s.add_argument("--out", required=True, help="JSON output file")
+    s.add_argument("--max-tokens", type=int, default=256)
+    s.add_argument("--prompts", type=int, help="only the first N prompts of the workload")
+    s.add_argument("--ids", help="only these prompts, comma-separated by id")
+    s.add_argument("--workload", help="a JSONL workload file (default: the held-out one)")
+    s.add_argument("--no-peer-server", action="store_true", help="skip llama-server")
+    s.add_argument(
+        "--peer-constraint",
+        choices=["json_schema", "grammar"],
+        default="json_schema",
+        help="what llama-server gets: the schema (its own converter's grammar), or the GBNF "
+        "memspec decodes under (then its outputs must equal memspec's)",
+    )
+    s.add_argument(
+        "--configs", help="only these configs, comma-separated; plain decoding always runs"
+    )
+    s.set_defaults(func=cmd_bench_structured)
+
+
+def cmd_bench_structured(args: argparse.Namespace) -> int:
+    from memspec.bench.structured import run_structured_bench
+
+    report = run_structured_bench(
+        load_settings(args),
+        out=args.out,
+        ids=[i.strip() for i in args.ids.split(",")] if args.ids else None,
+        limit=args.prompts,
+        max_tokens=args.max_tokens,
+        peer_server=not args.no_peer_server,
+        only=[n.strip() for n in args.configs.split(",")] if args.configs else None,
+        **({"workload": Path(args.workload)} if args.workload else {}),
+        peer_constraint=args.peer_constraint,
+    )
+    return 0 if report["all_identical"] else 1  # a memspec output differs from plain's
 
 
 def _register_runtime(bsub: argparse._SubParsersAction) -> None:
