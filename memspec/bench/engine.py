@@ -179,7 +179,9 @@ def run_engine_bench(
     prompts = {w: load_workload(w, per_category, categories) for w in workloads}
     siblings = family_siblings(settings)
     ones = siblings + POOL
-    settings.drafts = [d for d in settings.drafts or [] if d not in ones] + ones
+    settings = settings.model_copy(
+        update={"drafts": [d for d in settings.drafts or [] if d not in ones] + ones}
+    )
     rt = Runtime(settings)
     pool = [d for d in ones if d in rt.manifests and d not in rt.incompatible]
     # (name, draft, k, policy): `memspec` is the default policy; `auto` the bare decision rule.

@@ -28,7 +28,7 @@ from memspec.server.errors import error_body, install_error_handlers
 from memspec.server.metrics import CONTENT_TYPE, LiveValues, Metrics
 from memspec.server.middleware import BodyLimit, HostGuard, RequestMetrics
 from memspec.server.notify import Notifier
-from memspec.server.state import TUNABLE, start_ready, state_path
+from memspec.server.state import start_ready
 from memspec.server.worker import EngineWorker
 from memspec.units import parse_size
 
@@ -69,7 +69,7 @@ class Lifecycle:
             ):
                 return
             self._ready_sent = True
-        start_ready(state_path(ctx.settings))  # the tuned state, if any, can start
+        start_ready(ctx.worker.tuning.path)  # the tuned state, if any, can start
         if ctx.worker.state == "waiting_for_device":
             ctx.notifier.ready(f"waiting for a device: {ctx.worker.error}")
             log.info("started; waiting for a device: %s", ctx.worker.error)
@@ -106,7 +106,7 @@ class Lifecycle:
 def _live_values(ctx: ServerContext) -> Callable[[], LiveValues]:
     def read() -> LiveValues:
         return LiveValues(
-            budget_bytes=ctx.settings.budget_bytes,
+            budget_bytes=ctx.worker.budget_bytes,
             queue_depth=ctx.worker.queue_depth,
             active_slots=ctx.worker.active_slots,
             slots=ctx.worker.slots,
@@ -126,11 +126,9 @@ def create_app(
     """`fallback`: the settings without the tuned state, tried if the tuned ones cannot load."""
     metrics = Metrics()
     ctx = ServerContext(
-        settings=settings,
         worker=EngineWorker(settings, metrics, runtime_factory, fallback=fallback),
         metrics=metrics,
         notifier=Notifier(environ),
-        configured={k: getattr(fallback or settings, k) for k in TUNABLE},
     )
     life = Lifecycle(ctx)
     ctx.worker._on_ready = life.on_engine_ready

@@ -33,7 +33,7 @@ from memspec.errors import DeviceUnavailable, MemSpecError
 from memspec.runtime import ClientRequest, Runtime
 from memspec.server.errors import NotReady, QueueFull
 from memspec.server.metrics import Metrics
-from memspec.server.state import TUNABLE, reject_state, state_path
+from memspec.server.tuning import Tuning
 from memspec.units import parse_size
 
 log = logging.getLogger("memspec.server")
@@ -112,8 +112,9 @@ class EngineWorker:
         on_fatal: Callable[[BaseException], None] | None = None,
         fallback: Settings | None = None,
     ):
-        self.settings = settings
-        self._fallback = fallback  # the configured settings, without the tuned state
+        # The live tunable settings (tune, reset, tuned.json); `fallback`: the configured
+        # settings without the tuned state, tried if the tuned ones cannot load.
+        self.tuning = Tuning(settings, fallback)
         self.warnings: list[str] = []  # what the daemon runs without, and why (status)
         self.metrics = metrics
         self._factory = runtime_factory or functools.partial(Runtime, batched=True)
@@ -136,6 +137,17 @@ class EngineWorker:
         self.requests_served = 0
         self._recent: deque[tuple[float, int, float]] = deque(maxlen=256)  # (end, tokens, s)
         self.prefix_cache = PrefixCache(self._cache_capacity)
+
+    @property
+    def settings(self) -> Settings:
+        """The settings the engine runs with now (frozen; a tune replaces them)."""
+        return self.tuning.current
+
+    @property
+    def budget_bytes(self) -> int:
+        """The budget now: the runtime's working set holds it once loaded."""
+        rt = self.runtime
+        return rt.budget_bytes if rt is not None else self.settings.budget_bytes
 
     # --- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -305,17 +317,13 @@ class EngineWorker:
         except DeviceUnavailable:  # not the tune's fault: wait for the device, keep the tune
             raise
         except Exception as e:
-            if self._fallback is None:
+            if not self.tuning.tuned_at_start:
                 raise
             why = str(getattr(e, "message", e))
-            tuned = sorted(
-                k for k in TUNABLE if getattr(self.settings, k) != getattr(self._fallback, k)
-            )
+            tuned = self.tuning.fall_back()
             log.error("loading with the tuned settings %s failed: %s; trying without", tuned, why)
-            for key in TUNABLE:
-                setattr(self.settings, key, getattr(self._fallback, key))
             rt = self._factory(self.settings)
-            aside = reject_state(state_path(self.settings))
+            aside = self.tuning.reject_file()
             where = f"set aside as {aside}" if aside else "could not be set aside"
             self.warnings.append(
                 f"tuned settings {', '.join(tuned)} were not applied at start ({why}); "
@@ -346,13 +354,12 @@ class EngineWorker:
         name = self.settings.policy
         if name in known:
             return
-        fb = self._fallback.policy if self._fallback is not None else None
+        fb = self.tuning.configured.policy if self.tuning.tuned_at_start else None
         use = fb if fb in known else "auto" if "auto" in known else None
         if use is None:
             return
-        self.settings.policy = use
-        if self._fallback is not None and name != fb:  # it came from the tuned state
-            reject_state(state_path(self.settings), keys=["policy"])
+        self.tuning.replace_policy(use)
+        self.tuning.hand_to_runtime(rt)
         msg = f"policy {name!r} is unknown (known: {', '.join(sorted(known))}); using {use!r}"
         log.error(msg)
         self.warnings.append(msg)
@@ -559,16 +566,13 @@ class EngineWorker:
         self.prefix_cache.clear()
         self.runtime = None
         rt.close()
-        self.settings.drafts = resident
         try:
-            self.settings.n_ctx = n_ctx
-            if parallel is not None:
-                self.settings.parallel = parallel
-            self._load(pinned)
+            self.tuning.set_shape(n_ctx, parallel)
+            self._load(pinned, resident)
         except BaseException:
-            self.settings.n_ctx, self.settings.parallel = old, old_parallel
+            self.tuning.set_shape(old, old_parallel)
             try:
-                self._load_waiting_for_devices(pinned)
+                self._load_waiting_for_devices(pinned, resident)
             except BaseException as e:
                 self.state, self.error = "failed", str(getattr(e, "message", e))
                 if self._on_fatal is not None:
@@ -576,12 +580,12 @@ class EngineWorker:
                 raise
             raise
 
-    def _load_waiting_for_devices(self, pinned: list[str]) -> None:
+    def _load_waiting_for_devices(self, pinned: list[str], drafts: list[str]) -> None:
         """_load; while an RPC worker is unreachable, wait for it (state waiting_for_device)
         rather than fail the daemon over a device that may come back."""
         while True:
             try:
-                self._load(pinned)
+                self._load(pinned, drafts)
                 return
             except DeviceUnavailable as e:
                 self.state, self.error = "waiting_for_device", e.message
@@ -591,8 +595,9 @@ class EngineWorker:
                     raise NotReady("the daemon is shutting down", code="shutting_down")
                 self._cond.wait(DEVICE_RETRY_S)
 
-    def _load(self, pinned: list[str]) -> None:
-        rt = self.runtime = self._factory(self.settings)
+    def _load(self, pinned: list[str], drafts: list[str]) -> None:
+        """A new Runtime on the settings now, preloading `drafts` (those resident before)."""
+        rt = self.runtime = self._factory(self.settings.model_copy(update={"drafts": drafts}))
         for draft_id in pinned:
             rt.pin(draft_id, True)
         self.state, self.error = "ready", None
@@ -620,7 +625,7 @@ class EngineWorker:
         rt = self.runtime
         if rt is None or cap <= 0:
             return 0
-        return max(0, min(cap, self.settings.budget_bytes - rt.modelled_bytes()))
+        return max(0, min(cap, rt.budget_bytes - rt.modelled_bytes()))
 
     # --- status ---------------------------------------------------------------------------
     def tokens_per_s_recent(self, window_s: float = 60.0) -> float:
