@@ -235,6 +235,13 @@ def client_env(default_url: str) -> dict[str, str | None]:
     }
 
 
+def systemd_env() -> dict[str, str]:
+    """What systemd tells its service: NOTIFY_SOCKET, WATCHDOG_USEC, WATCHDOG_PID
+    (memspec.server.notify)."""
+    keys = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+    return {k: os.environ[k] for k in keys if k in os.environ}
+
+
 def _env_path(name: str) -> Path | None:
     value = os.environ.get(name)
     return Path(value) if value else None
