@@ -31,6 +31,7 @@ from memspec.engine.prefix_cache import PrefixCache
 from memspec.engine.speculative import Sequence
 from memspec.errors import DeviceUnavailable, MemSpecError
 from memspec.runtime import ClientRequest, Runtime
+from memspec.server.engine_state import LIVE, EngineState, state_error
 from memspec.server.errors import NotReady, QueueFull
 from memspec.server.metrics import Metrics
 from memspec.server.tuning import Tuning
@@ -121,7 +122,7 @@ class EngineWorker:
         self._on_ready = on_ready
         self._on_fatal = on_fatal
         self.runtime: Runtime | None = None
-        self.state = "starting"  # loading | ready | reloading | failed | stopping | stopped
+        self.state = EngineState.STARTING
         self.error: str | None = None
         self._cond = threading.Condition()
         self._queue: deque[GenerateJob] = deque()
@@ -156,7 +157,7 @@ class EngineWorker:
 
     @property
     def ready(self) -> bool:
-        return self.state == "ready" and self._accepting
+        return self.state is EngineState.READY and self._accepting
 
     @property
     def heartbeat_age_s(self) -> float:
@@ -165,10 +166,7 @@ class EngineWorker:
     def healthy(self, stale_s: float) -> bool:
         """Ready and the engine thread beat within `stale_s` (a stuck engine stops beating)."""
         # Waiting for a device is healthy: the engine beats, and a restart would not help.
-        waiting = ("waiting_for_device", "device_lost")
-        return self.state in ("ready", "reloading", *waiting) and (
-            time.monotonic() - self.heartbeat < stale_s
-        )
+        return self.state in LIVE and time.monotonic() - self.heartbeat < stale_s
 
     def stop_accepting(self) -> None:
         """Shutdown, phase 1: refuse new jobs, fail the waiting ones."""
@@ -230,12 +228,9 @@ class EngineWorker:
         with self._cond:
             if not self._accepting or self._stop:
                 raise NotReady("the daemon is shutting down", code="shutting_down")
-            if self.state in ("starting", "loading"):
-                raise NotReady("models are loading; retry shortly", code="model_loading")
-            if self.state == "failed":
-                raise NotReady(f"models failed to load: {self.error}", code="model_load_failed")
-            if self.state in ("waiting_for_device", "device_lost"):
-                raise DeviceUnavailable(f"the target cannot run: {self.error}")
+            refused = state_error(self.state, self.error)
+            if refused is not None:
+                raise refused
             if isinstance(job, ControlJob):
                 # Bounded: each admin job holds back new generations while it waits.
                 if len(self._control) >= self.settings.admin_queue:
@@ -259,19 +254,19 @@ class EngineWorker:
 
     # --- the thread -----------------------------------------------------------------------
     def _main(self) -> None:
-        self.state = "loading"
+        self.state = EngineState.LOADING
         try:
             self.runtime = self._load_when_devices_answer()
             if self.runtime is None:  # stopped while waiting
-                self.state = "stopped"
+                self.state = EngineState.STOPPED
                 return
         except BaseException as e:  # noqa: BLE001 - reported, then the daemon exits
-            self.state, self.error = "failed", str(getattr(e, "message", e))
+            self.state, self.error = EngineState.FAILED, str(getattr(e, "message", e))
             log.error("loading models failed: %s", self.error)
             if self._on_fatal is not None:
                 self._on_fatal(e)
             return
-        self.state, self.error = "ready", None
+        self.state, self.error = EngineState.READY, None
         self.heartbeat = time.monotonic()
         self._beat_through_waits(self.runtime)
         self._observe_residency()
@@ -280,12 +275,12 @@ class EngineWorker:
         try:
             self._loop()
         finally:
-            self.state = "stopping"
+            self.state = EngineState.STOPPING
             try:
                 if self.runtime is not None:
                     self.runtime.close()
             finally:
-                self.state = "stopped"
+                self.state = EngineState.STOPPED
 
     def _load_when_devices_answer(self) -> Runtime | None:
         """The first load; while an RPC worker the target is split over cannot be reached, the
@@ -294,9 +289,9 @@ class EngineWorker:
             try:
                 return self._first_load()
             except DeviceUnavailable as e:
-                if self.state != "waiting_for_device":
+                if self.state is not EngineState.WAITING_FOR_DEVICE:
                     log.error("waiting for a device: %s", e.message)
-                    self.state, self.error = "waiting_for_device", e.message
+                    self.state, self.error = EngineState.WAITING_FOR_DEVICE, e.message
                     if self._on_ready is not None:  # up (503 with the reason): READY to systemd
                         self._on_ready()
                 self.error = e.message
@@ -368,7 +363,7 @@ class EngineWorker:
         """Admit waiting generations into free slots, run a round, repeat; control jobs run
         when no generation is active (none joins while one waits)."""
         while True:
-            if self.state == "device_lost" and not self._active:
+            if self.state is EngineState.DEVICE_LOST and not self._active:
                 if not (self._stop or not self._accepting) and self._restore_device():
                     continue
                 with self._cond:
@@ -419,10 +414,10 @@ class EngineWorker:
         """A target whose RPC worker was lost (backends/isolated.py): its requests have failed;
         the daemon stops taking new ones until the worker is back."""
         lost = getattr(self.runtime.target, "lost", None) if self.runtime else None
-        if lost is None or self.state == "device_lost":
+        if lost is None or self.state is EngineState.DEVICE_LOST:
             return
         with self._cond:
-            self.state, self.error = "device_lost", lost
+            self.state, self.error = EngineState.DEVICE_LOST, lost
             waiting = list(self._queue)
             self._queue.clear()
         for job in waiting:
@@ -442,7 +437,7 @@ class EngineWorker:
             self.error = str(e)
             return False
         log.info("the target's devices answer again; serving")
-        self.state, self.error = "ready", None
+        self.state, self.error = EngineState.READY, None
         return True
 
     def _run_control(self, job: ControlJob) -> None:
@@ -562,7 +557,7 @@ class EngineWorker:
         resident = [r["id"] for r in rows if r["resident"]]
         pinned = [r["id"] for r in rows if r["pinned"]]
         old, old_parallel = self.settings.n_ctx, self.settings.parallel
-        self.state = "reloading"
+        self.state = EngineState.RELOADING
         self.prefix_cache.clear()
         self.runtime = None
         rt.close()
@@ -574,7 +569,7 @@ class EngineWorker:
             try:
                 self._load_waiting_for_devices(pinned, resident)
             except BaseException as e:
-                self.state, self.error = "failed", str(getattr(e, "message", e))
+                self.state, self.error = EngineState.FAILED, str(getattr(e, "message", e))
                 if self._on_fatal is not None:
                     self._on_fatal(e)
                 raise
@@ -588,7 +583,7 @@ class EngineWorker:
                 self._load(pinned, drafts)
                 return
             except DeviceUnavailable as e:
-                self.state, self.error = "waiting_for_device", e.message
+                self.state, self.error = EngineState.WAITING_FOR_DEVICE, e.message
             with self._cond:
                 self.heartbeat = time.monotonic()
                 if self._stop:
@@ -600,7 +595,7 @@ class EngineWorker:
         rt = self.runtime = self._factory(self.settings.model_copy(update={"drafts": drafts}))
         for draft_id in pinned:
             rt.pin(draft_id, True)
-        self.state, self.error = "ready", None
+        self.state, self.error = EngineState.READY, None
         self.heartbeat = time.monotonic()
         self._beat_through_waits(rt)
 
