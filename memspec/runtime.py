@@ -29,7 +29,7 @@ from memspec.drafts.compat import check_draft, fingerprint_of, incompatible_erro
 from memspec.drafts.datastore import DatastoreDraft
 from memspec.drafts.family import settings_pool_dir, skipped_error, skipped_recipes
 from memspec.drafts.manifest import DraftManifest, check_id, load_manifests
-from memspec.drafts.registry import PRIOR_ALPHA
+from memspec.drafts.registry import draft_kind
 from memspec.engine.calibration import calibrate, measure_draft_cached
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.fim import FimRequest, FimTokens, fim_prompt, find_fim_tokens
@@ -300,14 +300,14 @@ class Runtime:
             for m in self.manifests.values()
             if m.file is None or m.model_path(models_dir()).is_file()
         ]
-        weighty = [m for m in built if m.kind in ("model", "head")]
+        weighty = [m for m in built if draft_kind(m.kind).weighty]
         size = {m.id: m.model_path(models_dir()).stat().st_size for m in weighty}
         return [m.id for m in built if m.id not in size] + sorted(size, key=size.__getitem__)
 
     def _usable_head(self, m: DraftManifest) -> bool:
         """A built head of this target's tokenizer, with torch there to run it."""
         return (
-            m.kind == "head"
+            draft_kind(m.kind).needs_target_features
             and m.is_built(models_dir())
             and check_draft(self.target_tokenizer, m, models_dir()) is None
             and importlib.util.find_spec("torch") is not None
@@ -516,7 +516,7 @@ class Runtime:
         """Acceptance estimates with a per-kind prior for every known draft."""
         est = AcceptanceEstimator()
         for m in self.manifests.values():
-            est.set_prior(m.id, PRIOR_ALPHA.get(m.kind, 0.5))
+            est.set_prior(m.id, draft_kind(m.kind).prior_alpha)
         return est
 
     @property
