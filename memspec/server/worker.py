@@ -11,6 +11,8 @@ job streams events back to the asyncio side: `Token` per text delta, then `Done`
 The thread loads the Runtime itself (the HTTP server is already answering /health with 503),
 beats a heartbeat while idle and per token (the systemd watchdog pings only while it is fresh),
 and turns any exception from the engine into a clean per-request error: the next job runs.
+Its states are memspec.server.engine_state's; it owns the live settings (`tuning`,
+memspec.server.tuning), which tune and reset replace as control jobs.
 """
 
 from __future__ import annotations
