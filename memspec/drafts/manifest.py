@@ -141,7 +141,9 @@ def load_manifest(path: Path) -> DraftManifest:
     except ValidationError as e:
         errs = "; ".join(f"field '{'.'.join(map(str, x['loc']))}': {x['msg']}" for x in e.errors())
         raise ManifestError(f"{path}: {errs}") from e
-    if m.kind in ("model", "datastore", "head") and not m.file:
+    from memspec.drafts.registry import draft_kind  # the registry builds on manifests
+
+    if draft_kind(m.kind).has_file and not m.file:
         raise ManifestError(f"{path}: field 'file': required for kind '{m.kind}'")
     m.source_path = path
     return m

@@ -34,6 +34,11 @@ class DraftKind:
     # Drafts from the target's hidden states: loads only beside a target that exposes them.
     needs_target_features: bool = False
 
+    @property
+    def has_file(self) -> bool:
+        """Its weights or data are a file (the manifest must name it)."""
+        return self.sizing != "none"
+
 
 KINDS: dict[str, DraftKind] = {
     k.name: k
