@@ -1,7 +1,9 @@
-"""All settings in one pydantic-settings model.
+"""All settings in one pydantic-settings model, frozen once loaded.
 
 Precedence: CLI flags > environment (MEMSPEC_*) > TOML file (--config, else
-/etc/memspec/config.toml when it exists) > defaults.
+/etc/memspec/config.toml when it exists) > defaults. A Settings never changes after load: a
+variant is a copy (`settings.model_copy(update=...)`), and the daemon's live tuning replaces
+its copy in one place (memspec.server.tuning).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ DEFAULT_CONFIG_FILE = Path("/etc/memspec/config.toml")
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MEMSPEC_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="MEMSPEC_", extra="forbid", frozen=True)
 
     # Models (a description is also the --help text of the field's flag: memspec.cli.flags)
     data_dir: Path | None = None  # default: ./data beside the checkout (MEMSPEC_DATA_DIR)
@@ -190,13 +192,59 @@ class Settings(BaseSettings):
             s = cls(**{k: v for k, v in overrides.items() if v is not None})
         finally:
             _CONFIG_FILE_OVERRIDE.pop("path", None)
-        s.config_file = path
-        if s.data_dir is not None:
-            os.environ["MEMSPEC_DATA_DIR"] = str(s.data_dir)
-        return s
+        return s.model_copy(update={"config_file": path})
 
 
 _CONFIG_FILE_OVERRIDE: dict[str, Path | None] = {}
+
+
+# --- the environment read outside Settings ------------------------------------------------------
+# Settings is the daemon's configuration; these are the few variables read before or beside it
+# (paths, the manifest dir, build threads, clients' defaults). This module is the one that
+# reads the environment: the rest of the package asks here.
+
+
+def env_data_dir() -> Path | None:
+    """$MEMSPEC_DATA_DIR (memspec.paths: where models, data and caches live)."""
+    return _env_path("MEMSPEC_DATA_DIR")
+
+
+def env_manifest_dir() -> Path | None:
+    """$MEMSPEC_MANIFEST_DIR (memspec.drafts.manifest: the draft manifests)."""
+    return _env_path("MEMSPEC_MANIFEST_DIR")
+
+
+def env_llama_server() -> Path | None:
+    """$MEMSPEC_LLAMA_SERVER: a llama-server binary for the peer benchmarks."""
+    return _env_path("MEMSPEC_LLAMA_SERVER")
+
+
+def build_threads() -> int:
+    """$MEMSPEC_BUILD_THREADS, default 1: long corpus generation leaves the other cores to
+    whoever shares the machine."""
+    return int(os.environ.get("MEMSPEC_BUILD_THREADS", "1"))
+
+
+def client_env(default_url: str) -> dict[str, str | None]:
+    """Defaults of a client of the daemon (memspec-ctl, bench load): url, admin_key, api_key
+    from $MEMSPEC_URL, $MEMSPEC_ADMIN_KEY, $MEMSPEC_API_KEY."""
+    return {
+        "url": os.environ.get("MEMSPEC_URL") or default_url,
+        "admin_key": os.environ.get("MEMSPEC_ADMIN_KEY"),
+        "api_key": os.environ.get("MEMSPEC_API_KEY"),
+    }
+
+
+def systemd_env() -> dict[str, str]:
+    """What systemd tells its service: NOTIFY_SOCKET, WATCHDOG_USEC, WATCHDOG_PID
+    (memspec.server.notify)."""
+    keys = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+    return {k: os.environ[k] for k in keys if k in os.environ}
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
 
 
 def settings_error(e: ValidationError) -> str:

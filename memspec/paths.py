@@ -1,18 +1,29 @@
-"""Where models, data and caches live: $MEMSPEC_DATA_DIR, default ./data beside the checkout."""
+"""Where models, data and caches live: the loaded settings' data_dir (`use_data_dir`), else
+$MEMSPEC_DATA_DIR, else ./data beside the checkout."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from memspec.config import env_data_dir
 
 # The acceptance predictor shipped in the checkout (settings.predictor overrides it).
 DEFAULT_PREDICTOR = Path(__file__).resolve().parent.parent / "predictors" / "smollm2-mtbench.json"
 
 
+_chosen: Path | None = None  # the loaded settings' data_dir (use_data_dir)
+
+
+def use_data_dir(path: Path | None) -> None:
+    """The data dir the loaded settings name (settings.data_dir, from a flag, the env or the
+    TOML file): whoever loads settings for the process passes it here. None: the environment's
+    or the default."""
+    global _chosen
+    _chosen = Path(path) if path is not None else None
+
+
 def data_dir() -> Path:
-    env = os.environ.get("MEMSPEC_DATA_DIR")
-    base = Path(env) if env else Path(__file__).resolve().parent.parent / "data"
-    return base
+    return _chosen or env_data_dir() or Path(__file__).resolve().parent.parent / "data"
 
 
 def models_dir() -> Path:

@@ -1,10 +1,12 @@
 """The composition root: a target, its drafts, measured costs and the scheduler, from settings.
 
 Drafts live in a WorkingSet (memspec.scheduler.working_set): resident under the memory budget
-(settings.budget: target + its KV and buffers, charged first, then drafts), loaded and evicted
-by one background thread. The Scheduler (memspec.scheduler.rounds) decides every round over
-it. A client's request is checked once, by `request()`, into a GenerationRequest whose fields
-`generate()` decodes (tools that hold token ids call `generate()` directly).
+(target + its KV and buffers, charged first, then drafts), loaded and evicted by one background
+thread. The working set is the budget's one holder: settings.budget sizes the start, and
+`set_budget` (a live tune) changes it there. The Scheduler (memspec.scheduler.rounds) decides
+every round over it. A client's request is checked once, by `request()`, into a
+GenerationRequest whose fields `generate()` decodes (tools that hold token ids call
+`generate()` directly).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from memspec.drafts.compat import check_draft, fingerprint_of, incompatible_erro
 from memspec.drafts.datastore import DatastoreDraft
 from memspec.drafts.family import settings_pool_dir, skipped_error, skipped_recipes
 from memspec.drafts.manifest import DraftManifest, check_id, load_manifests
-from memspec.drafts.registry import PRIOR_ALPHA
+from memspec.drafts.registry import draft_kind
 from memspec.engine.calibration import calibrate, measure_draft_cached
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.fim import FimRequest, FimTokens, fim_prompt, find_fim_tokens
@@ -299,14 +301,14 @@ class Runtime:
             for m in self.manifests.values()
             if m.file is None or m.model_path(models_dir()).is_file()
         ]
-        weighty = [m for m in built if m.kind in ("model", "head")]
+        weighty = [m for m in built if draft_kind(m.kind).weighty]
         size = {m.id: m.model_path(models_dir()).stat().st_size for m in weighty}
         return [m.id for m in built if m.id not in size] + sorted(size, key=size.__getitem__)
 
     def _usable_head(self, m: DraftManifest) -> bool:
         """A built head of this target's tokenizer, with torch there to run it."""
         return (
-            m.kind == "head"
+            draft_kind(m.kind).needs_target_features
             and m.is_built(models_dir())
             and check_draft(self.target_tokenizer, m, models_dir()) is None
             and importlib.util.find_spec("torch") is not None
@@ -349,15 +351,11 @@ class Runtime:
         if draft.id not in costs.draft_s | costs.draft_overhead_s:
             measure_draft_cached(self.target, draft, costs, self.settings.k_max)
 
-    def _sync_budget(self) -> None:
-        """Follow settings.budget when it is changed in place (the admin API does that)."""
+    @property
+    def budget_bytes(self) -> int:
+        """The budget now: the working set holds it (settings.budget only sizes the start)."""
         ws = self.working_set
-        if ws is None or ws.budget_bytes == self.settings.budget_bytes:
-            return
-        try:
-            ws.budget_bytes = self.settings.budget_bytes
-        except BudgetExceeded as e:
-            log.warning("budget change refused: %s", e.message)
+        return ws.budget_bytes if ws is not None else self.settings.budget_bytes
 
     def set_budget(self, budget_bytes: int) -> None:
         """Change the budget live (evicts to fit; BudgetExceeded if pinned drafts block)."""
@@ -368,7 +366,6 @@ class Runtime:
                 param="budget",
             )
         self._ws.budget_bytes = budget_bytes
-        self.settings.budget = budget_bytes
 
     # --- drafts -------------------------------------------------------------------------
     def manifest(self, draft_id: str) -> DraftManifest:
@@ -409,7 +406,6 @@ class Runtime:
         draft. ModelLoadError on a bad file, BudgetExceeded if pinned drafts block it,
         DraftIncompatible if it speaks another tokenizer."""
         self.usable(draft_id)
-        self._sync_budget()
         return self._ws.load(draft_id)
 
     def evict_draft(self, draft_id: str) -> None:
@@ -442,7 +438,6 @@ class Runtime:
 
     def draft_status(self) -> list[dict]:
         """One row per known draft: what status/admin/ctl report."""
-        self._sync_budget()
         ws_rows = {r["id"]: r for r in self.working_set.status()} if self.working_set else {}
         rows = []
         for m in self.manifests.values():
@@ -504,7 +499,7 @@ class Runtime:
     def memory_status(self) -> dict:
         """Budget, modelled use, peak, counters, and what the daemon sheds now."""
         ws = self.working_set
-        out = ws.summary() if ws is not None else {"budget_bytes": self.settings.budget_bytes}
+        out = ws.summary() if ws is not None else {"budget_bytes": self.budget_bytes}
         out["target"] = self.target_footprint.to_dict()
         rows = self.draft_status()
         absent = [r["id"] for r in rows if r["state"] in ("absent", "failed") and r["bytes"] > 0]
@@ -522,7 +517,7 @@ class Runtime:
         """Acceptance estimates with a per-kind prior for every known draft."""
         est = AcceptanceEstimator()
         for m in self.manifests.values():
-            est.set_prior(m.id, PRIOR_ALPHA.get(m.kind, 0.5))
+            est.set_prior(m.id, draft_kind(m.kind).prior_alpha)
         return est
 
     @property
@@ -681,7 +676,6 @@ class Runtime:
         ws = self._ws
         if draft not in ("auto", "none"):
             self.usable(draft)
-        self._sync_budget()
         stall0 = ws.thread_stall_s()
         sched = self.scheduler
         try:
@@ -753,7 +747,6 @@ class Runtime:
         cores the batch needs (measured: TTFT p50 1.1 s against 0.19 s at 4 streams)."""
         backend = self.target.slots[slot]
         if slot == 0:
-            self._sync_budget()
             self._lead_stall0 = self._ws.thread_stall_s()
             policy_name = req.policy or self.settings.policy
             if not alone and req.policy is None and policy_name == "memspec":

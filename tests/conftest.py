@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from launcher import GEMMA_DRAFTS, MODEL_DRAFTS, TARGET_FILE, require_gemma, require_testbed
 
+from memspec import paths
 from memspec.backends.base import BackendOptions, load_backend
 from memspec.config import Settings
 from memspec.paths import models_dir
@@ -28,6 +29,16 @@ def private_state_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("state")
     os.environ["MEMSPEC_STATE_DIR"] = str(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def data_dir_as_it_was():
+    """Loading settings for a command hands their data_dir to memspec.paths for the process
+    (paths.use_data_dir); the next test starts from what was there before, as monkeypatch
+    puts the environment back."""
+    before = paths._chosen
+    yield
+    paths.use_data_dir(before)
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,7 @@ from memspec.bench.peer_server import NGRAM, PeerServer
 from memspec.bench.workloads import load_workload
 from memspec.config import Settings
 from memspec.ctl.client import async_client, percentile, stream_completion
+from memspec.paths import use_data_dir
 
 
 def _free_port() -> int:
@@ -190,6 +191,7 @@ def run_batch_bench(
     progress: Any = None,
 ) -> dict[str, Any]:
     settings = Settings.load(config)
+    use_data_dir(settings.data_dir)  # where this process finds the target
     slots = parallel or max(concurrency)
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     report: dict[str, Any] = {

@@ -33,6 +33,7 @@ from memspec.bench.batch import MemspecServer, _model_id, _run_level, plot
 from memspec.bench.peer_server import PeerServer
 from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
+from memspec.paths import use_data_dir
 
 MEMSPEC = "memspec"
 PEER = "llama-server"
@@ -188,6 +189,7 @@ def run_cold_batch_bench(
     progress: Any = None,
 ) -> dict[str, Any]:
     settings = Settings.load(config)
+    use_data_dir(settings.data_dir)  # where this process finds the target
     slots = parallel or max(concurrency)
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     levels, warmup, counts = plan_levels(concurrency, per_client, max_tokens)

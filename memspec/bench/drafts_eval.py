@@ -109,7 +109,7 @@ def run_drafts_replay(
 
     questions = select_questions(per_category, categories=categories)
     pool = drafts or built_drafts(settings.manifest_dir)
-    settings.drafts = pool
+    settings = settings.model_copy(update={"drafts": pool})
     rt = Runtime(settings, calibrate_costs=False)
     try:
         prompts = [
@@ -260,7 +260,7 @@ def run_drafts_eval(
 
     questions = select_questions(per_category, categories=categories)
     pool = drafts or built_drafts(settings.manifest_dir)
-    settings.drafts = pool
+    settings = settings.model_copy(update={"drafts": pool})
     rt = Runtime(settings)
     drafts_live = {d_id: rt.load_draft(d_id) for d_id in pool}
     for d in drafts_live.values():

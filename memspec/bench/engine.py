@@ -58,7 +58,9 @@ def open_bench_runtime(settings: Settings) -> tuple[Runtime, list[str], str | No
     the one-draft ids it can use, llama-server's -md: a sibling, else a model of PEER_DRAFTS)."""
     siblings = family_siblings(settings)
     ones = siblings + POOL
-    settings.drafts = [d for d in settings.drafts or [] if d not in ones] + ones
+    settings = settings.model_copy(
+        update={"drafts": [d for d in settings.drafts or [] if d not in ones] + ones}
+    )
     rt = Runtime(settings)
     pool = [d for d in ones if d in rt.manifests and d not in rt.incompatible]
     peer_draft = next((d for d in siblings + PEER_DRAFTS if d in pool), None)

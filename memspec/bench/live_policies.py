@@ -176,7 +176,9 @@ def run_live(settings, cfg, out: Path) -> dict:
 
     # The runtime loads the whole pool once: calibration (cached) and the trace need it.
     configured = settings.drafts  # what auto's working set preloads, as the daemon's
-    settings.drafts = list(load_manifests(settings_pool_dir(settings)))
+    settings = settings.model_copy(
+        update={"drafts": list(load_manifests(settings_pool_dir(settings)))}
+    )
     rt = Runtime(settings)
     if configured is None:  # the whole family, as the daemon's default
         configured = [d for d in rt.preload_ids if d not in rt.incompatible]

@@ -720,13 +720,14 @@ async def run_soak(
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    import os
+    from memspec.config import client_env
 
-    p.add_argument("--url", default=os.environ.get("MEMSPEC_URL") or "http://127.0.0.1:8000")
-    p.add_argument("--api-key", default=os.environ.get("MEMSPEC_API_KEY"), help="key for /v1")
+    env = client_env("http://127.0.0.1:8000")
+    p.add_argument("--url", default=env["url"])
+    p.add_argument("--api-key", default=env["api_key"], help="key for /v1")
     p.add_argument(
         "--admin-key",
-        default=os.environ.get("MEMSPEC_ADMIN_KEY"),
+        default=env["admin_key"],
         help="key for /admin/status (memory samples; default: the API key)",
     )
     p.add_argument("--out", help="write the JSON report here (else to stdout)")

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from memspec.config import Settings
+from memspec.config import Settings, env_llama_server
 from memspec.paths import data_dir, resolve_model_path
 
 # llama-server's n-gram speculation as DESIGN.md measured it best on this CPU.
@@ -80,8 +80,7 @@ class PeerServer:
 
     @staticmethod
     def find() -> Path | None:
-        env = os.environ.get("MEMSPEC_LLAMA_SERVER")
-        path = Path(env) if env else data_dir() / "bin" / "llama-server"
+        path = env_llama_server() or data_dir() / "bin" / "llama-server"
         return path if path.is_file() and os.access(path, os.X_OK) else None
 
     def complete(

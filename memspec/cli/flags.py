@@ -10,6 +10,7 @@ from typing import Any, get_args, get_origin
 from pydantic.fields import FieldInfo
 
 from memspec.config import DEFAULT_CONFIG_FILE, Settings
+from memspec.paths import use_data_dir
 
 # The settings every command that loads the models takes, and those only the daemon takes.
 MODEL_SETTINGS = (
@@ -59,7 +60,10 @@ def model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
-    return Settings.load(args.config, **settings_overrides(args))
+    """The command's settings; their data_dir is where this process finds models and data."""
+    settings = Settings.load(args.config, **settings_overrides(args))
+    use_data_dir(settings.data_dir)
+    return settings
 
 
 def workload_flags(p: argparse.ArgumentParser, per_category: int, offset: int) -> None:

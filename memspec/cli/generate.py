@@ -43,7 +43,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.draft not in ("auto", "none"):
         check_named_draft(settings, args.draft)
         if args.drafts is None:
-            settings.drafts = [args.draft]
+            settings = settings.model_copy(update={"drafts": [args.draft]})
     rt = Runtime(settings)
     try:
         if args.chat:

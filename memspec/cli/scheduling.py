@@ -20,7 +20,7 @@ def cmd_traces_collect(args: argparse.Namespace) -> int:
 
     settings = load_settings(args)
     if args.drafts is None:  # the whole pool, as far as it is built
-        settings.drafts = built_pool(settings_pool_dir(settings))
+        settings = settings.model_copy(update={"drafts": built_pool(settings_pool_dir(settings))})
     questions = select_questions(args.per_category, args.offset, args.categories)
     requests = requests_for(questions, args.turns)
     rt = Runtime(settings)
@@ -102,7 +102,7 @@ def cmd_sim_calibrate(args: argparse.Namespace) -> int:
 
     settings = load_settings(args)
     if args.drafts is None:
-        settings.drafts = built_pool(settings_pool_dir(settings))
+        settings = settings.model_copy(update={"drafts": built_pool(settings_pool_dir(settings))})
     path = calibrate_this_machine(settings, Path(args.out) if args.out else None, args.load_reps)
     print(path)
     return 0

@@ -29,6 +29,7 @@ import time
 from typing import Any, NoReturn
 from urllib.parse import quote, urlsplit
 
+from memspec.config import client_env
 from memspec.ctl import render
 from memspec.ctl.client import (
     EXIT_OK,
@@ -223,20 +224,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect and steer a running MemSpec daemon.",
         epilog="Exit status: 0 ok, 1 daemon error, 2 usage, 3 unreachable, 4 unauthorized.",
     )
+    env = client_env(DEFAULT_URL)
     p.add_argument(
         "--url",
         type=_url_arg,
-        default=os.environ.get("MEMSPEC_URL") or DEFAULT_URL,
+        default=env["url"],
         help="daemon URL (env MEMSPEC_URL, default %(default)s)",
     )
     p.add_argument(
         "--key",
-        default=os.environ.get("MEMSPEC_ADMIN_KEY"),
+        default=env["admin_key"],
         help="admin key, sent as a bearer token (env MEMSPEC_ADMIN_KEY)",
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("MEMSPEC_API_KEY"),
+        default=env["api_key"],
         help="key for /v1 (bench; env MEMSPEC_API_KEY; default: the admin key)",
     )
     p.add_argument(

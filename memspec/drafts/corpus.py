@@ -18,7 +18,6 @@ import hashlib
 import io
 import itertools
 import json
-import os
 import random
 import sys
 import sysconfig
@@ -30,6 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from memspec.backends.chat import ChatTemplate, resolve_chat_template
+from memspec.config import build_threads
 from memspec.paths import cache_dir
 
 SEEDS_FILE = Path(__file__).resolve().parent.parent.parent / "drafts" / "seeds" / "prompts.jsonl"
@@ -428,7 +428,7 @@ def package_texts(max_chars: int, seed: int = 0, include_docs: bool = True) -> I
 
 def default_threads() -> int:
     # Long corpus generation must leave the other core to whoever shares this machine.
-    return int(os.environ.get("MEMSPEC_BUILD_THREADS", "1"))
+    return build_threads()
 
 
 if __name__ == "__main__":  # quick manual run: python -m memspec.drafts.corpus N MAX_TOKENS

@@ -6,7 +6,6 @@ manifest's file must stay inside the models directory.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -14,6 +13,7 @@ from typing import Literal
 import tomllib
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
+from memspec.config import env_manifest_dir
 from memspec.errors import UnknownDraft
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -21,9 +21,9 @@ ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 def _default_manifest_dir() -> Path:
     """$MEMSPEC_MANIFEST_DIR, else drafts/ of a source checkout, else /etc/memspec/drafts."""
-    env = os.environ.get("MEMSPEC_MANIFEST_DIR")
-    if env:
-        return Path(env)
+    env = env_manifest_dir()
+    if env is not None:
+        return env
     checkout = Path(__file__).resolve().parent.parent.parent / "drafts"
     return checkout if checkout.is_dir() else Path("/etc/memspec/drafts")
 
@@ -141,7 +141,9 @@ def load_manifest(path: Path) -> DraftManifest:
     except ValidationError as e:
         errs = "; ".join(f"field '{'.'.join(map(str, x['loc']))}': {x['msg']}" for x in e.errors())
         raise ManifestError(f"{path}: {errs}") from e
-    if m.kind in ("model", "datastore", "head") and not m.file:
+    from memspec.drafts.registry import draft_kind  # the registry builds on manifests
+
+    if draft_kind(m.kind).has_file and not m.file:
         raise ManifestError(f"{path}: field 'file': required for kind '{m.kind}'")
     m.source_path = path
     return m

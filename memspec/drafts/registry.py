@@ -1,6 +1,13 @@
-"""Turn a validated manifest into a live Draft (one place that knows every draft kind)."""
+"""Every draft kind: what the rest of the package needs to know of it, and how a validated
+manifest becomes a live Draft. The one place that knows the kinds: memory sizing
+(memspec.memory.footprint), measuring (memspec.memory.probe) and the runtime's preload ask
+`draft_kind()` instead of naming kinds.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 from memspec.backends.base import Backend, BackendOptions, load_backend
 from memspec.drafts.compat import TokenizerFingerprint, require_compatible
@@ -11,8 +18,46 @@ from memspec.engine.types import Draft
 from memspec.errors import ModelLoadError
 from memspec.paths import models_dir
 
-# α before any round has been seen, per kind (the estimator moves off it within a request).
-PRIOR_ALPHA = {"model": 0.7, "prompt_lookup": 0.4, "datastore": 0.4, "head": 0.5}
+# How a kind's memory is modelled (memspec.memory.footprint.draft_footprint): "gguf" a model
+# file (weights, KV, logit rows), "head" its float16 tensors, "file" what its file holds once
+# read, "none" nothing beyond the context.
+Sizing = Literal["gguf", "head", "file", "none"]
+
+
+@dataclass(frozen=True)
+class DraftKind:
+    name: str
+    prior_alpha: float  # α before any round has been seen (the estimator moves off it)
+    sizing: Sizing
+    # A model of weights: preloaded after the light kinds, smallest first (Runtime).
+    weighty: bool = False
+    # Drafts from the target's hidden states: loads only beside a target that exposes them.
+    needs_target_features: bool = False
+
+    @property
+    def has_file(self) -> bool:
+        """Its weights or data are a file (the manifest must name it)."""
+        return self.sizing != "none"
+
+
+KINDS: dict[str, DraftKind] = {
+    k.name: k
+    for k in (
+        DraftKind("model", 0.7, "gguf", weighty=True),
+        DraftKind("prompt_lookup", 0.4, "none"),
+        DraftKind("datastore", 0.4, "file"),
+        DraftKind("head", 0.5, "head", weighty=True, needs_target_features=True),
+    )
+}
+UNKNOWN_KIND = DraftKind("unknown", 0.5, "file")  # a kind of a newer manifest: sized by file
+
+# α before any round has been seen, per kind.
+PRIOR_ALPHA = {name: k.prior_alpha for name, k in KINDS.items()}
+
+
+def draft_kind(name: str) -> DraftKind:
+    """What the package knows of a draft kind (UNKNOWN_KIND for a name it does not know)."""
+    return KINDS.get(name, UNKNOWN_KIND)
 
 
 def instantiate(

@@ -168,24 +168,28 @@ def draft_footprint(
     params: dict | None = None,
     n_gpu_layers: int = 0,
 ) -> Footprint:
-    """A draft's footprint by kind. Model drafts: from the GGUF (one logit row per step).
+    """A draft's footprint, as its kind is sized (memspec.drafts.registry: DraftKind.sizing).
 
-    Drafts without weights (prompt lookup) take nothing beyond the context. Other kinds (e.g. a
-    retrieval datastore) take `params.memory_bytes` when the manifest states it, else what their
-    file holds: they are read into memory whole (an .npz: its arrays, uncompressed).
+    A GGUF model draft: from the file (one logit row per step). Drafts without weights (prompt
+    lookup) take nothing beyond the context. Others (e.g. a retrieval datastore) take
+    `params.memory_bytes` when the manifest states it, else what their file holds: they are
+    read into memory whole (an .npz: its arrays, uncompressed).
     """
+    from memspec.drafts.registry import draft_kind
+
+    sizing = draft_kind(kind).sizing
     params = params or {}
     if "memory_bytes" in params:
         return Footprint(weights=int(params["memory_bytes"]))
-    if kind == "model":
+    if sizing == "gguf":
         if path is None:
-            raise ValueError("a model draft needs a file")
+            raise ValueError(f"a {kind} draft needs a file")
         return model_footprint(read_shape(path), n_ctx, 1, n_gpu_layers=n_gpu_layers)
-    if kind == "prompt_lookup" or path is None:
+    if sizing == "none" or path is None:
         return Footprint()
     if not path.is_file():
         raise ModelLoadError(f"draft file not found: {path}", param="draft")
-    if kind == "head":  # its float16 tensors, plus the token -> sub-vocabulary index
+    if sizing == "head":  # its float16 tensors, plus the token -> sub-vocabulary index
         from memspec.drafts.head import head_bytes
 
         return Footprint(weights=head_bytes(path))

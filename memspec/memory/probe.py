@@ -108,20 +108,21 @@ def measure_draft(
     kinds (prompt lookup, datastores) are measured right after loading, beside `resident`."""
     from memspec.backends.base import BackendOptions, load_backend
     from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
-    from memspec.drafts.registry import instantiate
+    from memspec.drafts.registry import draft_kind, instantiate
     from memspec.paths import models_dir
 
     m = load_manifests(manifest_dir or DEFAULT_MANIFEST_DIR)[draft_id]
-    if m.kind == "model":
+    kind = draft_kind(m.kind)
+    if kind.sizing == "gguf":  # a model file: driven like a target
         r = measure_model(m.model_path(models_dir()), n_ctx, 1, n_threads, resident)
         return {"id": draft_id, "kind": m.kind, **r}
     opts = BackendOptions(n_ctx=n_ctx, n_threads=n_threads)
     # A head drafts from the resident target's features (it must be given one).
-    keep_opts = BackendOptions(n_ctx=256, features=m.kind == "head")
+    keep_opts = BackendOptions(n_ctx=256, features=kind.needs_target_features)
     keep = load_backend(resident, keep_opts) if resident else None
     # The kind's code is imported once per process, and is not measured. (A head's loaded
     # then closed tensors would stay in the C heap and the measured load reuse them.)
-    if m.kind == "head":
+    if kind.needs_target_features:
         _warm_head()
     else:
         instantiate(m, opts, "llama_cpp", target_backend=keep).close()

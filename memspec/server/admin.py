@@ -18,10 +18,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import psutil
 from fastapi import APIRouter, Body, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -29,15 +27,14 @@ import memspec
 from memspec import telemetry
 from memspec.config import Settings
 from memspec.doctor import kernel_report
-from memspec.errors import BudgetExceeded, InvalidRequest
-from memspec.memory.limits import budget_ceiling
+from memspec.errors import InvalidRequest
 from memspec.server.auth import require_admin_key
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.errors import UnsupportedMediaType
 from memspec.server.openai_schema import ERROR_RESPONSES, ErrorResponse
-from memspec.server.state import TUNABLE, clear_state, load_state, save_state, state_path
+from memspec.server.state import TUNABLE
 from memspec.server.worker import EngineWorker
-from memspec.units import format_size, parse_size
+from memspec.units import parse_size
 
 log = logging.getLogger("memspec.server")
 
@@ -112,14 +109,15 @@ def draft_rows(ctx: ServerContext) -> list[dict[str, Any]]:
 
 
 def tuned_settings(ctx: ServerContext) -> dict[str, Any]:
-    s = ctx.settings
+    """The tunable settings now, and the budget in bytes the working set holds."""
+    values = ctx.worker.tuning.values()
     return {
-        "budget": s.budget,
-        "budget_bytes": s.budget_bytes,
-        "policy": s.policy,
-        "k_max": s.k_max,
-        "n_ctx": s.n_ctx,
-        "parallel": s.parallel,
+        "budget": values["budget"],
+        "budget_bytes": ctx.worker.budget_bytes,
+        "policy": values["policy"],
+        "k_max": values["k_max"],
+        "n_ctx": values["n_ctx"],
+        "parallel": values["parallel"],
     }
 
 
@@ -170,7 +168,7 @@ def status(ctx: ServerContext) -> dict[str, Any]:
         "policy": s.policy,
         "k_max": s.k_max,
         "n_ctx": n_ctx,
-        "budget_bytes": s.budget_bytes,
+        "budget_bytes": w.budget_bytes,
         "used_bytes": {"measured": measured, "modelled": modelled},
         "memory": snap,
         "queue": {"depth": w.queue_depth, "max": s.max_queue, "busy": w.busy},
@@ -233,94 +231,12 @@ async def draft_action(
     return {"ok": True, "draft": row}
 
 
-def check_tune(worker: EngineWorker, changes: dict[str, Any]) -> None:
-    """Refuse (400) what could never run, before anything is written: an unknown policy, a
-    budget below what the target needs or above the machine's memory. Persisting such a value
-    would break every request, or keep the daemon from starting again after a restart."""
-    rt = worker.runtime
-    if "policy" in changes:
-        if rt is not None and changes["policy"] not in rt.policies:
-            raise InvalidRequest(
-                f"unknown policy {changes['policy']!r}; known: {', '.join(sorted(rt.policies))}",
-                param="policy",
-                code="invalid_value",
-            )
-    if "budget" in changes:
-        budget = parse_size(changes["budget"])
-        ceiling = budget_ceiling() or (psutil.virtual_memory().total, "this machine's memory")
-        if budget > ceiling[0]:
-            # Persisted, such a budget gets the daemon OOM-killed at every start.
-            raise InvalidRequest(
-                f"budget {format_size(budget)} exceeds {ceiling[1]} ({format_size(ceiling[0])})",
-                param="budget",
-                code="invalid_value",
-            )
-        reserved = rt.reserved_bytes if rt is not None else 0
-        if "n_ctx" not in changes and "parallel" not in changes and budget < reserved:
-            raise InvalidRequest(
-                f"budget {format_size(budget)} is below what the target needs at n_ctx "
-                f"{worker.settings.n_ctx} ({format_size(reserved)}); see `memspec plan`",
-                param="budget",
-                code="budget_too_small",
-            )
-
-
-def _as_tune_error(e: BudgetExceeded, changes: dict[str, Any]) -> InvalidRequest:
-    """A tune that does not fit is the caller's request to fix (400), not a server fault."""
-    param = next((k for k in ("budget", "n_ctx", "parallel") if k in changes), e.param)
-    return InvalidRequest(e.message, param=param, code="budget_too_small")
-
-
-def apply_tune(
-    worker: EngineWorker, changes: dict[str, Any], path: Path, persist: dict[str, Any] | None
-) -> None:
-    """Engine thread: check, persist (`persist`: the new file; None: merged into the old),
-    apply; on any failure put settings, budget and file back as they were."""
-    check_tune(worker, changes)
-    s = worker.settings
-    before = {k: getattr(s, k) for k in TUNABLE}
-    persisted = load_state(path)
-    save_state(path, {**persisted, **changes} if persist is None else persist)  # 507 first
-    budget_applied = False
-    try:
-        rt = worker.runtime
-        if "budget" in changes and rt is not None:  # evicts to fit; raises if pinned block
-            rt.set_budget(parse_size(changes["budget"]))
-            budget_applied = True
-        for key in ("budget", "policy", "k_max"):
-            if key in changes:
-                setattr(s, key, changes[key])  # as sent ("1.5GiB"), as persisted
-                if rt is not None and rt.settings is not s:
-                    setattr(rt.settings, key, changes[key])
-        n_ctx, parallel = changes.get("n_ctx", s.n_ctx), changes.get("parallel", s.parallel)
-        if (n_ctx, parallel) != (s.n_ctx, s.parallel):
-            worker.reload_runtime(n_ctx, parallel)
-        worker.prefix_cache.shrink()
-    except BaseException as e:
-        for key, value in before.items():
-            setattr(s, key, value)
-        rt = worker.runtime
-        if budget_applied and rt is not None:
-            try:
-                rt.set_budget(parse_size(before["budget"]))
-            except Exception:  # noqa: BLE001 - the original error is the one to report
-                log.exception("could not restore the budget")
-        try:
-            save_state(path, persisted)
-        except Exception:  # noqa: BLE001 - the original error is the one to report
-            log.exception("could not roll back %s", path)
-        if isinstance(e, BudgetExceeded):
-            raise _as_tune_error(e, changes) from e
-        raise
-
-
 @router.post("/tune")
 async def tune(body: Annotated[TuneRequest, Body()], ctx: Ctx) -> dict[str, Any]:
     changes = body.model_dump(exclude_none=True)
     if not changes:
         raise InvalidRequest(f"nothing to tune: send any of {', '.join(TUNABLE)}")
-    path = state_path(ctx.settings)
-    await ctx.control(lambda w: apply_tune(w, changes, path, None), "tune")
+    await ctx.control(lambda w: w.tuning.tune(w, changes), "tune")
     log.info("admin: tuned %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
     return {"ok": True, "settings": tuned_settings(ctx)}
 
@@ -329,16 +245,6 @@ async def tune(body: Annotated[TuneRequest, Body()], ctx: Ctx) -> dict[str, Any]
 async def reset(ctx: Ctx) -> dict[str, Any]:
     """Undo every tune: the configured settings (flags, env, TOML, defaults) again, live, and
     no tuned file left to apply at the next start."""
-    path = state_path(ctx.settings)
-
-    def run(worker: EngineWorker) -> list[str]:
-        s = worker.settings
-        changes = {k: v for k, v in ctx.configured.items() if getattr(s, k) != v}
-        if changes:
-            apply_tune(worker, changes, path, {})
-        clear_state(path)
-        return sorted(changes)
-
-    changed = await ctx.control(run, "reset")
+    changed = await ctx.control(lambda w: w.tuning.reset(w), "reset")
     log.info("admin: reset to the configured settings (%s)", ", ".join(changed) or "no change")
     return {"ok": True, "reset": changed, "settings": tuned_settings(ctx)}

@@ -24,11 +24,12 @@ from memspec.config import Settings
 from memspec.server import admin, openai_api
 from memspec.server.auth import fully_keyed
 from memspec.server.context import Ctx, ServerContext
+from memspec.server.engine_state import EngineState
 from memspec.server.errors import error_body, install_error_handlers
 from memspec.server.metrics import CONTENT_TYPE, LiveValues, Metrics
 from memspec.server.middleware import BodyLimit, HostGuard, RequestMetrics
 from memspec.server.notify import Notifier
-from memspec.server.state import TUNABLE, start_ready, state_path
+from memspec.server.state import start_ready
 from memspec.server.worker import EngineWorker
 from memspec.units import parse_size
 
@@ -50,7 +51,7 @@ class Lifecycle:
         self._maybe_ready()
 
     def on_engine_ready(self) -> None:  # engine thread
-        if self.ctx.worker.state == "ready":
+        if self.ctx.worker.state is EngineState.READY:
             log.info("models loaded; engine ready")
             if self._ready_sent:  # READY went out while it waited for a device
                 self.ctx.notifier.status(f"serving {self.ctx.model_id}")
@@ -65,12 +66,12 @@ class Lifecycle:
                 self._ready_sent
                 or ctx.shutting_down
                 or not ctx.listening
-                or ctx.worker.state not in ("ready", "waiting_for_device")
+                or ctx.worker.state not in (EngineState.READY, EngineState.WAITING_FOR_DEVICE)
             ):
                 return
             self._ready_sent = True
-        start_ready(state_path(ctx.settings))  # the tuned state, if any, can start
-        if ctx.worker.state == "waiting_for_device":
+        start_ready(ctx.worker.tuning.path)  # the tuned state, if any, can start
+        if ctx.worker.state is EngineState.WAITING_FOR_DEVICE:
             ctx.notifier.ready(f"waiting for a device: {ctx.worker.error}")
             log.info("started; waiting for a device: %s", ctx.worker.error)
             return
@@ -106,7 +107,7 @@ class Lifecycle:
 def _live_values(ctx: ServerContext) -> Callable[[], LiveValues]:
     def read() -> LiveValues:
         return LiveValues(
-            budget_bytes=ctx.settings.budget_bytes,
+            budget_bytes=ctx.worker.budget_bytes,
             queue_depth=ctx.worker.queue_depth,
             active_slots=ctx.worker.active_slots,
             slots=ctx.worker.slots,
@@ -126,11 +127,9 @@ def create_app(
     """`fallback`: the settings without the tuned state, tried if the tuned ones cannot load."""
     metrics = Metrics()
     ctx = ServerContext(
-        settings=settings,
         worker=EngineWorker(settings, metrics, runtime_factory, fallback=fallback),
         metrics=metrics,
         notifier=Notifier(environ),
-        configured={k: getattr(fallback or settings, k) for k in TUNABLE},
     )
     life = Lifecycle(ctx)
     ctx.worker._on_ready = life.on_engine_ready
@@ -172,7 +171,7 @@ def create_app(
         w = ctx.worker
         if ctx.shutting_down:
             state = "shutting_down"
-        elif w.state == "ready" and ctx.listening:
+        elif w.state is EngineState.READY and ctx.listening:
             return JSONResponse({"status": "ok", "model": ctx.model_id, "uptime_s": ctx.uptime_s})
         else:
             state = w.state

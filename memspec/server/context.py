@@ -1,4 +1,7 @@
-"""What every route needs: settings, the engine worker, metrics, the notifier, lifecycle flags."""
+"""What every route needs: settings, the engine worker, metrics, the notifier, lifecycle flags.
+
+The settings are the engine worker's: frozen, and replaced by its Tuning when tuned live.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +22,6 @@ from memspec.server.worker import ControlJob, Done, EngineWorker, Failed
 
 @dataclass
 class ServerContext:
-    settings: Settings
     worker: EngineWorker
     metrics: Metrics
     notifier: Notifier
@@ -29,9 +31,12 @@ class ServerContext:
     shutting_down: bool = False
     exit_code: int = 0
     request_exit: Callable[[int], None] | None = None  # set by the process runner
-    # The tunable settings as configured (flags, env, TOML, defaults): what a reset restores.
-    configured: dict[str, Any] = field(default_factory=dict)
     _model_id: str | None = field(default=None, repr=False)
+
+    @property
+    def settings(self) -> Settings:
+        """The settings now (the tuned ones, as the engine runs with them)."""
+        return self.worker.settings
 
     @property
     def model_id(self) -> str | None:

@@ -15,6 +15,8 @@ import os
 import socket
 from collections.abc import Callable
 
+from memspec.config import systemd_env
+
 log = logging.getLogger("memspec.server")
 
 
@@ -28,7 +30,7 @@ def _address(raw: str) -> str | None:
 
 class Notifier:
     def __init__(self, environ: dict[str, str] | None = None):
-        env = os.environ if environ is None else environ
+        env = systemd_env() if environ is None else environ
         raw = env.get("NOTIFY_SOCKET", "")
         self.address = _address(raw) if raw else None
         if raw and self.address is None:

@@ -31,11 +31,12 @@ from memspec.backends.chat import ChatTemplate
 from memspec.engine.fim import FimRequest
 from memspec.engine.sampling import TokenLogprob
 from memspec.engine.speculative import Generation
-from memspec.errors import DeviceUnavailable, InvalidRequest
+from memspec.errors import InvalidRequest
 from memspec.runtime import ClientRequest
 from memspec.server import tools
 from memspec.server.auth import request_partition, require_api_key
 from memspec.server.context import Ctx, ServerContext
+from memspec.server.engine_state import state_error
 from memspec.server.errors import NotReady, UnknownModel, as_memspec_error, error_json
 from memspec.server.openai_schema import (
     ERROR_RESPONSES,
@@ -150,11 +151,9 @@ def served_model(ctx: ServerContext) -> str:
     model_id = ctx.model_id
     if model_id is None:
         w = ctx.worker
-        if w.state == "failed":
-            raise NotReady(f"models failed to load: {w.error}", code="model_load_failed")
-        if w.state == "waiting_for_device":
-            raise DeviceUnavailable(f"the target cannot load: {w.error}")
-        raise NotReady("models are loading; retry shortly", code="model_loading")
+        # No id yet: the target has not loaded (a reload keeps the id), so never served.
+        refused = state_error(w.state, w.error)
+        raise refused or NotReady("models are loading; retry shortly", code="model_loading")
     return model_id
 
 

@@ -20,9 +20,11 @@ from pydantic import ValidationError
 
 from memspec.config import Settings
 from memspec.net import is_loopback
+from memspec.paths import use_data_dir
 from memspec.server.app import Lifecycle, create_app
 from memspec.server.auth import configured
 from memspec.server.context import ServerContext
+from memspec.server.engine_state import EngineState
 from memspec.server.http import protocol_for
 from memspec.server.state import TUNABLE, load_state, note_start, reject_state, state_path
 
@@ -65,6 +67,7 @@ def load_settings_and_base(
     start, and move aside a tuned file that preceded `tune_failed_starts` failed starts."""
     cli = {k: v for k, v in cli.items() if v is not None}
     base = Settings.load(config_file, **cli)
+    use_data_dir(base.data_dir)  # the daemon's models, data and state (not tunable)
     path = state_path(base)
     if starting:
         configure_logging(base.log_level)  # not tunable: the same level the daemon runs at
@@ -169,9 +172,9 @@ def serve(
     )
     server.run(sockets=[sock])
     state = ctx.worker.state
-    if state not in ("stopped", "failed", "starting"):
+    if state not in (EngineState.STOPPED, EngineState.FAILED, EngineState.STARTING):
         # The engine thread is still inside llama.cpp: do not run interpreter teardown under
         # it. Still loading (a stop during start-up) is a clean exit; anything else is stuck.
         logging.shutdown()
-        os._exit(ctx.exit_code if state == "loading" else (ctx.exit_code or 1))
+        os._exit(ctx.exit_code if state is EngineState.LOADING else (ctx.exit_code or 1))
     return ctx.exit_code

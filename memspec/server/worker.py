@@ -11,6 +11,8 @@ job streams events back to the asyncio side: `Token` per text delta, then `Done`
 The thread loads the Runtime itself (the HTTP server is already answering /health with 503),
 beats a heartbeat while idle and per token (the systemd watchdog pings only while it is fresh),
 and turns any exception from the engine into a clean per-request error: the next job runs.
+Its states are memspec.server.engine_state's; it owns the live settings (`tuning`,
+memspec.server.tuning), which tune and reset replace as control jobs.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from memspec.engine.prefix_cache import PrefixCache
 from memspec.engine.speculative import Sequence
 from memspec.errors import DeviceUnavailable, MemSpecError
 from memspec.runtime import ClientRequest, Runtime
+from memspec.server.engine_state import LIVE, EngineState, state_error
 from memspec.server.errors import NotReady, QueueFull
 from memspec.server.metrics import Metrics
-from memspec.server.state import TUNABLE, reject_state, state_path
+from memspec.server.tuning import Tuning
 from memspec.units import parse_size
 
 log = logging.getLogger("memspec.server")
@@ -112,15 +115,16 @@ class EngineWorker:
         on_fatal: Callable[[BaseException], None] | None = None,
         fallback: Settings | None = None,
     ):
-        self.settings = settings
-        self._fallback = fallback  # the configured settings, without the tuned state
+        # The live tunable settings (tune, reset, tuned.json); `fallback`: the configured
+        # settings without the tuned state, tried if the tuned ones cannot load.
+        self.tuning = Tuning(settings, fallback)
         self.warnings: list[str] = []  # what the daemon runs without, and why (status)
         self.metrics = metrics
         self._factory = runtime_factory or functools.partial(Runtime, batched=True)
         self._on_ready = on_ready
         self._on_fatal = on_fatal
         self.runtime: Runtime | None = None
-        self.state = "starting"  # loading | ready | reloading | failed | stopping | stopped
+        self.state = EngineState.STARTING
         self.error: str | None = None
         self._cond = threading.Condition()
         self._queue: deque[GenerateJob] = deque()
@@ -137,6 +141,17 @@ class EngineWorker:
         self._recent: deque[tuple[float, int, float]] = deque(maxlen=256)  # (end, tokens, s)
         self.prefix_cache = PrefixCache(self._cache_capacity)
 
+    @property
+    def settings(self) -> Settings:
+        """The settings the engine runs with now (frozen; a tune replaces them)."""
+        return self.tuning.current
+
+    @property
+    def budget_bytes(self) -> int:
+        """The budget now: the runtime's working set holds it once loaded."""
+        rt = self.runtime
+        return rt.budget_bytes if rt is not None else self.settings.budget_bytes
+
     # --- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         self._thread = threading.Thread(target=self._main, name="memspec-engine", daemon=True)
@@ -144,7 +159,7 @@ class EngineWorker:
 
     @property
     def ready(self) -> bool:
-        return self.state == "ready" and self._accepting
+        return self.state is EngineState.READY and self._accepting
 
     @property
     def heartbeat_age_s(self) -> float:
@@ -153,10 +168,7 @@ class EngineWorker:
     def healthy(self, stale_s: float) -> bool:
         """Ready and the engine thread beat within `stale_s` (a stuck engine stops beating)."""
         # Waiting for a device is healthy: the engine beats, and a restart would not help.
-        waiting = ("waiting_for_device", "device_lost")
-        return self.state in ("ready", "reloading", *waiting) and (
-            time.monotonic() - self.heartbeat < stale_s
-        )
+        return self.state in LIVE and time.monotonic() - self.heartbeat < stale_s
 
     def stop_accepting(self) -> None:
         """Shutdown, phase 1: refuse new jobs, fail the waiting ones."""
@@ -218,12 +230,9 @@ class EngineWorker:
         with self._cond:
             if not self._accepting or self._stop:
                 raise NotReady("the daemon is shutting down", code="shutting_down")
-            if self.state in ("starting", "loading"):
-                raise NotReady("models are loading; retry shortly", code="model_loading")
-            if self.state == "failed":
-                raise NotReady(f"models failed to load: {self.error}", code="model_load_failed")
-            if self.state in ("waiting_for_device", "device_lost"):
-                raise DeviceUnavailable(f"the target cannot run: {self.error}")
+            refused = state_error(self.state, self.error)
+            if refused is not None:
+                raise refused
             if isinstance(job, ControlJob):
                 # Bounded: each admin job holds back new generations while it waits.
                 if len(self._control) >= self.settings.admin_queue:
@@ -247,19 +256,19 @@ class EngineWorker:
 
     # --- the thread -----------------------------------------------------------------------
     def _main(self) -> None:
-        self.state = "loading"
+        self.state = EngineState.LOADING
         try:
             self.runtime = self._load_when_devices_answer()
             if self.runtime is None:  # stopped while waiting
-                self.state = "stopped"
+                self.state = EngineState.STOPPED
                 return
         except BaseException as e:  # noqa: BLE001 - reported, then the daemon exits
-            self.state, self.error = "failed", str(getattr(e, "message", e))
+            self.state, self.error = EngineState.FAILED, str(getattr(e, "message", e))
             log.error("loading models failed: %s", self.error)
             if self._on_fatal is not None:
                 self._on_fatal(e)
             return
-        self.state, self.error = "ready", None
+        self.state, self.error = EngineState.READY, None
         self.heartbeat = time.monotonic()
         self._beat_through_waits(self.runtime)
         self._observe_residency()
@@ -268,12 +277,12 @@ class EngineWorker:
         try:
             self._loop()
         finally:
-            self.state = "stopping"
+            self.state = EngineState.STOPPING
             try:
                 if self.runtime is not None:
                     self.runtime.close()
             finally:
-                self.state = "stopped"
+                self.state = EngineState.STOPPED
 
     def _load_when_devices_answer(self) -> Runtime | None:
         """The first load; while an RPC worker the target is split over cannot be reached, the
@@ -282,9 +291,9 @@ class EngineWorker:
             try:
                 return self._first_load()
             except DeviceUnavailable as e:
-                if self.state != "waiting_for_device":
+                if self.state is not EngineState.WAITING_FOR_DEVICE:
                     log.error("waiting for a device: %s", e.message)
-                    self.state, self.error = "waiting_for_device", e.message
+                    self.state, self.error = EngineState.WAITING_FOR_DEVICE, e.message
                     if self._on_ready is not None:  # up (503 with the reason): READY to systemd
                         self._on_ready()
                 self.error = e.message
@@ -305,17 +314,13 @@ class EngineWorker:
         except DeviceUnavailable:  # not the tune's fault: wait for the device, keep the tune
             raise
         except Exception as e:
-            if self._fallback is None:
+            if not self.tuning.tuned_at_start:
                 raise
             why = str(getattr(e, "message", e))
-            tuned = sorted(
-                k for k in TUNABLE if getattr(self.settings, k) != getattr(self._fallback, k)
-            )
+            tuned = self.tuning.fall_back()
             log.error("loading with the tuned settings %s failed: %s; trying without", tuned, why)
-            for key in TUNABLE:
-                setattr(self.settings, key, getattr(self._fallback, key))
             rt = self._factory(self.settings)
-            aside = reject_state(state_path(self.settings))
+            aside = self.tuning.reject_file()
             where = f"set aside as {aside}" if aside else "could not be set aside"
             self.warnings.append(
                 f"tuned settings {', '.join(tuned)} were not applied at start ({why}); "
@@ -346,13 +351,12 @@ class EngineWorker:
         name = self.settings.policy
         if name in known:
             return
-        fb = self._fallback.policy if self._fallback is not None else None
+        fb = self.tuning.configured.policy if self.tuning.tuned_at_start else None
         use = fb if fb in known else "auto" if "auto" in known else None
         if use is None:
             return
-        self.settings.policy = use
-        if self._fallback is not None and name != fb:  # it came from the tuned state
-            reject_state(state_path(self.settings), keys=["policy"])
+        self.tuning.replace_policy(use)
+        self.tuning.hand_to_runtime(rt)
         msg = f"policy {name!r} is unknown (known: {', '.join(sorted(known))}); using {use!r}"
         log.error(msg)
         self.warnings.append(msg)
@@ -361,7 +365,7 @@ class EngineWorker:
         """Admit waiting generations into free slots, run a round, repeat; control jobs run
         when no generation is active (none joins while one waits)."""
         while True:
-            if self.state == "device_lost" and not self._active:
+            if self.state is EngineState.DEVICE_LOST and not self._active:
                 if not (self._stop or not self._accepting) and self._restore_device():
                     continue
                 with self._cond:
@@ -412,10 +416,10 @@ class EngineWorker:
         """A target whose RPC worker was lost (backends/isolated.py): its requests have failed;
         the daemon stops taking new ones until the worker is back."""
         lost = getattr(self.runtime.target, "lost", None) if self.runtime else None
-        if lost is None or self.state == "device_lost":
+        if lost is None or self.state is EngineState.DEVICE_LOST:
             return
         with self._cond:
-            self.state, self.error = "device_lost", lost
+            self.state, self.error = EngineState.DEVICE_LOST, lost
             waiting = list(self._queue)
             self._queue.clear()
         for job in waiting:
@@ -435,7 +439,7 @@ class EngineWorker:
             self.error = str(e)
             return False
         log.info("the target's devices answer again; serving")
-        self.state, self.error = "ready", None
+        self.state, self.error = EngineState.READY, None
         return True
 
     def _run_control(self, job: ControlJob) -> None:
@@ -555,47 +559,45 @@ class EngineWorker:
         resident = [r["id"] for r in rows if r["resident"]]
         pinned = [r["id"] for r in rows if r["pinned"]]
         old, old_parallel = self.settings.n_ctx, self.settings.parallel
-        self.state = "reloading"
+        self.state = EngineState.RELOADING
         self.prefix_cache.clear()
         self.runtime = None
         rt.close()
-        self.settings.drafts = resident
         try:
-            self.settings.n_ctx = n_ctx
-            if parallel is not None:
-                self.settings.parallel = parallel
-            self._load(pinned)
+            self.tuning.set_shape(n_ctx, parallel)
+            self._load(pinned, resident)
         except BaseException:
-            self.settings.n_ctx, self.settings.parallel = old, old_parallel
+            self.tuning.set_shape(old, old_parallel)
             try:
-                self._load_waiting_for_devices(pinned)
+                self._load_waiting_for_devices(pinned, resident)
             except BaseException as e:
-                self.state, self.error = "failed", str(getattr(e, "message", e))
+                self.state, self.error = EngineState.FAILED, str(getattr(e, "message", e))
                 if self._on_fatal is not None:
                     self._on_fatal(e)
                 raise
             raise
 
-    def _load_waiting_for_devices(self, pinned: list[str]) -> None:
+    def _load_waiting_for_devices(self, pinned: list[str], drafts: list[str]) -> None:
         """_load; while an RPC worker is unreachable, wait for it (state waiting_for_device)
         rather than fail the daemon over a device that may come back."""
         while True:
             try:
-                self._load(pinned)
+                self._load(pinned, drafts)
                 return
             except DeviceUnavailable as e:
-                self.state, self.error = "waiting_for_device", e.message
+                self.state, self.error = EngineState.WAITING_FOR_DEVICE, e.message
             with self._cond:
                 self.heartbeat = time.monotonic()
                 if self._stop:
                     raise NotReady("the daemon is shutting down", code="shutting_down")
                 self._cond.wait(DEVICE_RETRY_S)
 
-    def _load(self, pinned: list[str]) -> None:
-        rt = self.runtime = self._factory(self.settings)
+    def _load(self, pinned: list[str], drafts: list[str]) -> None:
+        """A new Runtime on the settings now, preloading `drafts` (those resident before)."""
+        rt = self.runtime = self._factory(self.settings.model_copy(update={"drafts": drafts}))
         for draft_id in pinned:
             rt.pin(draft_id, True)
-        self.state, self.error = "ready", None
+        self.state, self.error = EngineState.READY, None
         self.heartbeat = time.monotonic()
         self._beat_through_waits(rt)
 
@@ -620,7 +622,7 @@ class EngineWorker:
         rt = self.runtime
         if rt is None or cap <= 0:
             return 0
-        return max(0, min(cap, self.settings.budget_bytes - rt.modelled_bytes()))
+        return max(0, min(cap, rt.budget_bytes - rt.modelled_bytes()))
 
     # --- status ---------------------------------------------------------------------------
     def tokens_per_s_recent(self, window_s: float = 60.0) -> float:
