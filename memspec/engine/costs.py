@@ -25,6 +25,18 @@ from typing import TypeVar
 D = TypeVar("D")  # whatever names a draft to the caller: an id, a Draft
 
 
+@dataclass(frozen=True)
+class RoundCosts:
+    """One round as measured, what a CostModel corrects itself by."""
+
+    draft_id: str | None  # the draft that proposed (None: no draft)
+    drafted: int  # tokens it proposed: the target verified drafted + 1
+    draft_s: float  # the draft's seconds, catch-up included
+    catchup_tokens: int  # context tokens the draft fed before proposing
+    verify_s: float  # the target's seconds verifying
+    first_s: float = 0.0  # of draft_s, its first forward's (the catch-up); 0: not known
+
+
 def expected_tokens(alpha: float, k: int, alpha_cont: float | None = None) -> float:
     """Expected tokens per round (accepted prefix + the target's own token).
 
@@ -83,36 +95,29 @@ class CostModel:
     _log_scale: float | None = field(default=None, repr=False)  # mean log(measured / calib.)
     _published: dict[object, float] = field(default_factory=dict, repr=False)
 
-    def observe(
-        self,
-        draft_id: str | None,
-        drafted: int,
-        draft_s: float,
-        gap: int,
-        verify_s: float,
-        first_s: float = 0.0,
-    ) -> None:
+    def observe(self, m: RoundCosts) -> None:
         """One round as measured: the target verified drafted + 1 tokens in verify_s; the
-        draft (if a model draft, with a catch-up of `gap` tokens) took draft_s, of which
+        draft (if a model draft, with a catch-up of `catchup_tokens`) took draft_s, of which
         first_s (when known) was its first forward."""
-        batch = drafted + 1
-        if verify_s > 0:
-            self._update(self._verify_seen, batch, verify_s)
-            ratio = math.log(verify_s / max(self._calibrated_verify(batch), 1e-9))
+        batch = m.drafted + 1
+        if m.verify_s > 0:
+            self._update(self._verify_seen, batch, m.verify_s)
+            ratio = math.log(m.verify_s / max(self._calibrated_verify(batch), 1e-9))
             old = self._log_scale
             self._log_scale = ratio if old is None else old + COST_EMA * (ratio - old)
             self._republish(("verify", batch), self.verify(batch))
-        if draft_id in self.draft_s and drafted > 0 and draft_s > 0 and gap <= 2:
-            if first_s <= 0:
-                self._update(self._draft_seen, draft_id, draft_s / drafted)
+        d = m.draft_id
+        if d in self.draft_s and m.drafted > 0 and m.draft_s > 0 and m.catchup_tokens <= 2:
+            if m.first_s <= 0:
+                self._update(self._draft_seen, d, m.draft_s / m.drafted)
             else:  # the first forward and the later steps, each on its own
-                self._update(self._first_seen, draft_id, first_s)
-                self._republish(("first", draft_id), self._first_seen[draft_id])
-                if drafted > 1:
-                    steps = max(draft_s - first_s, 0.0) / (drafted - 1)
-                    self._update(self._draft_seen, draft_id, steps)
-            if draft_id in self._draft_seen:
-                self._republish(("draft", draft_id), self._draft_seen[draft_id])
+                self._update(self._first_seen, d, m.first_s)
+                self._republish(("first", d), self._first_seen[d])
+                if m.drafted > 1:
+                    steps = max(m.draft_s - m.first_s, 0.0) / (m.drafted - 1)
+                    self._update(self._draft_seen, d, steps)
+            if d in self._draft_seen:
+                self._republish(("draft", d), self._draft_seen[d])
 
     def observe_batch(self, n_tokens: int, seconds: float) -> None:
         """One batched forward pass as measured (n_tokens over all its sequences)."""
@@ -174,7 +179,8 @@ class CostModel:
             return seen
         scale = 1.0 if self._log_scale is None else math.exp(self._log_scale)
         # A larger batch never costs less than a smaller one measured.
-        floor = max((v for b, v in self._verify_seen.items() if b < batch), default=0.0)
+        seen = self._verify_seen
+        floor = max((v for b, v in seen.items() if b < batch), default=0.0) if seen else 0.0
         return max(self._calibrated_verify(batch) * scale, floor)
 
     def _calibrated_verify(self, batch: int) -> float:
@@ -219,10 +225,17 @@ class CostModel:
     ) -> tuple[int, float]:
         """The k (0 = don't draft) maximising tokens/s for this draft at acceptance alpha.
 
-        force: at least k = 1 when k_max allows, for a draft that must be tried (bandits)."""
+        force: at least k = 1 when k_max allows, for a draft that must be tried (bandits).
+        (rate() and round_seconds() for each k, with the draft's costs read once.)"""
         best_k, best_rate = 0, self.rate(None, alpha, 0)
+        step = self.draft_cost(draft_id)
+        first, overhead = (
+            self._first_seen.get(draft_id, step),
+            self.draft_overhead_s.get(draft_id, 0.0),
+        )
         for k in range(1, k_max + 1):
-            r = self.rate(draft_id, alpha, k, alpha_cont=alpha_cont)
+            seconds = first + step * (k - 1) + overhead + self.verify(k + 1)
+            r = expected_tokens(alpha, k, alpha_cont) / seconds
             if r > best_rate:
                 best_k, best_rate = k, r
         if force and best_k == 0 and k_max > 0:

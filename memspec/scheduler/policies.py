@@ -1,18 +1,20 @@
 """Scheduling policies: each round's (draft, k), and what the working set should hold.
 
-One interface, two runners: the live engine (memspec.scheduler.rounds adapts a Policy to the
-engine's RoundPolicy, over the real WorkingSet) and the trace simulator (memspec.sim), over a
-simulated one. A policy sees drafts by id, the device's measured costs, the working set's
-residency, and for cheap proposers (prompt lookup, ...) a peek at what they would propose now.
+One interface, one runner: memspec.scheduler.rounds.Scheduler adapts a Policy to the engine's
+RoundPolicy, over the real WorkingSet in the daemon and over the simulator's SimWorkingSet and
+trace-backed drafts in memspec.sim: the same code chooses a live and a simulated round. A
+policy sees drafts by id, the device's measured costs, the working set's residency, and for
+free proposers (prompt lookup, ...) a peek at what they would propose now.
 
 - `none`        plain target decoding.
 - `fixed:<id>`  always that draft, k by the decision rule (at least 1); loaded on first use.
 - `ucb`, `exp3` BanditSpec-style bandits over {none} ∪ drafts; reward = the round's measured
                 tokens/s (load stalls included); a chosen draft that is not resident is loaded
                 reactively, and the engine waits for it.
-- `memspec`     the predictor's α for every draft and the decision rule choose among the
-                *resident* drafts; the working set is told proactively what to hold, by
-                predicted seconds saved per byte; decoding never waits for a load.
+- `memspec`     plans what the working set holds, proactively, by predicted seconds saved per
+                byte; each round is the decision rule's over the *resident* drafts
+                (rounds_by_rule), its acceptance estimates primed with the predictor's α for
+                the prompt; decoding never waits for a load.
 - `oracle`      knows from traces which single draft is best for each prompt and its actual
                 acceptance (comparison only); same prefetch mechanism as memspec.
 """
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from memspec.drafts.registry import PRIOR_ALPHA  # the priors the engine's estimator uses
-from memspec.engine.costs import AcceptanceEstimator, CostModel, best_choice
+from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.memory.fill import fill_by_value
 from memspec.predictor.model import AcceptancePredictor, RequestState
 
@@ -49,15 +51,16 @@ LOOKUP_KINDS = frozenset({"prompt_lookup", "datastore"})
 class DraftInfo:
     id: str
     kind: str
-    bytes: int  # resident footprint; 0: nothing to load (always available)
+    bytes: int  # resident footprint; 0: nothing to load (always_resident)
     load_s: float = 0.0  # expected seconds of one load on this device
     shares_target_kv: bool = False  # a self-draft that copies the target's KV (no catch-up)
 
     @property
-    def peek(self) -> bool:
-        """Lookups are asked first: cheap and deterministic, their proposal length says
-        whether they apply. (A head samples its proposal: asking it before choosing would
-        make what is verified depend on what was drawn, and cost every round.)"""
+    def free(self) -> bool:
+        """Proposes without a forward pass of its own (Draft.free: lookups), so it is asked
+        (peeked) before choosing: cheap and deterministic, its proposal length says whether
+        it applies. (A head samples its proposal: asking it before choosing would make what
+        is verified depend on what was drawn, and cost every round.)"""
         return self.kind in LOOKUP_KINDS
 
     @property
@@ -69,6 +72,8 @@ class DraftInfo:
 
     @property
     def always_resident(self) -> bool:
+        """Has nothing to load (a lookup over the context; not the same as free: a datastore
+        is free to ask but has a table to load)."""
         return self.bytes == 0
 
 
@@ -97,12 +102,12 @@ class Round:
     peek: Callable[[str], tuple[str, int]]  # draft id -> (statistic key, tokens it proposes)
 
 
-class Policy(ABC):
+class Policy:
     name: str = "policy"
     # True: a chosen draft that is not resident is loaded on demand and the round waits.
     reactive: bool = False
     # True: the policy plans residency and learns, and the decision rule decides each round
-    # over the resident drafts, starting from round_priors() (choose() is the simulator's).
+    # over the resident drafts (scheduler.rounds.ResidentRule), starting from round_priors().
     rounds_by_rule: bool = False
 
     def round_priors(self) -> dict[str, float]:
@@ -121,9 +126,10 @@ class Policy(ABC):
     def begin(self, req: Request, ws: Residency) -> None:  # noqa: B027 - optional hook
         """A request starts: read its prompt, tell the working set what to hold."""
 
-    @abstractmethod
     def choose(self, rnd: Round, ws: Residency) -> tuple[str | None, int]:
-        """(draft id, k) for this round; (None, 0) decodes one token without a draft."""
+        """(draft id, k) for this round; (None, 0) decodes one token without a draft. A policy
+        whose rounds are the decision rule's (rounds_by_rule) has no choice of its own."""
+        raise NotImplementedError(f"{self.name}: its rounds are the decision rule's")
 
     def observe(  # noqa: B027 - optional hook
         self,
@@ -178,7 +184,7 @@ class Policy(ABC):
 
 def _limit(info: DraftInfo, rnd: Round, k_max: int) -> tuple[str, int]:
     """The statistic key and the most tokens this draft can propose this round."""
-    if info.peek:
+    if info.free:
         key, n = rnd.peek(info.id)
         return key, min(n, rnd.k_room, k_max)
     return info.id, min(k_max, rnd.k_room)
@@ -198,7 +204,7 @@ class NonePolicy(Policy):
         return None, 0
 
 
-class FixedPolicy(Policy):
+class FixedDraftPolicy(Policy):
     """One draft for every round; k from the decision rule on its running acceptance."""
 
     reactive = True
@@ -222,7 +228,7 @@ class FixedPolicy(Policy):
             self.est.update(key, proposed, accepted)
 
 
-class _Bandit(Policy):
+class _Bandit(Policy, ABC):
     """Arms: none and each draft. k per draft arm by the decision rule on the arm's observed
     acceptance (at least 1, so the arm is really tried). Rewards are the round's measured
     tokens/s over the best seen so far, in [0, 1]."""
@@ -327,8 +333,8 @@ class MemSpecPolicy(Policy):
     how often the best draft changed between requests), minus its load time when it is not
     resident yet. The working set keeps the most valuable draft, then the best value per byte
     that fits; loads run in the background while decoding goes on with what is resident.
-    Each round a model draft's rate is charged its catch-up (context it has not seen, e.g.
-    the whole prompt at first use) spread over the tokens still expected.
+    Its rounds are the decision rule's over the resident drafts (rounds_by_rule), primed with
+    the predictor's α for this prompt (round_priors); it learns from what they observe.
     """
 
     name = "memspec"
@@ -359,9 +365,6 @@ class MemSpecPolicy(Policy):
         self.mean_len = 0.0  # running mean output length (tokens)
         self.recent: dict[str, float] = {}  # seconds saved per token on recent requests
         self.plan: dict[str, float] = {}
-        self._drafts = [
-            (d.id, d.peek, d.catches_up, d.always_resident) for d in env.drafts.values()
-        ]
         self.seen: dict[str, int] = {}  # context tokens each model draft's KV holds (this request)
         self.mean_prompt = 0.0
 
@@ -459,29 +462,6 @@ class MemSpecPolicy(Policy):
         self.mean_prompt = n if not self.mean_prompt else 0.8 * self.mean_prompt + 0.2 * n
         self.replan(0)
 
-    def choose(self, rnd, ws):
-        state = self.state
-        assert state is not None
-        pos = self.position = rnd.position
-        resident = ws.resident_ids()
-        cap = min(self.env.k_max, rnd.k_room)
-        left = max(self._tokens_left(pos), 1.0)
-
-        def options():
-            for d, peek, catches_up, always in self._drafts:
-                if not always and d not in resident:
-                    continue
-                key, limit = rnd.peek(d) if peek else (d, cap)
-                limit = min(limit, cap)
-                if limit <= 0:
-                    continue
-                k, rate = self._best(d, self.predictor.alpha(state, key, pos), limit)
-                if k > 0 and catches_up:  # paid once, then spread over what is left
-                    rate = self.env.costs.with_catchup(rate, d, self._gap(d, pos), left)
-                yield d, k, rate
-
-        return best_choice(options(), self.r_none)
-
     def round_priors(self) -> dict[str, float]:
         """The predictor's α for this request's prompt, per draft and per statistic key."""
         state = self.state
@@ -493,6 +473,7 @@ class MemSpecPolicy(Policy):
         return {k: self.predictor.prior_alpha(state, k, 0) for k in sorted(keys)}
 
     def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
+        self.position = position
         if draft is None or self.state is None or self.req is None:
             return
         if self.env.drafts[draft].catches_up:  # its KV now holds the context up to here
@@ -598,7 +579,7 @@ def make_policy(
     if spec == "none":
         return NonePolicy(env)
     if spec.startswith("fixed:"):
-        return FixedPolicy(env, spec.split(":", 1)[1])
+        return FixedDraftPolicy(env, spec.split(":", 1)[1])
     if spec == "ucb":
         return UCBPolicy(env, seed)
     if spec == "exp3":

@@ -29,6 +29,7 @@ import numpy as np
 
 from memspec.backends.base import common_prefix
 from memspec.drafts.model import ModelDraft
+from memspec.engine.costs import RoundCosts
 from memspec.engine.policy import Choice, FixedPolicy, RoundPolicy
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import speculative_generate
@@ -186,8 +187,8 @@ class RecordingPolicy:
             self._open["proposed"], self._open["accepted"] = proposed, accepted
         self.inner.observe(key, proposed, accepted, seconds)
 
-    def observe_costs(self, draft_id, drafted, draft_s, gap, verify_s, first_s=0.0) -> None:
-        self.inner.observe_costs(draft_id, drafted, draft_s, gap, verify_s, first_s)
+    def observe_costs(self, measured: RoundCosts) -> None:
+        self.inner.observe_costs(measured)
 
     def _close(self, t: float) -> None:
         if self._open is None:

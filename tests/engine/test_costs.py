@@ -1,4 +1,4 @@
-from memspec.engine.costs import AcceptanceEstimator, CostModel, expected_tokens
+from memspec.engine.costs import AcceptanceEstimator, CostModel, RoundCosts, expected_tokens
 
 
 def test_expected_tokens():
@@ -134,15 +134,15 @@ def test_a_dear_first_forward_is_charged_once_per_round():
     lumped = CostModel(verify_s=verify, draft_s={"d": 0.019})
     split = CostModel(verify_s=verify, draft_s={"d": 0.019})
     for _ in range(40):  # k = 1 rounds: the whole draft time is the first forward
-        lumped.observe("d", 1, 0.046, 1, 0.116)
-        split.observe("d", 1, 0.046, 1, 0.116, first_s=0.046)
+        lumped.observe(RoundCosts("d", 1, 0.046, 1, 0.116))
+        split.observe(RoundCosts("d", 1, 0.046, 1, 0.116, first_s=0.046))
     assert lumped.best_k("d", 0.97, 8, 0.9)[0] <= 2
     assert abs(split.round_seconds("d", 3) - (0.046 + 2 * 0.019 + 0.144)) < 1e-3
     assert split.best_k("d", 0.97, 8, 0.9)[0] >= 4
     for _ in range(40):  # k = 4 rounds: later steps learnt from what the first left
-        split.observe("d", 4, 0.046 + 3 * 0.025, 1, 0.148, first_s=0.046)
+        split.observe(RoundCosts("d", 4, 0.046 + 3 * 0.025, 1, 0.148, first_s=0.046))
     assert abs(split.draft_cost("d") - 0.025) < 1e-3
     # Without the first forward's time, rounds are charged per token as before.
     plain = CostModel(verify_s=verify, draft_s={"d": 0.019})
-    plain.observe("d", 2, 0.050, 1, 0.121)
+    plain.observe(RoundCosts("d", 2, 0.050, 1, 0.121))
     assert abs(plain.round_seconds("d", 2) - (2 * plain.draft_cost("d") + 0.121)) < 1e-9

@@ -58,7 +58,7 @@ def play(policy, ws, rounds: int, rng: random.Random, peek=no_peek) -> Counter:
         stall = 0.0
         if d is not None and d not in ws.resident and not DRAFTS[d].always_resident:
             assert policy.reactive, f"{policy.name} chose non-resident {d}"
-            stall = ws.acquire(d)
+            stall = ws.load_now(d)
             if stall is None:  # cannot fit: this round decodes without a draft
                 d, k, stall = None, 0, 0.0
         chosen[d] += 1

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from memspec.scheduler.policies import Policy
 from memspec.sim.profile import load_profile
 from memspec.sim.simulator import build_setup, policy_for, sim_workload, simulate
 
@@ -52,17 +53,15 @@ def test_replay_follows_the_trace_exactly(synthetic_trace, setup):
         rounds += 1
         pos += min(a + 1, len(r.output) - pos)
 
-    class KOne:
+    class KOne(Policy):
         name, reactive = "k1", True
 
-        def begin(self, req, ws): ...
         def choose(self, rnd, ws):
             return "q8_0", 1
 
-        def observe(self, *a): ...
-        def end(self): ...
-
-    result = simulate(synthetic_trace, setup, KOne(), setup.profile.target_bytes + 10**9, [r])
+    result = simulate(
+        synthetic_trace, setup, KOne(setup.env), setup.profile.target_bytes + 10**9, [r]
+    )
     assert result["rounds"] == rounds
     assert result["acceptance"] == pytest.approx(expect_acc / rounds, abs=1e-4)
 
