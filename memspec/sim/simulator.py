@@ -106,13 +106,14 @@ class TraceDraft(Draft):
         self,
         info: DraftInfo,
         positions: DraftPositions,
-        r: TraceRequest,
+        prompt_len: int,
+        output: list[int],
         seen: dict[str, int],
         peeked: list[str],
     ):
         self.id, self.kind, self.free = info.id, info.kind, info.free
         self.catches_up = info.catches_up
-        self.positions, self.prompt_len, self.output = positions, len(r.prompt), r.output
+        self.positions, self.prompt_len, self.output = positions, prompt_len, output
         self.seen, self.peeked = seen, peeked
 
     def key_at(self, pos: int) -> str:
@@ -153,7 +154,7 @@ def run_request(
     seen: dict[str, int] = {}  # context tokens each draft's KV cache covers
     peeked: list[str] = []
     ws.drafts = {
-        d: TraceDraft(info, r.drafts[d], r, seen, peeked)
+        d: TraceDraft(info, r.drafts[d], len(r.prompt), r.output, seen, peeked)
         for d, info in env.drafts.items()
         if d in r.drafts
     }
