@@ -5,8 +5,8 @@ seconds_per_round            = draft_cost(k) + verify_cost(k+1)
 choose argmax tokens_per_round / seconds_per_round; plain decoding is k = 0
 
 This module is the one place the rule lives (CostModel.rate / best_k, best_choice): the
-engine's DecisionRulePolicy, the scheduler's policies (live and simulated) and predictor
-training's best-draft metric all call it.
+engine's DecisionRulePolicy (every round of `auto` and `memspec`, live and simulated), the
+scheduler's other policies and predictor training's best-draft metric all call it.
 
 α₁ is the first drafted token's acceptance and α_c a later token's, given the one before it
 was accepted. With α_c = α₁ this is the i.i.d. formula (1 − α^(k+1)) / (1 − α). Lookup
@@ -225,8 +225,7 @@ class CostModel:
     ) -> tuple[int, float]:
         """The k (0 = don't draft) maximising tokens/s for this draft at acceptance alpha.
 
-        force: at least k = 1 when k_max allows, for a draft that must be tried (bandits).
-        (rate() and round_seconds() for each k, with the draft's costs read once.)"""
+        force: at least k = 1 when k_max allows, for a draft that must be tried (bandits)."""
         best_k, best_rate = 0, self.rate(None, alpha, 0)
         step = self.draft_cost(draft_id)
         first, overhead = (

@@ -119,8 +119,7 @@ class Generation:
     target_s: float = 0.0  # time inside the target's forward passes
     draft_s: float = 0.0  # time inside draft proposals
     stall_s: float = 0.0  # time waiting on draft loads (set by the scheduler)
-    # The round policy it ran under, as the daemon names it ("auto", "memspec", "none", ...;
-    # "": not told), and whether on the lead slot (every draft kind) or beside it (free ones).
+    # The policy it ran under ("auto", "memspec", "none"...; "": not told); on the lead slot?
     policy: str = ""
     lead: bool = True
     # Where the rounds' time went (seconds): see ROUND_PHASES.
@@ -271,7 +270,7 @@ class Sequence:
         self._choice = Choice(None, 0)
         self._proposal: Proposal | None = None
         self.drafted: list[int] = []
-        self._times = RoundTimes()
+        self.times = RoundTimes()  # the round in flight's phases
         self._new: list[int] = []  # what the target kept this round (accepted + its own)
         self._argmax_s = 0.0  # this round's argmax inside the backend (greedy, alone)
         # Batched rounds: drafts the batch-level rule refused in a row, rounds left unasked.
@@ -298,7 +297,7 @@ class Sequence:
             self.gen.finish_reason = "cancelled" if room > 0 else "length"
             self.done = True
             return False
-        self._times = RoundTimes()
+        self.times = RoundTimes()
         if not ask:
             self._choice = Choice(None, 0)
         elif in_batch and self.skip > 0:
@@ -306,7 +305,7 @@ class Sequence:
             self._choice = Choice(None, 0)
         else:
             self._choice = self.policy.choose(self.ctx, room - 1, self.params, self.rng)
-        self._times.choose_s = self._times.lap()
+        self.times.choose_s = self.times.lap()
         return True
 
     def planned(self, asked: int, k: int) -> None:
@@ -342,8 +341,8 @@ class Sequence:
             proposal = c.draft.propose(self.ctx, k, self.params, self.rng)
         self._proposal = proposal
         self.drafted = proposal.tokens[: min(k, self.room - 1)] if proposal and k > 0 else []
-        self._times.propose_s = self._times.lap()
-        self.gen.draft_s += self._times.choose_s + self._times.propose_s
+        self.times.propose_s = self.times.lap()
+        self.gen.draft_s += self.times.choose_s + self.times.propose_s
         return [self.ctx[-1]] + self.drafted
 
     def verify_alone(self) -> None:
@@ -353,19 +352,19 @@ class Sequence:
         if self._argmax_only:
             argmax0 = self.target.argmax_s
             best = self.target.eval_argmax(tokens, self.drafted)  # rows up to a rejection
-            self._times.verify_s = self._times.lap()
+            self.times.verify_s = self.times.lap()
             # The argmax ran inside eval_argmax (on the backend's buffer): it is sampling.
             self._argmax_s = self.target.argmax_s - argmax0
             new = accept_greedy(self.drafted, best)
         else:
             logits = self.target.eval(tokens, copy=False)
-            self._times.verify_s = self._times.lap()
+            self.times.verify_s = self.times.lap()
             new = self._accept_rows(logits)
         self._accept(new)
 
     def verify_rows(self, logits: np.ndarray) -> None:
         """2. The same with rows a batched pass returned for this sequence."""
-        self._times.verify_s = self._times.lap()
+        self.times.verify_s = self.times.lap()
         if self._argmax_only:
             new = accept_greedy(self.drafted, argmax_rows(logits, self.drafted))
         else:
@@ -402,39 +401,27 @@ class Sequence:
 
     def _accept(self, new: list[int]) -> None:
         """3. Keep the accepted prefix and the target's token; drop the rest from the KV."""
-        self._times.sample_s = self._times.lap()
+        self.times.sample_s = self.times.lap()
         self._new = new
         self.target.truncate(len(self.ctx) + len(new) - 1)
-        self._times.truncate_s = self._times.lap()
+        self.times.truncate_s = self.times.lap()
 
     def finish_round(self, decode_s: float, batched: bool) -> None:
         """4. Bookkeeping and feedback; 5. emit in order, stop on EOS, a stop string or
         max_tokens. `decode_s`: the target's forward-pass time in this round."""
         t_emit = time.perf_counter()
-        gen, t, c, proposal, drafted = (
-            self.gen,
-            self._times,
-            self._choice,
-            self._proposal,
-            self.drafted,
-        )
-        new = self._new
+        gen, new = self.gen, self._new
+        t, c, proposal, drafted = self.times, self._choice, self._proposal, self.drafted
         n_accepted = len(new) - 1
         argmax_s, self._argmax_s = self._argmax_s, 0.0
         # The target's time: its pass and reading the rows (a greedy argmax on its buffer too).
         gen.target_s += t.verify_s
         catchup = proposal.catchup_s if proposal is not None else 0.0
         if not batched:  # a batched pass's time is the batch's (costs.observe_batch)
-            self.policy.observe_costs(
-                RoundCosts(
-                    c.draft.id if drafted and c.draft is not None else None,
-                    len(drafted),
-                    t.propose_s,
-                    proposal.catchup_tokens if proposal is not None else 0,
-                    t.verify_s,
-                    catchup,
-                )
-            )
+            used = c.draft.id if drafted and c.draft is not None else None
+            gap = proposal.catchup_tokens if proposal is not None else 0
+            costs = RoundCosts(used, len(drafted), t.propose_s, gap, t.verify_s, catchup)
+            self.policy.observe_costs(costs)
         for phase, seconds in (
             ("choose", t.choose_s),
             ("draft_catchup", catchup),

@@ -24,24 +24,37 @@ from __future__ import annotations
 import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from memspec.drafts.registry import PRIOR_ALPHA  # the priors the engine's estimator uses
 from memspec.engine.costs import AcceptanceEstimator, CostModel
+from memspec.engine.types import Draft
 from memspec.memory.fill import fill_by_value
 from memspec.predictor.model import AcceptancePredictor, RequestState
 
 
 class Residency(Protocol):
-    """What a policy needs from a working set, live or simulated."""
+    """A working set, live or simulated: a policy plans with the first three; the Scheduler
+    hands out drafts with the rest."""
 
     budget_bytes: int  # reserved_bytes (the target), if the set has it, is not draft room
 
     def resident_ids(self) -> set[str]: ...
 
     def prefetch(self, wanted: list[tuple[str, float]]) -> None: ...
+
+    def get(self, draft_id: str) -> Draft | None: ...
+
+    def lease_resident(self, ids: Iterable[str] | None = None) -> list[Draft]: ...
+
+    def acquire(self, draft_id: str, wait: bool = True) -> Draft | None: ...
+
+    def release_leases(self) -> None: ...
+
+    def holding(self, *ids: str) -> AbstractContextManager[None]: ...
 
 
 LOOKUP_KINDS = frozenset({"prompt_lookup", "datastore"})
@@ -116,14 +129,13 @@ class Policy:
 
     def __init__(self, env: Env):
         self.env = env
-        self._memo: dict[tuple, tuple[int, float]] = {}
 
     @property
     def r_none(self) -> float:
         """Plain decoding's rate now (the costs follow what rounds measure)."""
         return self.env.costs.rate(None, 0.0, 0)
 
-    def begin(self, req: Request, ws: Residency) -> None:  # noqa: B027 - optional hook
+    def begin(self, req: Request, ws: Residency) -> None:
         """A request starts: read its prompt, tell the working set what to hold."""
 
     def choose(self, rnd: Round, ws: Residency) -> tuple[str | None, int]:
@@ -131,7 +143,7 @@ class Policy:
         whose rounds are the decision rule's (rounds_by_rule) has no choice of its own."""
         raise NotImplementedError(f"{self.name}: its rounds are the decision rule's")
 
-    def observe(  # noqa: B027 - optional hook
+    def observe(
         self,
         draft: str | None,
         key: str,
@@ -143,43 +155,11 @@ class Policy:
     ) -> None:
         """One verified round: what was proposed/accepted, its wall time and tokens emitted."""
 
-    def end(self) -> None:  # noqa: B027 - optional hook
+    def end(self) -> None:
         """The request finished."""
 
     def status(self) -> dict:
         return {"policy": self.name}
-
-    # The decision rule over one draft: the k with the most expected tokens/s (k ≥ 1 if forced).
-    # α is rounded to 1e-3 for a memo: the rule is smooth in α, and a round then costs a dict
-    # lookup instead of k_max rate evaluations.
-    def _best(
-        self,
-        draft: str,
-        alpha: float,
-        limit: int,
-        force: bool = False,
-        alpha_cont: float | None = None,
-    ):
-        if limit <= 0:
-            return 0, self.r_none
-        c = self.env.costs  # a draft measured later (loaded after start-up) changes its cost
-        key = (
-            draft,
-            round(alpha, 3),
-            None if alpha_cont is None else round(alpha_cont, 3),
-            limit,
-            force,
-            c.version,  # any cost the memo used may have moved since
-            c.draft_overhead_s.get(draft),
-        )
-        hit = self._memo.get(key)
-        if hit is not None:
-            return hit
-        k, rate = c.best_k(draft, key[1], limit, key[2], force)
-        if len(self._memo) > 50_000:
-            self._memo.clear()
-        self._memo[key] = (k, rate)
-        return k, rate
 
 
 def _limit(info: DraftInfo, rnd: Round, k_max: int) -> tuple[str, int]:
@@ -188,6 +168,15 @@ def _limit(info: DraftInfo, rnd: Round, k_max: int) -> tuple[str, int]:
         key, n = rnd.peek(info.id)
         return key, min(n, rnd.k_room, k_max)
     return info.id, min(k_max, rnd.k_room)
+
+
+def _tried(
+    info: DraftInfo, rnd: Round, env: Env, est: AcceptanceEstimator
+) -> tuple[str | None, int]:
+    """A draft that must be tried: k by the rule on its running acceptance, at least 1."""
+    key, limit = _limit(info, rnd, env.k_max)
+    k, _ = env.costs.best_k(info.id, est.alpha(key), limit, est.alpha_cont(key), force=True)
+    return (info.id, k) if k > 0 else (None, 0)
 
 
 def _estimator(env: Env) -> AcceptanceEstimator:
@@ -218,10 +207,7 @@ class FixedDraftPolicy(Policy):
         self.est = _estimator(env)
 
     def choose(self, rnd, ws):
-        key, limit = _limit(self.info, rnd, self.env.k_max)
-        a, ac = self.est.alpha(key), self.est.alpha_cont(key)
-        k, _ = self._best(self.info.id, a, limit, force=True, alpha_cont=ac)
-        return (self.info.id, k) if k > 0 else (None, 0)
+        return _tried(self.info, rnd, self.env, self.est)
 
     def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
         if draft is not None:
@@ -253,12 +239,7 @@ class _Bandit(Policy, ABC):
     def choose(self, rnd, ws):
         self.arm = self.pick()
         draft = self.arms[self.arm]
-        if draft is None:
-            return None, 0
-        key, limit = _limit(self.env.drafts[draft], rnd, self.env.k_max)
-        a, ac = self.est.alpha(key), self.est.alpha_cont(key)
-        k, _ = self._best(draft, a, limit, force=True, alpha_cont=ac)
-        return (draft, k) if k > 0 else (None, 0)
+        return _tried(self.env.drafts[draft], rnd, self.env, self.est) if draft else (None, 0)
 
     def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
         if draft is not None:
@@ -382,7 +363,7 @@ class MemSpecPolicy(Policy):
         """Predicted seconds the draft saves per generated token, its rule-best k assumed."""
         assert self.state is not None
         alpha = self.predictor.alpha(self.state, draft, position)
-        k, rate = self._best(draft, alpha, self.env.k_max)
+        k, rate = self.env.costs.best_k(draft, alpha, self.env.k_max)
         return max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
 
     def value(
@@ -494,7 +475,7 @@ class MemSpecPolicy(Policy):
             if d.always_resident:
                 continue
             alpha = self.predictor.alpha(self.state, d.id, 0)
-            k, rate = self._best(d.id, alpha, self.env.k_max)
+            k, rate = self.env.costs.best_k(d.id, alpha, self.env.k_max)
             per_token = max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
             # Net seconds it would have saved on this request, catch-up of the prompt paid.
             catchup = self.env.costs.catchup_s(d.id) * len(self.req.prompt) if d.catches_up else 0
@@ -558,7 +539,7 @@ class OraclePolicy(Policy):
             return None, 0
         key, limit = _limit(info, rnd, self.env.k_max)
         alpha = self.entry.alpha.get(key, self.entry.alpha.get(info.id, 0.0))
-        k, _ = self._best(info.id, alpha, limit)
+        k, _ = self.env.costs.best_k(info.id, alpha, limit)
         return (info.id, k) if k > 0 else (None, 0)
 
     def status(self) -> dict:

@@ -1,40 +1,29 @@
-"""The scheduler: the one per-round chooser of (draft, k), owned by the Runtime and run by the
-simulator alike.
+"""The scheduler: the one per-round chooser of (draft, k), for the daemon and the simulator.
 
-Every round of every request is decided by one of three round policies, built in one place
-(`Scheduler.begin`, `Scheduler.beside_lead`):
-- `plain` (draft "none"): no draft (engine.policy.FixedPolicy(None, 0));
-- `ResidentRule` (`auto`, or the one draft a request named): the decision rule
-  (engine.policy.DecisionRulePolicy) over the drafts resident now, re-read every round, so a
-  draft that finishes loading mid-request is used from the next round on and one that is
-  evicted simply stops being offered (output unchanged). A slot beside the lead runs it over
-  the free drafts only (`beside_lead`);
-- `PolicyRounds`: a named scheduling Policy (`memspec`, `ucb`, `exp3`, `fixed:<id>`;
-  memspec.scheduler.policies), one instance per name, so bandit statistics, the predictor's
-  online learning and memspec's view of the workload carry over from request to request.
-  A policy with `rounds_by_rule` (memspec) plans residency and learns, and its rounds are a
-  ResidentRule's, the rule's acceptance estimates primed from the policy's round priors.
+Each request's rounds are one of three round policies, built in `Scheduler.begin`:
+- plain (draft "none"): engine.policy.FixedPolicy(None, 0);
+- ResidentRule (`auto`, or the one draft a request named): the decision rule over the drafts
+  resident now, re-read every round (a draft loaded mid-request is used from the next round,
+  one evicted stops being offered; output unchanged). Slots beside the lead (LEAD_SLOT) run
+  it over free drafts (`beside_lead`);
+- PolicyRounds: a named Policy (`memspec`, `ucb`, `exp3`, `fixed:<id>`), one instance per
+  name so what it learns carries over between requests. memspec (`rounds_by_rule`) plans
+  residency and learns; its rounds are a ResidentRule's, primed with its round priors.
+The simulator runs this Scheduler over its SimWorkingSet, trace-backed drafts and clock.
 
-The simulator (memspec.sim.simulator) runs this same Scheduler over its SimWorkingSet and
-trace-backed drafts, with its virtual clock: a simulated round is chosen by this code.
-
-Leases: every draft handed to the engine is leased to the engine's thread (WorkingSet), so an
-eviction cannot close it while it proposes. The scheduler drops the previous round's leases
-when the next round starts and the last ones when the request finishes.
-
-A policy's round is timed from one choose() to the next, so its reward includes everything
-the round cost (drafting, verification, any wait on a reactive load). Free proposers are only
-asked (peeked) when the policy looks at them. Time inside the policy, minus the peeks, is the
-scheduling overhead, in this thread's CPU time (preemptions are not the policy's).
+Leases: drafts handed to the engine are leased to its thread (WorkingSet), so an eviction
+cannot close one while it proposes; released when the next round starts or the request ends.
+A policy's round is timed from one choose() to the next, so its reward includes all it cost
+(drafting, verification, waits on reactive loads). Time inside the policy, peeks excluded, is
+the scheduling overhead, in this thread's CPU time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
@@ -61,20 +50,6 @@ NAMED_POLICIES = ("memspec", "ucb", "exp3")  # besides auto and fixed:<id>
 LEAD_SLOT = 0
 # Without a measured load yet, assume this many bytes per second (a conservative disk read).
 FALLBACK_LOAD_BANDWIDTH = 500e6
-
-
-class RoundResidency(Residency, Protocol):
-    """What the scheduler needs from a working set: the live WorkingSet, or the simulator's."""
-
-    def get(self, draft_id: str) -> Draft | None: ...
-
-    def lease_resident(self, ids: Iterable[str] | None = None) -> list[Draft]: ...
-
-    def acquire(self, draft_id: str, wait: bool = True) -> Draft | None: ...
-
-    def release_leases(self) -> None: ...
-
-    def holding(self, *ids: str) -> contextlib.AbstractContextManager[None]: ...
 
 
 @dataclass
@@ -111,15 +86,13 @@ class ResidentRule:
 
     def __init__(
         self,
-        ws: RoundResidency,
-        costs: CostModel,
+        sched: Scheduler,
         estimator: AcceptanceEstimator,
-        k_max: int,
         ids: list[str] | None = None,
         free_only: bool = False,
         k: int | None = None,
     ):
-        self.ws, self.costs, self.estimator, self.k_max = ws, costs, estimator, k_max
+        self.sched, self.estimator = sched, estimator
         self.ids, self.free_only, self.k = ids, free_only, k
         self._rule: RoundPolicy = FixedPolicy(None, 0)
         self._resident: tuple[str, ...] | None = None
@@ -127,23 +100,24 @@ class ResidentRule:
     def choose(
         self, context: list[int], k_room: int, params: SamplingParams, rng: np.random.Generator
     ) -> Choice:
-        drafts = self.ws.lease_resident(self.ids)
+        drafts = self.sched.ws.lease_resident(self.ids)
         if self.free_only:
             drafts = [d for d in drafts if d.free]
         resident = tuple(d.id for d in drafts)
         if resident != self._resident:  # rebuilt only when residency changes
             self._resident = resident
+            k_max = self.sched.k_max
             if self.k is not None:
-                self._rule = FixedPolicy(drafts[0] if drafts else None, min(self.k, self.k_max))
+                self._rule = FixedPolicy(drafts[0] if drafts else None, min(self.k, k_max))
             else:
-                self._rule = DecisionRulePolicy(drafts, self.costs, self.estimator, self.k_max)
+                self._rule = DecisionRulePolicy(drafts, self.sched.costs, self.estimator, k_max)
         return self._rule.choose(context, k_room, params, rng)
 
     def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None:
         self._rule.observe(key, proposed, accepted, seconds)
 
     def observe_costs(self, measured: RoundCosts) -> None:
-        self.costs.observe(measured)
+        self.sched.costs.observe(measured)
 
 
 class PolicyRounds:
@@ -151,35 +125,27 @@ class PolicyRounds:
     ResidentRule's), the peeks it asks for, reactive loads, and its observe() per round."""
 
     def __init__(
-        self,
-        policy: Policy,
-        request: Request,
-        ws: RoundResidency,
-        k_max: int,
-        stats: RoundStats,
-        clock: Callable[[], float],
-        rule: ResidentRule | None = None,
+        self, sched: Scheduler, policy: Policy, request: Request, rule: ResidentRule | None
     ):
-        self.policy, self.request, self.ws, self.k_max = policy, request, ws, k_max
-        self.stats, self.clock, self.rule = stats, clock, rule
+        self.sched, self.policy, self.request, self.rule = sched, policy, request, rule
         self.open: OpenRound | None = None
 
     def choose(
         self, context: list[int], k_room: int, params: SamplingParams, rng: np.random.Generator
     ) -> Choice:
-        now = self.clock()
+        now = self.sched.clock()
         self.close(now)
         position = len(context) - len(self.request.prompt)
         if self.rule is not None:
             t = time.thread_time()
             choice = self.rule.choose(context, k_room, params, rng)
-            self.stats.policy_s += time.thread_time() - t
+            self.sched.stats.policy_s += time.thread_time() - t
         else:
             choice = self._by_policy(position, context, k_room, params, rng)
         used = choice.draft.id if choice.draft is not None and choice.k > 0 else None
         self.open = OpenRound(used, position, now, key=used or "")
         if used is not None:
-            self.stats.drafts_used[used] = self.stats.drafts_used.get(used, 0) + 1
+            self.sched.stats.drafts_used[used] = self.sched.stats.drafts_used.get(used, 0) + 1
         return choice
 
     def _by_policy(
@@ -197,18 +163,18 @@ class PolicyRounds:
             nonlocal peek_s
             if draft_id not in peeks:
                 t = time.thread_time()
-                draft = self.ws.get(draft_id)
+                draft = self.sched.ws.get(draft_id)
                 if draft is None:
                     peeks[draft_id] = (draft_id, 0, None, None)
                 else:
-                    p = draft.propose(context, min(self.k_max, k_room), params, rng)
+                    p = draft.propose(context, min(self.sched.k_max, k_room), params, rng)
                     peeks[draft_id] = (p.key or draft_id, len(p.tokens), p, draft)
                 peek_s += time.thread_time() - t
             return peeks[draft_id][:2]
 
         t = time.thread_time()
-        draft_id, k = self.policy.choose(Round(position, k_room, peek), self.ws)
-        self.stats.policy_s += time.thread_time() - t - peek_s
+        draft_id, k = self.policy.choose(Round(position, k_room, peek), self.sched.ws)
+        self.sched.stats.policy_s += time.thread_time() - t - peek_s
         if draft_id is None or k <= 0:
             return Choice(None, 0)
         if draft_id in peeks:
@@ -219,14 +185,14 @@ class PolicyRounds:
             if proposal.probs is not None:
                 proposal.probs = proposal.probs[:k]
             return Choice(draft, min(k, n), proposal)
-        draft = self.ws.get(draft_id)
+        draft = self.sched.ws.get(draft_id)
         if draft is None and self.policy.reactive:
-            t = self.clock()
+            t = self.sched.clock()
             try:
-                draft = self.ws.acquire(draft_id, wait=True)
+                draft = self.sched.ws.acquire(draft_id, wait=True)
             except MemSpecError:  # cannot fit beside pinned drafts: no draft this round
                 draft = None
-            self.stats.stall_s += self.clock() - t
+            self.sched.stats.stall_s += self.sched.clock() - t
         return Choice(draft, k) if draft is not None else Choice(None, 0)
 
     def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None:
@@ -235,15 +201,12 @@ class PolicyRounds:
         if self.open is not None:
             self.open.key, self.open.proposed, self.open.accepted = key, proposed, accepted
 
-    def observe_costs(self, measured: RoundCosts) -> None:
-        pass  # the Scheduler's CostModel takes them
-
     def close(self, now: float) -> None:
         """The round in flight is over at `now`: the policy observes it."""
         o, self.open = self.open, None
         if o is None:
             return
-        self.stats.rounds += 1
+        self.sched.stats.rounds += 1
         drafted = o.proposed > 0
         t = time.thread_time()
         self.policy.observe(
@@ -255,7 +218,7 @@ class PolicyRounds:
             now - o.t0,
             o.accepted + 1,
         )
-        self.stats.policy_s += time.thread_time() - t
+        self.sched.stats.policy_s += time.thread_time() - t
 
 
 class Scheduler:
@@ -264,7 +227,7 @@ class Scheduler:
 
     def __init__(
         self,
-        working_set: RoundResidency,
+        working_set: Residency,
         costs: CostModel,
         estimator: AcceptanceEstimator,
         k_max: int,
@@ -283,7 +246,7 @@ class Scheduler:
         self.rule_estimators: dict[str, AcceptanceEstimator] = {}
         self.stats = RoundStats()
         # The request in progress: its round policy, and its named policy's rounds (if any).
-        self.rounds: RoundPolicy = FixedPolicy(None, 0)
+        self.rounds: FixedPolicy | ResidentRule | PolicyRounds = FixedPolicy(None, 0)
         self._by_policy: PolicyRounds | None = None
         self._held = contextlib.ExitStack()
 
@@ -315,7 +278,7 @@ class Scheduler:
         if draft != "auto" or policy == "auto":
             ids = None if draft == "auto" else [draft]
             est = estimator or self.estimator
-            self.rounds = ResidentRule(self.ws, self.costs, est, self.k_max, ids, k=k)
+            self.rounds = ResidentRule(self, est, ids, k=k)
             if draft != "auto":
                 self._held.enter_context(self.ws.holding(draft))  # not a victim while used
                 self.ws.acquire(draft, wait=True)
@@ -339,10 +302,8 @@ class Scheduler:
             est = estimator or self.rule_estimators.setdefault(policy.name, AcceptanceEstimator())
             for key, alpha in policy.round_priors().items():
                 est.set_prior(key, alpha)
-            rule = ResidentRule(self.ws, self.costs, est, self.k_max)
-        self._by_policy = PolicyRounds(
-            policy, request, self.ws, self.k_max, self.stats, self.clock, rule
-        )
+            rule = ResidentRule(self, est)
+        self._by_policy = PolicyRounds(self, policy, request, rule)
         self.rounds = self._by_policy
 
     def beside_lead(self, draft: str = "auto") -> RoundPolicy:
@@ -354,7 +315,7 @@ class Scheduler:
         if draft == "none":
             return FixedPolicy(None, 0)
         ids = None if draft == "auto" else [draft]
-        return ResidentRule(self.ws, self.costs, self.estimator, self.k_max, ids, free_only=True)
+        return ResidentRule(self, self.estimator, ids, free_only=True)
 
     def finish(self) -> RoundStats:
         """Close the last round and end the request (once, after generation)."""
