@@ -252,8 +252,8 @@ class BatchOption:
     alpha: float = 0.0
     alpha_cont: float | None = None
     fixed: bool = False
-    serial: bool = False  # the draft runs its own forward passes (a model draft, a head)
-    gap: int = 0  # context tokens a serial draft must feed before it can propose (catch-up)
+    free: bool = True  # no forward pass of its own (Draft.free); else one per token, serially
+    gap: int = 0  # context tokens a draft that is not free must feed first (catch-up)
 
 
 # A batch drafts only where the plan beats drafting nothing by this much: a drafted token
@@ -290,25 +290,25 @@ def plan_batch(options: list[BatchOption], costs: CostModel, fed: list[int] = ()
     drafting sequence the same depth d (capped by its own proposal), drafting only the
     sequences at or above an acceptance threshold; d = 0, drafting nothing, is one of them,
     and a plan that drafts must beat it by BATCH_MARGIN. As the batch grows a drafted
-    token's share of the pass rises and speculation shrinks by itself. Drafts that run
-    serial forward passes (model drafts, heads) stall every sequence while they draft (and
-    catch up on the context): the plans are made with and without them and the best kept.
+    token's share of the pass rises and speculation shrinks by itself. Drafts that are not
+    free (model drafts, heads: forward passes of their own) stall every sequence while they
+    draft (and catch up on the context): the plans are made with and without them.
     Fixed choices (a request's own k) are kept as asked.
     """
 
     def first_cost(o: BatchOption) -> float:
         """What drafting at all costs a sequence this round: the draft's per-round overhead
-        and, for a serial draft behind the context, its catch-up (every sequence waits)."""
+        and, for a draft behind the context, its catch-up (every sequence waits)."""
         assert o.draft_id is not None
-        catchup = costs.catchup_s(o.draft_id) * o.gap if o.serial and o.gap > 2 else 0.0
+        catchup = costs.catchup_s(o.draft_id) * o.gap if not o.free and o.gap > 2 else 0.0
         return costs.draft_overhead_s.get(o.draft_id, 0.0) + catchup
 
     # Per option and k (0..its cap): the expected tokens, and what drafting k costs serially.
     expect = [[expected_tokens(o.alpha, k, o.alpha_cont) for k in range(o.k + 1)] for o in options]
-    serial = [
+    drafting = [
         [0.0]
         + [
-            (costs.draft_cost(o.draft_id) * k if o.serial else 0.0) + first_cost(o)
+            (0.0 if o.free else costs.draft_cost(o.draft_id) * k) + first_cost(o)
             for k in range(1, o.k + 1)
         ]
         if o.draft_id is not None
@@ -319,19 +319,19 @@ def plan_batch(options: list[BatchOption], costs: CostModel, fed: list[int] = ()
     def rate(ks: list[int]) -> float:
         tokens = sum(e[k] for e, k in zip(expect, ks, strict=True))
         seconds = pass_seconds(costs, [k + 1 for k in ks] + list(fed))
-        seconds += sum(c[k] for c, k in zip(serial, ks, strict=True))
+        seconds += sum(c[k] for c, k in zip(drafting, ks, strict=True))
         return tokens / seconds if seconds > 0 else 0.0
 
     fixed = [o.k if o.fixed else 0 for o in options]
     best, best_rate = fixed, rate(fixed) * BATCH_MARGIN
     depth = max((o.k for o in options if not o.fixed), default=0)
-    for allow_serial in (False, True):
+    for allow_passes in (False, True):
         usable = [
             i
             for i, o in enumerate(options)
-            if not o.fixed and o.draft_id is not None and o.k > 0 and (allow_serial or not o.serial)
+            if not o.fixed and o.draft_id is not None and o.k > 0 and (allow_passes or o.free)
         ]
-        if allow_serial and not any(options[i].serial for i in usable):
+        if allow_passes and all(options[i].free for i in usable):
             break
         thresholds = sorted({options[i].alpha for i in usable}, reverse=True)
         for threshold in thresholds:

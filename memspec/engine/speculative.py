@@ -321,15 +321,15 @@ class Sequence:
         c = self._choice
         k = min(c.k, len(c.proposal.tokens)) if c.proposal is not None else c.k
         draft = c.draft
-        serial = draft is not None and not draft.free
+        free = draft is None or draft.free
         return BatchOption(
             draft.id if draft is not None and k > 0 else None,
             k,
             c.alpha or 0.0,
             c.alpha_cont,
             fixed=c.alpha is None,
-            serial=serial,
-            gap=draft.catchup_tokens(self.ctx) if serial and k > 0 else 0,
+            free=free,
+            gap=draft.catchup_tokens(self.ctx) if draft is not None and not free and k > 0 else 0,
         )
 
     def propose(self, k: int | None = None) -> list[int]:

@@ -82,7 +82,7 @@ class Proposal:
 class Draft(ABC):
     id: str
     kind: str
-    # Proposals cost nothing, so the decision rule may peek them before choosing (lookups).
+    # Proposes without a forward pass of its own (lookups): the rule may peek it first.
     free: bool = False
 
     @abstractmethod

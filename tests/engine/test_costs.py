@@ -95,12 +95,12 @@ def test_batch_rule_keeps_serial_drafts_only_where_they_pay():
     from memspec.engine.costs import BatchOption, plan_batch
 
     costs = _box_costs(draft_s={"q8_0": 0.011})
-    model = BatchOption("q8_0", 6, 0.95, 0.95, serial=True)
+    model = BatchOption("q8_0", 6, 0.95, 0.95, free=False)
     lookup = BatchOption("lookup", 6, 0.95, 0.95)
     # Beside a sequence drafting as deep, a good caught-up model draft pays.
     assert plan_batch([model, lookup], costs)[0] > 0
     # Beside seven that draft nothing, its serial steps and the extra ubatch do not.
-    weak = BatchOption("q8_0", 6, 0.5, 0.5, serial=True)
+    weak = BatchOption("q8_0", 6, 0.5, 0.5, free=False)
     assert plan_batch([weak] + [BatchOption(None, 0)] * 7, costs)[0] == 0
     # A fixed k (a request's own) is kept as asked.
     assert plan_batch([BatchOption("lookup", 5, fixed=True), BatchOption(None, 0)], costs)[0] == 5
@@ -110,8 +110,8 @@ def test_batch_rule_charges_a_serial_drafts_catch_up():
     from memspec.engine.costs import BatchOption, plan_batch
 
     costs = _box_costs(draft_s={"q8_0": 0.011})
-    caught_up = BatchOption("q8_0", 6, 0.95, 0.95, serial=True)
-    behind = BatchOption("q8_0", 6, 0.95, 0.95, serial=True, gap=300)  # a new prompt to feed
+    caught_up = BatchOption("q8_0", 6, 0.95, 0.95, free=False)
+    behind = BatchOption("q8_0", 6, 0.95, 0.95, free=False, gap=300)  # a new prompt to feed
     lookup = BatchOption("lookup", 6, 0.95, 0.95)
     assert plan_batch([caught_up, lookup], costs)[0] > 0
     assert plan_batch([behind, lookup], costs)[0] == 0
