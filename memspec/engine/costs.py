@@ -57,8 +57,6 @@ CATCHUP_SHARE = 0.25
 
 # Weight of one round's measurement in the running cost estimates.
 COST_EMA = 0.1
-# An estimate that moved this much (relative) since policies last saw it bumps `version`.
-COST_REPUBLISH = 0.03
 
 
 @dataclass
@@ -70,8 +68,7 @@ class CostModel:
     limits, a cache written while the box was busy. So every round's measured verify and draft
     time corrects the estimates (observe): a batch size seen in use is estimated from its own
     running mean; one not seen yet from its calibration times the running measured/calibrated
-    ratio of the sizes seen. `version` changes when an estimate moved enough for memoised
-    decisions to be stale.
+    ratio of the sizes seen. Every decision reads the estimates of the moment (no memo).
     """
 
     verify_s: list[float]
@@ -84,7 +81,6 @@ class CostModel:
     # slots, calibrated at a few n (memspec.engine.calibration.measure_batch); between them
     # interpolated, beyond them extended from the last two.
     batch_s: dict[int, float] = field(default_factory=dict)
-    version: int = 0
     _batch_seen: dict[int, float] = field(default_factory=dict, repr=False)
     _verify_seen: dict[int, float] = field(default_factory=dict, repr=False)
     _draft_seen: dict[str, float] = field(default_factory=dict, repr=False)
@@ -93,7 +89,7 @@ class CostModel:
     # RPC workers) it costs far more than a later step: measured 46 ms against 19 ms for q8_0.
     _first_seen: dict[str, float] = field(default_factory=dict, repr=False)
     _log_scale: float | None = field(default=None, repr=False)  # mean log(measured / calib.)
-    _published: dict[object, float] = field(default_factory=dict, repr=False)
+    _verify_memo: dict[int, float] = field(default_factory=dict, repr=False)  # till observe()
 
     def observe(self, m: RoundCosts) -> None:
         """One round as measured: the target verified drafted + 1 tokens in verify_s; the
@@ -101,23 +97,20 @@ class CostModel:
         first_s (when known) was its first forward."""
         batch = m.drafted + 1
         if m.verify_s > 0:
+            self._verify_memo.clear()
             self._update(self._verify_seen, batch, m.verify_s)
             ratio = math.log(m.verify_s / max(self._calibrated_verify(batch), 1e-9))
             old = self._log_scale
             self._log_scale = ratio if old is None else old + COST_EMA * (ratio - old)
-            self._republish(("verify", batch), self.verify(batch))
         d = m.draft_id
         if d in self.draft_s and m.drafted > 0 and m.draft_s > 0 and m.catchup_tokens <= 2:
             if m.first_s <= 0:
                 self._update(self._draft_seen, d, m.draft_s / m.drafted)
             else:  # the first forward and the later steps, each on its own
                 self._update(self._first_seen, d, m.first_s)
-                self._republish(("first", d), self._first_seen[d])
                 if m.drafted > 1:
                     steps = max(m.draft_s - m.first_s, 0.0) / (m.drafted - 1)
                     self._update(self._draft_seen, d, steps)
-            if d in self._draft_seen:
-                self._republish(("draft", d), self._draft_seen[d])
 
     def observe_batch(self, n_tokens: int, seconds: float) -> None:
         """One batched forward pass as measured (n_tokens over all its sequences)."""
@@ -147,12 +140,6 @@ class CostModel:
         old = seen.get(key)
         seen[key] = value if old is None else old + COST_EMA * (value - old)
 
-    def _republish(self, key: object, value: float) -> None:
-        old = self._published.get(key)
-        if old is None or abs(value / old - 1.0) > COST_REPUBLISH:
-            self._published[key] = value
-            self.version += 1
-
     def draft_cost(self, draft_id: str) -> float:
         """Seconds per proposed token: measured in use, else calibrated."""
         return self._draft_seen.get(draft_id, self.draft_s.get(draft_id, 0.0))
@@ -174,6 +161,12 @@ class CostModel:
         return len(self.verify_s) - 1
 
     def verify(self, batch: int) -> float:
+        hit = self._verify_memo.get(batch)
+        if hit is None:
+            hit = self._verify_memo[batch] = self._verify(batch)
+        return hit
+
+    def _verify(self, batch: int) -> float:
         seen = self._verify_seen.get(batch)
         if seen is not None:
             return seen

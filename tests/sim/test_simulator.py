@@ -27,8 +27,10 @@ def test_ten_thousand_requests_in_seconds(synthetic_trace, setup):
     wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     assert result["requests"] == 10_000
     print(f"\n10k requests, memspec: {cpu:.1f} s CPU, {wall:.1f} s wall, {result['rounds']} rounds")
-    # CPU time: what it costs on a quiet core (wall time on a shared box is noise).
-    assert cpu < 15, f"{cpu:.1f} s of CPU"
+    # CPU time: what it costs on a quiet core (wall time on a shared box is noise). Each round
+    # is the daemon's Scheduler and decision rule, as live (~15 s here; 3 s when the simulator
+    # ran a memoised copy of memspec's choice that no request ran).
+    assert cpu < 30, f"{cpu:.1f} s of CPU"
 
 
 @pytest.mark.parametrize("policy", POLICIES)
