@@ -4,9 +4,9 @@ Drafts live in a WorkingSet (memspec.scheduler.working_set): resident under the 
 (target + its KV and buffers, charged first, then drafts), loaded and evicted by one background
 thread. The working set is the budget's one holder: settings.budget sizes the start, and
 `set_budget` (a live tune) changes it there. The Scheduler (memspec.scheduler.rounds) decides
-every round over it. A client's request is checked once, by `request()`, into a
-GenerationRequest whose fields `generate()` decodes (tools that hold token ids call
-`generate()` directly).
+every round over it: every round of the lead slot (LEAD_SLOT), and the free-draft rule of the
+slots beside it. A client's request is checked once, by `request()`, into a GenerationRequest
+whose fields `generate()` decodes (tools that hold token ids call `generate()` directly).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from memspec.predictor.model import load_or_fallback
 from memspec.rpc.endpoints import LayerSplit, layer_split
 from memspec.scheduler.learned import Memory
 from memspec.scheduler.manifest_source import ManifestSource
-from memspec.scheduler.rounds import LookupRounds, Scheduler
+from memspec.scheduler.rounds import LEAD_SLOT, Scheduler
 from memspec.scheduler.working_set import WorkingSet
 from memspec.units import format_size
 
@@ -649,7 +649,7 @@ class Runtime:
             drafts = [d.backend for d in self.drafts.values() if isinstance(d, ModelBacked)]
             cache.forget([self.target, *drafts])
             restored = cache.prepare(self.target.slots[slot], prompt, partition)
-            if use_drafts and slot == 0:
+            if use_drafts and slot == LEAD_SLOT:
                 for be in drafts:
                     cache.prepare(be, prompt, partition)
         return restored
@@ -679,7 +679,7 @@ class Runtime:
         stall0 = ws.thread_stall_s()
         sched = self.scheduler
         try:
-            sched.begin(
+            ran = sched.begin(
                 prompt,
                 params,
                 draft=draft,
@@ -690,6 +690,7 @@ class Runtime:
             )
             with self.lock:
                 gen = speculative_generate(self.target, prompt, params, sched, on_token, cancel)
+            gen.policy = ran
             sched.finish()
             # Learning datastores file this output now, not when the next request starts.
             for d in ws.lease_resident():
@@ -708,8 +709,8 @@ class Runtime:
         slots' ids in as few consecutive runs as it can: llama.cpp splits a pass over
         per-sequence KV streams into one ubatch per run of consecutive ids, each reading all
         the weights (4 sequences × 1 token here: 73 ms on slots 0-3, 108 ms on 0, 4, 5, 6,
-        171 ms on 0, 2, 5, 7). Among those, the lead slot, 0, whose sequence may use every
-        draft kind, unless another slot's KV cache shares clearly more of the prompt (a
+        171 ms on 0, 2, 5, 7). Among those, the lead slot (LEAD_SLOT), whose sequence may use
+        every draft kind, unless another slot's KV cache shares clearly more of the prompt (a
         conversation's follow-up goes back to its slot). Off the lead: the longest shared
         prefix, else the slot holding least (live KV of other conversations is kept for
         their follow-ups; the prefix cache has the rest). A slot holding another partition's
@@ -725,8 +726,8 @@ class Runtime:
             for s in free
         }
         best = max(free, key=lambda s: (shared[s.seq_id], -len(s.tokens), -s.seq_id))
-        if 0 in shared and shared[best.seq_id] < shared[0] + SLOT_GAIN_TOKENS:
-            return 0
+        if LEAD_SLOT in shared and shared[best.seq_id] < shared[LEAD_SLOT] + SLOT_GAIN_TOKENS:
+            return LEAD_SLOT
         if shared[best.seq_id] < SLOT_GAIN_TOKENS:
             return min(free, key=lambda s: (len(s.tokens), s.seq_id)).seq_id
         return best.seq_id
@@ -739,19 +740,22 @@ class Runtime:
         cancel: threading.Event | None = None,
         alone: bool = True,
     ) -> Sequence:
-        """Start `req` on a slot of the target. Slot 0 is the lead: the scheduler decides its
-        rounds over every resident draft. The others draft with lookups (LookupRounds).
+        """Start `req` on a slot of the target. The lead slot (LEAD_SLOT): the scheduler
+        decides its rounds over every resident draft, by the request's policy. The others
+        draft with free drafts only (Scheduler.beside_lead: the decision rule, `auto`).
         Not `alone` (other requests decode beside it), a lead left to the configured `memspec`
         policy runs the decision rule over what is resident (`auto`): memspec's residency
         planning per request would load and evict drafts that a batch seldom runs, on the
-        cores the batch needs (measured: TTFT p50 1.1 s against 0.19 s at 4 streams)."""
+        cores the batch needs (measured: TTFT p50 1.1 s against 0.19 s at 4 streams). The
+        Generation says which policy the request ran under and whether it led."""
         backend = self.target.slots[slot]
-        if slot == 0:
+        lead = slot == LEAD_SLOT
+        if lead:
             self._lead_stall0 = self._ws.thread_stall_s()
             policy_name = req.policy or self.settings.policy
             if not alone and req.policy is None and policy_name == "memspec":
                 policy_name = "auto"
-            self.scheduler.begin(
+            ran = self.scheduler.begin(
                 req.prompt,
                 req.params,
                 draft=req.draft,
@@ -760,15 +764,16 @@ class Runtime:
             )
             policy: RoundPolicy = self.scheduler
         else:
-            policy = LookupRounds(
-                self._ws, self.costs, self.estimator, self.settings.k_max, req.draft
-            )
+            policy = self.scheduler.beside_lead(req.draft)
+            ran = "none" if req.draft == "none" else "auto"
         try:
-            return Sequence(backend, req.prompt, req.params, policy, on_token, cancel)
+            seq = Sequence(backend, req.prompt, req.params, policy, on_token, cancel)
         except BaseException:
-            if slot == 0:
+            if lead:
                 self.scheduler.abort()
             raise
+        seq.gen.policy, seq.gen.lead = ran, lead
+        return seq
 
     def decode_round(self, sequences: list[Sequence]) -> tuple[int, int]:
         """One round of every open sequence, in one forward pass of the target: the
@@ -780,7 +785,8 @@ class Runtime:
 
     def close_sequence(self, seq: Sequence) -> Generation:
         """End a finished sequence: its Generation, or the error it failed with (raised)."""
-        if seq.target.seq_id == 0:
+        lead = seq.target.seq_id == LEAD_SLOT
+        if lead:
             if seq.error is None:
                 self.scheduler.finish()
             else:
@@ -788,7 +794,7 @@ class Runtime:
         if seq.error is not None:
             raise seq.error
         gen = seq.result()
-        if seq.target.seq_id == 0:  # waits on reactive loads happen in the lead's rounds
+        if lead:  # waits on reactive loads happen in the lead's rounds
             gen.stall_s = self._ws.thread_stall_s() - self._lead_stall0
         for d in self._ws.lease_resident():
             if isinstance(d, DatastoreDraft) and d.learn:
@@ -796,7 +802,7 @@ class Runtime:
         self._ws.release_leases()
         for draft_id in gen.drafts_used:
             self.requests_per_draft[draft_id] = self.requests_per_draft.get(draft_id, 0) + 1
-        if seq.target.seq_id == 0:
+        if lead:
             self.memory.request_done()
         return gen
 

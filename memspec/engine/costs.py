@@ -5,8 +5,8 @@ seconds_per_round            = draft_cost(k) + verify_cost(k+1)
 choose argmax tokens_per_round / seconds_per_round; plain decoding is k = 0
 
 This module is the one place the rule lives (CostModel.rate / best_k, best_choice): the
-engine's DecisionRulePolicy, the scheduler's policies (live and simulated) and predictor
-training's best-draft metric all call it.
+engine's DecisionRulePolicy (every round of `auto` and `memspec`, live and simulated), the
+scheduler's other policies and predictor training's best-draft metric all call it.
 
 α₁ is the first drafted token's acceptance and α_c a later token's, given the one before it
 was accepted. With α_c = α₁ this is the i.i.d. formula (1 − α^(k+1)) / (1 − α). Lookup
@@ -23,6 +23,18 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 D = TypeVar("D")  # whatever names a draft to the caller: an id, a Draft
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """One round as measured, what a CostModel corrects itself by."""
+
+    draft_id: str | None  # the draft that proposed (None: no draft)
+    drafted: int  # tokens it proposed: the target verified drafted + 1
+    draft_s: float  # the draft's seconds, catch-up included
+    catchup_tokens: int  # context tokens the draft fed before proposing
+    verify_s: float  # the target's seconds verifying
+    first_s: float = 0.0  # of draft_s, its first forward's (the catch-up); 0: not known
 
 
 def expected_tokens(alpha: float, k: int, alpha_cont: float | None = None) -> float:
@@ -45,8 +57,6 @@ CATCHUP_SHARE = 0.25
 
 # Weight of one round's measurement in the running cost estimates.
 COST_EMA = 0.1
-# An estimate that moved this much (relative) since policies last saw it bumps `version`.
-COST_REPUBLISH = 0.03
 
 
 @dataclass
@@ -58,8 +68,7 @@ class CostModel:
     limits, a cache written while the box was busy. So every round's measured verify and draft
     time corrects the estimates (observe): a batch size seen in use is estimated from its own
     running mean; one not seen yet from its calibration times the running measured/calibrated
-    ratio of the sizes seen. `version` changes when an estimate moved enough for memoised
-    decisions to be stale.
+    ratio of the sizes seen. Every decision reads the estimates of the moment (no memo).
     """
 
     verify_s: list[float]
@@ -72,7 +81,6 @@ class CostModel:
     # slots, calibrated at a few n (memspec.engine.calibration.measure_batch); between them
     # interpolated, beyond them extended from the last two.
     batch_s: dict[int, float] = field(default_factory=dict)
-    version: int = 0
     _batch_seen: dict[int, float] = field(default_factory=dict, repr=False)
     _verify_seen: dict[int, float] = field(default_factory=dict, repr=False)
     _draft_seen: dict[str, float] = field(default_factory=dict, repr=False)
@@ -81,38 +89,28 @@ class CostModel:
     # RPC workers) it costs far more than a later step: measured 46 ms against 19 ms for q8_0.
     _first_seen: dict[str, float] = field(default_factory=dict, repr=False)
     _log_scale: float | None = field(default=None, repr=False)  # mean log(measured / calib.)
-    _published: dict[object, float] = field(default_factory=dict, repr=False)
+    _verify_memo: dict[int, float] = field(default_factory=dict, repr=False)  # till observe()
 
-    def observe(
-        self,
-        draft_id: str | None,
-        drafted: int,
-        draft_s: float,
-        gap: int,
-        verify_s: float,
-        first_s: float = 0.0,
-    ) -> None:
+    def observe(self, m: RoundCosts) -> None:
         """One round as measured: the target verified drafted + 1 tokens in verify_s; the
-        draft (if a model draft, with a catch-up of `gap` tokens) took draft_s, of which
+        draft (if a model draft, with a catch-up of `catchup_tokens`) took draft_s, of which
         first_s (when known) was its first forward."""
-        batch = drafted + 1
-        if verify_s > 0:
-            self._update(self._verify_seen, batch, verify_s)
-            ratio = math.log(verify_s / max(self._calibrated_verify(batch), 1e-9))
+        batch = m.drafted + 1
+        if m.verify_s > 0:
+            self._verify_memo.clear()
+            self._update(self._verify_seen, batch, m.verify_s)
+            ratio = math.log(m.verify_s / max(self._calibrated_verify(batch), 1e-9))
             old = self._log_scale
             self._log_scale = ratio if old is None else old + COST_EMA * (ratio - old)
-            self._republish(("verify", batch), self.verify(batch))
-        if draft_id in self.draft_s and drafted > 0 and draft_s > 0 and gap <= 2:
-            if first_s <= 0:
-                self._update(self._draft_seen, draft_id, draft_s / drafted)
+        d = m.draft_id
+        if d in self.draft_s and m.drafted > 0 and m.draft_s > 0 and m.catchup_tokens <= 2:
+            if m.first_s <= 0:
+                self._update(self._draft_seen, d, m.draft_s / m.drafted)
             else:  # the first forward and the later steps, each on its own
-                self._update(self._first_seen, draft_id, first_s)
-                self._republish(("first", draft_id), self._first_seen[draft_id])
-                if drafted > 1:
-                    steps = max(draft_s - first_s, 0.0) / (drafted - 1)
-                    self._update(self._draft_seen, draft_id, steps)
-            if draft_id in self._draft_seen:
-                self._republish(("draft", draft_id), self._draft_seen[draft_id])
+                self._update(self._first_seen, d, m.first_s)
+                if m.drafted > 1:
+                    steps = max(m.draft_s - m.first_s, 0.0) / (m.drafted - 1)
+                    self._update(self._draft_seen, d, steps)
 
     def observe_batch(self, n_tokens: int, seconds: float) -> None:
         """One batched forward pass as measured (n_tokens over all its sequences)."""
@@ -142,12 +140,6 @@ class CostModel:
         old = seen.get(key)
         seen[key] = value if old is None else old + COST_EMA * (value - old)
 
-    def _republish(self, key: object, value: float) -> None:
-        old = self._published.get(key)
-        if old is None or abs(value / old - 1.0) > COST_REPUBLISH:
-            self._published[key] = value
-            self.version += 1
-
     def draft_cost(self, draft_id: str) -> float:
         """Seconds per proposed token: measured in use, else calibrated."""
         return self._draft_seen.get(draft_id, self.draft_s.get(draft_id, 0.0))
@@ -169,12 +161,19 @@ class CostModel:
         return len(self.verify_s) - 1
 
     def verify(self, batch: int) -> float:
+        hit = self._verify_memo.get(batch)
+        if hit is None:
+            hit = self._verify_memo[batch] = self._verify(batch)
+        return hit
+
+    def _verify(self, batch: int) -> float:
         seen = self._verify_seen.get(batch)
         if seen is not None:
             return seen
         scale = 1.0 if self._log_scale is None else math.exp(self._log_scale)
         # A larger batch never costs less than a smaller one measured.
-        floor = max((v for b, v in self._verify_seen.items() if b < batch), default=0.0)
+        seen = self._verify_seen
+        floor = max((v for b, v in seen.items() if b < batch), default=0.0) if seen else 0.0
         return max(self._calibrated_verify(batch) * scale, floor)
 
     def _calibrated_verify(self, batch: int) -> float:
@@ -221,8 +220,14 @@ class CostModel:
 
         force: at least k = 1 when k_max allows, for a draft that must be tried (bandits)."""
         best_k, best_rate = 0, self.rate(None, alpha, 0)
+        step = self.draft_cost(draft_id)
+        first, overhead = (
+            self._first_seen.get(draft_id, step),
+            self.draft_overhead_s.get(draft_id, 0.0),
+        )
         for k in range(1, k_max + 1):
-            r = self.rate(draft_id, alpha, k, alpha_cont=alpha_cont)
+            seconds = first + step * (k - 1) + overhead + self.verify(k + 1)
+            r = expected_tokens(alpha, k, alpha_cont) / seconds
             if r > best_rate:
                 best_k, best_rate = k, r
         if force and best_k == 0 and k_max > 0:
@@ -240,8 +245,8 @@ class BatchOption:
     alpha: float = 0.0
     alpha_cont: float | None = None
     fixed: bool = False
-    serial: bool = False  # the draft runs its own forward passes (a model draft, a head)
-    gap: int = 0  # context tokens a serial draft must feed before it can propose (catch-up)
+    free: bool = True  # no forward pass of its own (Draft.free); else one per token, serially
+    gap: int = 0  # context tokens a draft that is not free must feed first (catch-up)
 
 
 # A batch drafts only where the plan beats drafting nothing by this much: a drafted token
@@ -278,25 +283,25 @@ def plan_batch(options: list[BatchOption], costs: CostModel, fed: list[int] = ()
     drafting sequence the same depth d (capped by its own proposal), drafting only the
     sequences at or above an acceptance threshold; d = 0, drafting nothing, is one of them,
     and a plan that drafts must beat it by BATCH_MARGIN. As the batch grows a drafted
-    token's share of the pass rises and speculation shrinks by itself. Drafts that run
-    serial forward passes (model drafts, heads) stall every sequence while they draft (and
-    catch up on the context): the plans are made with and without them and the best kept.
+    token's share of the pass rises and speculation shrinks by itself. Drafts that are not
+    free (model drafts, heads: forward passes of their own) stall every sequence while they
+    draft (and catch up on the context): the plans are made with and without them.
     Fixed choices (a request's own k) are kept as asked.
     """
 
     def first_cost(o: BatchOption) -> float:
         """What drafting at all costs a sequence this round: the draft's per-round overhead
-        and, for a serial draft behind the context, its catch-up (every sequence waits)."""
+        and, for a draft behind the context, its catch-up (every sequence waits)."""
         assert o.draft_id is not None
-        catchup = costs.catchup_s(o.draft_id) * o.gap if o.serial and o.gap > 2 else 0.0
+        catchup = costs.catchup_s(o.draft_id) * o.gap if not o.free and o.gap > 2 else 0.0
         return costs.draft_overhead_s.get(o.draft_id, 0.0) + catchup
 
     # Per option and k (0..its cap): the expected tokens, and what drafting k costs serially.
     expect = [[expected_tokens(o.alpha, k, o.alpha_cont) for k in range(o.k + 1)] for o in options]
-    serial = [
+    drafting = [
         [0.0]
         + [
-            (costs.draft_cost(o.draft_id) * k if o.serial else 0.0) + first_cost(o)
+            (0.0 if o.free else costs.draft_cost(o.draft_id) * k) + first_cost(o)
             for k in range(1, o.k + 1)
         ]
         if o.draft_id is not None
@@ -307,19 +312,19 @@ def plan_batch(options: list[BatchOption], costs: CostModel, fed: list[int] = ()
     def rate(ks: list[int]) -> float:
         tokens = sum(e[k] for e, k in zip(expect, ks, strict=True))
         seconds = pass_seconds(costs, [k + 1 for k in ks] + list(fed))
-        seconds += sum(c[k] for c, k in zip(serial, ks, strict=True))
+        seconds += sum(c[k] for c, k in zip(drafting, ks, strict=True))
         return tokens / seconds if seconds > 0 else 0.0
 
     fixed = [o.k if o.fixed else 0 for o in options]
     best, best_rate = fixed, rate(fixed) * BATCH_MARGIN
     depth = max((o.k for o in options if not o.fixed), default=0)
-    for allow_serial in (False, True):
+    for allow_passes in (False, True):
         usable = [
             i
             for i, o in enumerate(options)
-            if not o.fixed and o.draft_id is not None and o.k > 0 and (allow_serial or not o.serial)
+            if not o.fixed and o.draft_id is not None and o.k > 0 and (allow_passes or o.free)
         ]
-        if allow_serial and not any(options[i].serial for i in usable):
+        if allow_passes and all(options[i].free for i in usable):
             break
         thresholds = sorted({options[i].alpha for i in usable}, reverse=True)
         for threshold in thresholds:

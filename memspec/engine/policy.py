@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memspec.engine.costs import AcceptanceEstimator, CostModel
+from memspec.engine.costs import AcceptanceEstimator, CostModel, RoundCosts
 from memspec.engine.types import Choice, Draft, RoundPolicy
 
 __all__ = ["Choice", "DecisionRulePolicy", "FixedPolicy", "RoundPolicy"]
@@ -20,15 +20,16 @@ class FixedPolicy:
     def observe(self, key, proposed, accepted, seconds) -> None:
         pass
 
-    def observe_costs(self, draft_id, drafted, draft_s, gap, verify_s, first_s=0.0) -> None:
+    def observe_costs(self, measured: RoundCosts) -> None:
         pass
 
 
 class DecisionRulePolicy:
     """Among the given drafts (and none), the (draft, k) with the highest expected tokens/s.
 
-    Zero-cost drafts (prompt lookup) are peeked first: their acceptance depends on whether and
-    how long a match exists, so α is estimated per match length and k is capped by the match.
+    Free drafts (prompt lookup: no forward pass of their own) are peeked first: their
+    acceptance depends on whether and how long a match exists, so α is estimated per match
+    length and k is capped by the match.
     """
 
     def __init__(
@@ -91,8 +92,8 @@ class DecisionRulePolicy:
                 best, best_rate = Choice(draft, k, proposal, alpha, cont), rate
         return best
 
-    def observe_costs(self, draft_id, drafted, draft_s, gap, verify_s, first_s=0.0) -> None:
-        self.costs.observe(draft_id, drafted, draft_s, gap, verify_s, first_s)
+    def observe_costs(self, measured: RoundCosts) -> None:
+        self.costs.observe(measured)
 
     def observe(self, key, proposed, accepted, seconds) -> None:
         if key not in self._free_keys:  # free proposals are scored whole, as shadows

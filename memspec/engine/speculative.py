@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from memspec.backends.base import Backend, argmax_rows
-from memspec.engine.costs import BatchOption, CostModel, plan_batch
+from memspec.engine.costs import BatchOption, CostModel, RoundCosts, plan_batch
 from memspec.engine.grammar import GrammarState
 from memspec.engine.sampling import (
     SamplingParams,
@@ -81,6 +81,25 @@ ROUND_PHASES = (
 
 
 @dataclass
+class RoundTimes:
+    """One round's phases, in seconds, each set as it ends (`lap`)."""
+
+    start: float = field(default_factory=time.perf_counter)  # the round began (choose)
+    choose_s: float = 0.0  # the policy's choice (lookups peeked, the rule evaluated)
+    propose_s: float = 0.0  # the draft's proposal, any catch-up of its KV included
+    verify_s: float = 0.0  # the target's pass, up to its rows being ready
+    sample_s: float = 0.0  # the accept rule on the rows (an argmax in the backend: not here)
+    truncate_s: float = 0.0  # dropping the rejected tokens from the KV cache
+    _last: float = field(default=0.0, repr=False)  # when the last phase timed ended
+
+    def lap(self) -> float:
+        """Seconds since the last phase ended (or the round began)."""
+        now = time.perf_counter()
+        seconds, self._last = now - (self._last or self.start), now
+        return seconds
+
+
+@dataclass
 class Generation:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -100,6 +119,9 @@ class Generation:
     target_s: float = 0.0  # time inside the target's forward passes
     draft_s: float = 0.0  # time inside draft proposals
     stall_s: float = 0.0  # time waiting on draft loads (set by the scheduler)
+    # The policy it ran under ("auto", "memspec", "none"...; "": not told); on the lead slot?
+    policy: str = ""
+    lead: bool = True
     # Where the rounds' time went (seconds): see ROUND_PHASES.
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUND_PHASES, 0.0))
 
@@ -248,7 +270,8 @@ class Sequence:
         self._choice = Choice(None, 0)
         self._proposal: Proposal | None = None
         self.drafted: list[int] = []
-        self._t: dict[str, float] = {}
+        self.times = RoundTimes()  # the round in flight's phases
+        self._new: list[int] = []  # what the target kept this round (accepted + its own)
         self._argmax_s = 0.0  # this round's argmax inside the backend (greedy, alone)
         # Batched rounds: drafts the batch-level rule refused in a row, rounds left unasked.
         self.refused, self.skip = 0, 0
@@ -274,7 +297,7 @@ class Sequence:
             self.gen.finish_reason = "cancelled" if room > 0 else "length"
             self.done = True
             return False
-        self._t = {"draft": time.perf_counter()}
+        self.times = RoundTimes()
         if not ask:
             self._choice = Choice(None, 0)
         elif in_batch and self.skip > 0:
@@ -282,7 +305,7 @@ class Sequence:
             self._choice = Choice(None, 0)
         else:
             self._choice = self.policy.choose(self.ctx, room - 1, self.params, self.rng)
-        self._t["propose"] = time.perf_counter()
+        self.times.choose_s = self.times.lap()
         return True
 
     def planned(self, asked: int, k: int) -> None:
@@ -298,15 +321,15 @@ class Sequence:
         c = self._choice
         k = min(c.k, len(c.proposal.tokens)) if c.proposal is not None else c.k
         draft = c.draft
-        serial = draft is not None and not draft.free
+        free = draft is None or draft.free
         return BatchOption(
             draft.id if draft is not None and k > 0 else None,
             k,
             c.alpha or 0.0,
             c.alpha_cont,
             fixed=c.alpha is None,
-            serial=serial,
-            gap=draft.catchup_tokens(self.ctx) if serial and k > 0 else 0,
+            free=free,
+            gap=draft.catchup_tokens(self.ctx) if draft is not None and not free and k > 0 else 0,
         )
 
     def propose(self, k: int | None = None) -> list[int]:
@@ -318,8 +341,8 @@ class Sequence:
             proposal = c.draft.propose(self.ctx, k, self.params, self.rng)
         self._proposal = proposal
         self.drafted = proposal.tokens[: min(k, self.room - 1)] if proposal and k > 0 else []
-        self._t["verify"] = time.perf_counter()
-        self.gen.draft_s += self._t["verify"] - self._t["draft"]
+        self.times.propose_s = self.times.lap()
+        self.gen.draft_s += self.times.choose_s + self.times.propose_s
         return [self.ctx[-1]] + self.drafted
 
     def verify_alone(self) -> None:
@@ -329,19 +352,19 @@ class Sequence:
         if self._argmax_only:
             argmax0 = self.target.argmax_s
             best = self.target.eval_argmax(tokens, self.drafted)  # rows up to a rejection
-            self._t["logits"] = time.perf_counter()
+            self.times.verify_s = self.times.lap()
             # The argmax ran inside eval_argmax (on the backend's buffer): it is sampling.
             self._argmax_s = self.target.argmax_s - argmax0
             new = accept_greedy(self.drafted, best)
         else:
             logits = self.target.eval(tokens, copy=False)
-            self._t["logits"] = time.perf_counter()
+            self.times.verify_s = self.times.lap()
             new = self._accept_rows(logits)
         self._accept(new)
 
     def verify_rows(self, logits: np.ndarray) -> None:
         """2. The same with rows a batched pass returned for this sequence."""
-        self._t["logits"] = time.perf_counter()
+        self.times.verify_s = self.times.lap()
         if self._argmax_only:
             new = accept_greedy(self.drafted, argmax_rows(logits, self.drafted))
         else:
@@ -378,40 +401,35 @@ class Sequence:
 
     def _accept(self, new: list[int]) -> None:
         """3. Keep the accepted prefix and the target's token; drop the rest from the KV."""
-        self._t["accept"] = time.perf_counter()
+        self.times.sample_s = self.times.lap()
         self._new = new
         self.target.truncate(len(self.ctx) + len(new) - 1)
-        self._t["emit"] = time.perf_counter()
+        self.times.truncate_s = self.times.lap()
 
     def finish_round(self, decode_s: float, batched: bool) -> None:
         """4. Bookkeeping and feedback; 5. emit in order, stop on EOS, a stop string or
         max_tokens. `decode_s`: the target's forward-pass time in this round."""
         t_emit = time.perf_counter()
-        gen, t, c, proposal, drafted = self.gen, self._t, self._choice, self._proposal, self.drafted
-        new = self._new
+        gen, new = self.gen, self._new
+        t, c, proposal, drafted = self.times, self._choice, self._proposal, self.drafted
         n_accepted = len(new) - 1
         argmax_s, self._argmax_s = self._argmax_s, 0.0
         # The target's time: its pass and reading the rows (a greedy argmax on its buffer too).
-        verify_s = t["logits"] - t["verify"]
-        gen.target_s += verify_s
+        gen.target_s += t.verify_s
         catchup = proposal.catchup_s if proposal is not None else 0.0
         if not batched:  # a batched pass's time is the batch's (costs.observe_batch)
-            self.policy.observe_costs(
-                c.draft.id if drafted and c.draft is not None else None,
-                len(drafted),
-                t["verify"] - t["propose"],
-                proposal.catchup_tokens if proposal is not None else 0,
-                verify_s,
-                catchup,
-            )
+            used = c.draft.id if drafted and c.draft is not None else None
+            gap = proposal.catchup_tokens if proposal is not None else 0
+            costs = RoundCosts(used, len(drafted), t.propose_s, gap, t.verify_s, catchup)
+            self.policy.observe_costs(costs)
         for phase, seconds in (
-            ("choose", t["propose"] - t["draft"]),
+            ("choose", t.choose_s),
             ("draft_catchup", catchup),
-            ("draft_steps", t["verify"] - t["propose"] - catchup),
+            ("draft_steps", t.propose_s - catchup),
             ("verify_decode", decode_s),
-            ("verify_copy", max(0.0, verify_s - decode_s - argmax_s)),
-            ("sample", argmax_s + t["accept"] - t["logits"]),
-            ("accept", t["emit"] - t["accept"]),
+            ("verify_copy", max(0.0, t.verify_s - decode_s - argmax_s)),
+            ("sample", argmax_s + t.sample_s),
+            ("accept", t.truncate_s),
         ):
             gen.phases[phase] += seconds
         gen.rounds += 1
@@ -423,7 +441,7 @@ class Sequence:
             per = gen.per_draft.setdefault(c.draft.id, {"proposed": 0, "accepted": 0})
             per["proposed"] += len(drafted)
             per["accepted"] += n_accepted
-            seconds = time.perf_counter() - t["draft"]
+            seconds = time.perf_counter() - t.start
             self.policy.observe(proposal.key, len(drafted), n_accepted, seconds)
         detok_s = stream_s = 0.0
         for j, tok in enumerate(new):

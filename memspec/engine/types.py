@@ -16,6 +16,7 @@ import numpy as np
 from memspec.backends.base import Backend
 
 if TYPE_CHECKING:
+    from memspec.engine.costs import RoundCosts
     from memspec.engine.grammar import Grammar
 
 
@@ -81,7 +82,7 @@ class Proposal:
 class Draft(ABC):
     id: str
     kind: str
-    # Proposals cost nothing, so the decision rule may peek them before choosing (lookups).
+    # Proposes without a forward pass of its own (lookups): the rule may peek it first.
     free: bool = False
 
     @abstractmethod
@@ -136,16 +137,6 @@ class RoundPolicy(Protocol):
 
     def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None: ...
 
-    def observe_costs(
-        self,
-        draft_id: str | None,
-        drafted: int,
-        draft_s: float,
-        gap: int,
-        verify_s: float,
-        first_s: float = 0.0,
-    ) -> None:
-        """Every round, as measured: the draft's time (catching up on `gap` tokens; its first
-        forward took first_s) and the target's for verifying drafted + 1 tokens; a policy with
-        a CostModel corrects it."""
+    def observe_costs(self, measured: RoundCosts) -> None:
+        """Every round, as measured; a policy with a CostModel corrects it."""
         ...

@@ -1,18 +1,20 @@
 """Scheduling policies: each round's (draft, k), and what the working set should hold.
 
-One interface, two runners: the live engine (memspec.scheduler.rounds adapts a Policy to the
-engine's RoundPolicy, over the real WorkingSet) and the trace simulator (memspec.sim), over a
-simulated one. A policy sees drafts by id, the device's measured costs, the working set's
-residency, and for cheap proposers (prompt lookup, ...) a peek at what they would propose now.
+One interface, one runner: memspec.scheduler.rounds.Scheduler adapts a Policy to the engine's
+RoundPolicy, over the real WorkingSet in the daemon and over the simulator's SimWorkingSet and
+trace-backed drafts in memspec.sim: the same code chooses a live and a simulated round. A
+policy sees drafts by id, the device's measured costs, the working set's residency, and for
+free proposers (prompt lookup, ...) a peek at what they would propose now.
 
 - `none`        plain target decoding.
 - `fixed:<id>`  always that draft, k by the decision rule (at least 1); loaded on first use.
 - `ucb`, `exp3` BanditSpec-style bandits over {none} ∪ drafts; reward = the round's measured
                 tokens/s (load stalls included); a chosen draft that is not resident is loaded
                 reactively, and the engine waits for it.
-- `memspec`     the predictor's α for every draft and the decision rule choose among the
-                *resident* drafts; the working set is told proactively what to hold, by
-                predicted seconds saved per byte; decoding never waits for a load.
+- `memspec`     plans what the working set holds, proactively, by predicted seconds saved per
+                byte; each round is the decision rule's over the *resident* drafts
+                (rounds_by_rule), its acceptance estimates primed with the predictor's α for
+                the prompt; decoding never waits for a load.
 - `oracle`      knows from traces which single draft is best for each prompt and its actual
                 acceptance (comparison only); same prefetch mechanism as memspec.
 """
@@ -22,24 +24,37 @@ from __future__ import annotations
 import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from memspec.drafts.registry import PRIOR_ALPHA  # the priors the engine's estimator uses
-from memspec.engine.costs import AcceptanceEstimator, CostModel, best_choice
+from memspec.engine.costs import AcceptanceEstimator, CostModel
+from memspec.engine.types import Draft
 from memspec.memory.fill import fill_by_value
 from memspec.predictor.model import AcceptancePredictor, RequestState
 
 
 class Residency(Protocol):
-    """What a policy needs from a working set, live or simulated."""
+    """A working set, live or simulated: a policy plans with the first three; the Scheduler
+    hands out drafts with the rest."""
 
     budget_bytes: int  # reserved_bytes (the target), if the set has it, is not draft room
 
     def resident_ids(self) -> set[str]: ...
 
     def prefetch(self, wanted: list[tuple[str, float]]) -> None: ...
+
+    def get(self, draft_id: str) -> Draft | None: ...
+
+    def lease_resident(self, ids: Iterable[str] | None = None) -> list[Draft]: ...
+
+    def acquire(self, draft_id: str, wait: bool = True) -> Draft | None: ...
+
+    def release_leases(self) -> None: ...
+
+    def holding(self, *ids: str) -> AbstractContextManager[None]: ...
 
 
 LOOKUP_KINDS = frozenset({"prompt_lookup", "datastore"})
@@ -49,15 +64,16 @@ LOOKUP_KINDS = frozenset({"prompt_lookup", "datastore"})
 class DraftInfo:
     id: str
     kind: str
-    bytes: int  # resident footprint; 0: nothing to load (always available)
+    bytes: int  # resident footprint; 0: nothing to load (always_resident)
     load_s: float = 0.0  # expected seconds of one load on this device
     shares_target_kv: bool = False  # a self-draft that copies the target's KV (no catch-up)
 
     @property
-    def peek(self) -> bool:
-        """Lookups are asked first: cheap and deterministic, their proposal length says
-        whether they apply. (A head samples its proposal: asking it before choosing would
-        make what is verified depend on what was drawn, and cost every round.)"""
+    def free(self) -> bool:
+        """Proposes without a forward pass of its own (Draft.free: lookups), so it is asked
+        (peeked) before choosing: cheap and deterministic, its proposal length says whether
+        it applies. (A head samples its proposal: asking it before choosing would make what
+        is verified depend on what was drawn, and cost every round.)"""
         return self.kind in LOOKUP_KINDS
 
     @property
@@ -69,6 +85,8 @@ class DraftInfo:
 
     @property
     def always_resident(self) -> bool:
+        """Has nothing to load (a lookup over the context; not the same as free: a datastore
+        is free to ask but has a table to load)."""
         return self.bytes == 0
 
 
@@ -97,12 +115,12 @@ class Round:
     peek: Callable[[str], tuple[str, int]]  # draft id -> (statistic key, tokens it proposes)
 
 
-class Policy(ABC):
+class Policy:
     name: str = "policy"
     # True: a chosen draft that is not resident is loaded on demand and the round waits.
     reactive: bool = False
     # True: the policy plans residency and learns, and the decision rule decides each round
-    # over the resident drafts, starting from round_priors() (choose() is the simulator's).
+    # over the resident drafts (scheduler.rounds.ResidentRule), starting from round_priors().
     rounds_by_rule: bool = False
 
     def round_priors(self) -> dict[str, float]:
@@ -111,21 +129,21 @@ class Policy(ABC):
 
     def __init__(self, env: Env):
         self.env = env
-        self._memo: dict[tuple, tuple[int, float]] = {}
 
     @property
     def r_none(self) -> float:
         """Plain decoding's rate now (the costs follow what rounds measure)."""
         return self.env.costs.rate(None, 0.0, 0)
 
-    def begin(self, req: Request, ws: Residency) -> None:  # noqa: B027 - optional hook
+    def begin(self, req: Request, ws: Residency) -> None:
         """A request starts: read its prompt, tell the working set what to hold."""
 
-    @abstractmethod
     def choose(self, rnd: Round, ws: Residency) -> tuple[str | None, int]:
-        """(draft id, k) for this round; (None, 0) decodes one token without a draft."""
+        """(draft id, k) for this round; (None, 0) decodes one token without a draft. A policy
+        whose rounds are the decision rule's (rounds_by_rule) has no choice of its own."""
+        raise NotImplementedError(f"{self.name}: its rounds are the decision rule's")
 
-    def observe(  # noqa: B027 - optional hook
+    def observe(
         self,
         draft: str | None,
         key: str,
@@ -137,51 +155,28 @@ class Policy(ABC):
     ) -> None:
         """One verified round: what was proposed/accepted, its wall time and tokens emitted."""
 
-    def end(self) -> None:  # noqa: B027 - optional hook
+    def end(self) -> None:
         """The request finished."""
 
     def status(self) -> dict:
         return {"policy": self.name}
 
-    # The decision rule over one draft: the k with the most expected tokens/s (k ≥ 1 if forced).
-    # α is rounded to 1e-3 for a memo: the rule is smooth in α, and a round then costs a dict
-    # lookup instead of k_max rate evaluations.
-    def _best(
-        self,
-        draft: str,
-        alpha: float,
-        limit: int,
-        force: bool = False,
-        alpha_cont: float | None = None,
-    ):
-        if limit <= 0:
-            return 0, self.r_none
-        c = self.env.costs  # a draft measured later (loaded after start-up) changes its cost
-        key = (
-            draft,
-            round(alpha, 3),
-            None if alpha_cont is None else round(alpha_cont, 3),
-            limit,
-            force,
-            c.version,  # any cost the memo used may have moved since
-            c.draft_overhead_s.get(draft),
-        )
-        hit = self._memo.get(key)
-        if hit is not None:
-            return hit
-        k, rate = c.best_k(draft, key[1], limit, key[2], force)
-        if len(self._memo) > 50_000:
-            self._memo.clear()
-        self._memo[key] = (k, rate)
-        return k, rate
-
 
 def _limit(info: DraftInfo, rnd: Round, k_max: int) -> tuple[str, int]:
     """The statistic key and the most tokens this draft can propose this round."""
-    if info.peek:
+    if info.free:
         key, n = rnd.peek(info.id)
         return key, min(n, rnd.k_room, k_max)
     return info.id, min(k_max, rnd.k_room)
+
+
+def _tried(
+    info: DraftInfo, rnd: Round, env: Env, est: AcceptanceEstimator
+) -> tuple[str | None, int]:
+    """A draft that must be tried: k by the rule on its running acceptance, at least 1."""
+    key, limit = _limit(info, rnd, env.k_max)
+    k, _ = env.costs.best_k(info.id, est.alpha(key), limit, est.alpha_cont(key), force=True)
+    return (info.id, k) if k > 0 else (None, 0)
 
 
 def _estimator(env: Env) -> AcceptanceEstimator:
@@ -198,7 +193,7 @@ class NonePolicy(Policy):
         return None, 0
 
 
-class FixedPolicy(Policy):
+class FixedDraftPolicy(Policy):
     """One draft for every round; k from the decision rule on its running acceptance."""
 
     reactive = True
@@ -212,17 +207,14 @@ class FixedPolicy(Policy):
         self.est = _estimator(env)
 
     def choose(self, rnd, ws):
-        key, limit = _limit(self.info, rnd, self.env.k_max)
-        a, ac = self.est.alpha(key), self.est.alpha_cont(key)
-        k, _ = self._best(self.info.id, a, limit, force=True, alpha_cont=ac)
-        return (self.info.id, k) if k > 0 else (None, 0)
+        return _tried(self.info, rnd, self.env, self.est)
 
     def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
         if draft is not None:
             self.est.update(key, proposed, accepted)
 
 
-class _Bandit(Policy):
+class _Bandit(Policy, ABC):
     """Arms: none and each draft. k per draft arm by the decision rule on the arm's observed
     acceptance (at least 1, so the arm is really tried). Rewards are the round's measured
     tokens/s over the best seen so far, in [0, 1]."""
@@ -247,12 +239,7 @@ class _Bandit(Policy):
     def choose(self, rnd, ws):
         self.arm = self.pick()
         draft = self.arms[self.arm]
-        if draft is None:
-            return None, 0
-        key, limit = _limit(self.env.drafts[draft], rnd, self.env.k_max)
-        a, ac = self.est.alpha(key), self.est.alpha_cont(key)
-        k, _ = self._best(draft, a, limit, force=True, alpha_cont=ac)
-        return (draft, k) if k > 0 else (None, 0)
+        return _tried(self.env.drafts[draft], rnd, self.env, self.est) if draft else (None, 0)
 
     def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
         if draft is not None:
@@ -327,8 +314,8 @@ class MemSpecPolicy(Policy):
     how often the best draft changed between requests), minus its load time when it is not
     resident yet. The working set keeps the most valuable draft, then the best value per byte
     that fits; loads run in the background while decoding goes on with what is resident.
-    Each round a model draft's rate is charged its catch-up (context it has not seen, e.g.
-    the whole prompt at first use) spread over the tokens still expected.
+    Its rounds are the decision rule's over the resident drafts (rounds_by_rule), primed with
+    the predictor's α for this prompt (round_priors); it learns from what they observe.
     """
 
     name = "memspec"
@@ -359,9 +346,6 @@ class MemSpecPolicy(Policy):
         self.mean_len = 0.0  # running mean output length (tokens)
         self.recent: dict[str, float] = {}  # seconds saved per token on recent requests
         self.plan: dict[str, float] = {}
-        self._drafts = [
-            (d.id, d.peek, d.catches_up, d.always_resident) for d in env.drafts.values()
-        ]
         self.seen: dict[str, int] = {}  # context tokens each model draft's KV holds (this request)
         self.mean_prompt = 0.0
 
@@ -379,7 +363,7 @@ class MemSpecPolicy(Policy):
         """Predicted seconds the draft saves per generated token, its rule-best k assumed."""
         assert self.state is not None
         alpha = self.predictor.alpha(self.state, draft, position)
-        k, rate = self._best(draft, alpha, self.env.k_max)
+        k, rate = self.env.costs.best_k(draft, alpha, self.env.k_max)
         return max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
 
     def value(
@@ -459,29 +443,6 @@ class MemSpecPolicy(Policy):
         self.mean_prompt = n if not self.mean_prompt else 0.8 * self.mean_prompt + 0.2 * n
         self.replan(0)
 
-    def choose(self, rnd, ws):
-        state = self.state
-        assert state is not None
-        pos = self.position = rnd.position
-        resident = ws.resident_ids()
-        cap = min(self.env.k_max, rnd.k_room)
-        left = max(self._tokens_left(pos), 1.0)
-
-        def options():
-            for d, peek, catches_up, always in self._drafts:
-                if not always and d not in resident:
-                    continue
-                key, limit = rnd.peek(d) if peek else (d, cap)
-                limit = min(limit, cap)
-                if limit <= 0:
-                    continue
-                k, rate = self._best(d, self.predictor.alpha(state, key, pos), limit)
-                if k > 0 and catches_up:  # paid once, then spread over what is left
-                    rate = self.env.costs.with_catchup(rate, d, self._gap(d, pos), left)
-                yield d, k, rate
-
-        return best_choice(options(), self.r_none)
-
     def round_priors(self) -> dict[str, float]:
         """The predictor's α for this request's prompt, per draft and per statistic key."""
         state = self.state
@@ -493,6 +454,7 @@ class MemSpecPolicy(Policy):
         return {k: self.predictor.prior_alpha(state, k, 0) for k in sorted(keys)}
 
     def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
+        self.position = position
         if draft is None or self.state is None or self.req is None:
             return
         if self.env.drafts[draft].catches_up:  # its KV now holds the context up to here
@@ -513,7 +475,7 @@ class MemSpecPolicy(Policy):
             if d.always_resident:
                 continue
             alpha = self.predictor.alpha(self.state, d.id, 0)
-            k, rate = self._best(d.id, alpha, self.env.k_max)
+            k, rate = self.env.costs.best_k(d.id, alpha, self.env.k_max)
             per_token = max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
             # Net seconds it would have saved on this request, catch-up of the prompt paid.
             catchup = self.env.costs.catchup_s(d.id) * len(self.req.prompt) if d.catches_up else 0
@@ -577,7 +539,7 @@ class OraclePolicy(Policy):
             return None, 0
         key, limit = _limit(info, rnd, self.env.k_max)
         alpha = self.entry.alpha.get(key, self.entry.alpha.get(info.id, 0.0))
-        k, _ = self._best(info.id, alpha, limit)
+        k, _ = self.env.costs.best_k(info.id, alpha, limit)
         return (info.id, k) if k > 0 else (None, 0)
 
     def status(self) -> dict:
@@ -598,7 +560,7 @@ def make_policy(
     if spec == "none":
         return NonePolicy(env)
     if spec.startswith("fixed:"):
-        return FixedPolicy(env, spec.split(":", 1)[1])
+        return FixedDraftPolicy(env, spec.split(":", 1)[1])
     if spec == "ucb":
         return UCBPolicy(env, seed)
     if spec == "exp3":

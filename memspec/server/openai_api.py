@@ -88,9 +88,12 @@ def usage(gen: Generation) -> dict[str, Any]:
 
 
 def memspec_stats(gen: Generation) -> dict[str, Any]:
-    """The `memspec` object."""
+    """The `memspec` object: `policy` is the one the request ran under (`auto` beside the
+    lead slot, or for a lead among other requests, even where `memspec` is configured)."""
     ks = gen.k_per_round
     out = {
+        "policy": gen.policy,
+        "lead_slot": gen.lead,
         "drafts_used": dict(gen.drafts_used),
         "proposed": gen.proposed,
         "accepted": gen.accepted,

@@ -487,6 +487,14 @@ class KSummary(BaseModel):
 class MemSpecStats(BaseModel):
     """MemSpec's account of how the answer was decoded."""
 
+    policy: str = Field(
+        description="the round policy it ran under: none, auto, memspec, ucb, exp3, fixed:<id> "
+        "(auto beside the lead slot, and on a lead among other requests where memspec is "
+        "configured)"
+    )
+    lead_slot: bool = Field(
+        description="decoded on the lead slot (every draft kind), else beside it (free drafts)"
+    )
     drafts_used: dict[str, int] = Field(description="draft id -> rounds it drafted")
     proposed: int
     accepted: int

@@ -1,6 +1,9 @@
 """Trace-driven simulator: replay requests under a device profile, a byte budget and a policy.
 
-Each round the policy picks (draft, k) exactly as live; the trace says how many of the
+Each round is chosen by the daemon's own Scheduler (memspec.scheduler.rounds), over a
+SimWorkingSet in virtual time and trace-backed drafts (TraceDraft): the same code picks
+(draft, k) as live, memspec's rounds the decision rule over the resident drafts with its
+primed estimates, lookup shadows and catch-up charges. The trace says how many of the
 proposed tokens the target accepts at this output position (exact for greedy decoding,
 whatever sequence of drafts and k the policy picks); the profile says what the round costs:
 draft steps (plus a batched catch-up when the draft has not seen the latest context), the
@@ -17,7 +20,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from memspec.drafts.model import DONOR_MIN_TOKENS
+from memspec.engine.costs import AcceptanceEstimator
+from memspec.engine.types import Draft, Proposal, SamplingParams
 from memspec.paths import DEFAULT_PREDICTOR
 from memspec.predictor.model import AcceptancePredictor, load_or_fallback
 from memspec.scheduler.policies import (
@@ -27,12 +34,12 @@ from memspec.scheduler.policies import (
     OraclePolicy,
     Policy,
     Request,
-    Round,
     make_policy,
     prompt_key,
 )
+from memspec.scheduler.rounds import Scheduler
 from memspec.sim.profile import DraftCost, Profile
-from memspec.sim.traces import Trace, TraceRequest
+from memspec.sim.traces import DraftPositions, Trace, TraceRequest
 from memspec.sim.train_predictor import cells_of
 from memspec.sim.working_set import SimWorkingSet
 from memspec.units import parse_size
@@ -88,59 +95,103 @@ class Totals:
     policy_s: float = 0.0  # host time inside the policy (this machine's Python, not the device)
 
 
+class TraceDraft(Draft):
+    """A draft of the trace, replayed: at output position i it proposes what the trace says it
+    did from prompt + output[:i] (length[i] tokens, the first run[i] of them the target's own,
+    then tokens the target would not produce), so the decision rule and its lookup shadows see
+    what they would live. `seen`: the context each model draft's KV cache holds (the
+    simulator's, per request); `peeked`: every id asked to propose this round."""
+
+    def __init__(
+        self,
+        info: DraftInfo,
+        positions: DraftPositions,
+        prompt_len: int,
+        output: list[int],
+        seen: dict[str, int],
+        peeked: list[str],
+    ):
+        self.id, self.kind, self.free = info.id, info.kind, info.free
+        self.catches_up = info.catches_up
+        self.positions, self.prompt_len, self.output = positions, prompt_len, output
+        self.seen, self.peeked = seen, peeked
+
+    def key_at(self, pos: int) -> str:
+        """The statistic key of the proposal at output position `pos`."""
+        keys = self.positions.keys
+        return f"{self.id}/{keys[pos]}" if keys is not None and keys[pos] else self.id
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Proposal:
+        self.peeked.append(self.id)
+        pos = len(context) - self.prompt_len
+        n = min(k, self.positions.length[pos])
+        right = self.output[pos : pos + min(self.positions.run[pos], n)]
+        return Proposal(right + [-1] * (n - len(right)), key=self.key_at(pos))
+
+    def catchup_tokens(self, context: list[int]) -> int:
+        return len(context) - self.seen.get(self.id, 0) if self.catches_up else 0
+
+
+def scheduler_for(setup: Setup, ws: SimWorkingSet) -> Scheduler:
+    """The daemon's Scheduler over the simulated working set, timed by its virtual clock."""
+    env = setup.env
+    return Scheduler(ws, env.costs, AcceptanceEstimator(), env.k_max, clock=lambda: ws.now)
+
+
 def run_request(
-    r: TraceRequest, policy: Policy, ws: SimWorkingSet, setup: Setup, tot: Totals
+    r: TraceRequest,
+    rounds: Scheduler,
+    policy: Policy,
+    ws: SimWorkingSet,
+    setup: Setup,
+    tot: Totals,
 ) -> None:
     prof, env, costs = setup.profile, setup.env, setup.dcost
     verify = prof.verify_s
     n = len(r.output)
+    seen: dict[str, int] = {}  # context tokens each draft's KV cache covers
+    peeked: list[str] = []
+    ws.drafts = {
+        d: TraceDraft(info, r.drafts[d], len(r.prompt), r.output, seen, peeked)
+        for d, info in env.drafts.items()
+        if d in r.drafts
+    }
     t = ws.now
     c0 = time.perf_counter()
-    policy.begin(request_of(r, setup.max_tokens), ws)
+    rounds.begin_policy(policy, request_of(r, setup.max_tokens))
     tot.policy_s += time.perf_counter() - c0
     prefill = prof.target_prefill_s_per_token * (len(r.prompt) - 1)
     if ws.loading():
         prefill *= 1 + prof.load_contention
     t += prefill
-    seen: dict[str, int] = {}  # context tokens each draft's KV cache covers
+    params = SamplingParams(max_tokens=setup.max_tokens)
+    rng = np.random.default_rng(0)  # trace drafts draw nothing
+    context = list(r.prompt)
     pos = 0
-    peeked: list[str] = []
-    drafts = r.drafts
-
-    def peek(d: str) -> tuple[str, int]:
-        pd = drafts[d]
-        peeked.append(d)
-        suffix = pd.keys[pos] if pd.keys is not None else ""
-        return (f"{d}/{suffix}" if suffix else d), pd.length[pos]
-
     while pos < n:
         ws.advance(t)
         peeked.clear()
         k_room = setup.max_tokens - pos - 1
+        before = set(ws.resident) if policy.reactive else None
         c0 = time.perf_counter()
-        d, k = policy.choose(Round(pos, k_room, peek), ws)
+        choice = rounds.choose(context, k_room, params, rng)
         tot.policy_s += time.perf_counter() - c0
-        stall = 0.0
-        if d is not None and k > 0:
-            info = env.drafts[d]
-            if not info.always_resident:
-                if d in ws.resident:
-                    ws.touch(d)
-                elif policy.reactive:
-                    s = ws.acquire(d)
-                    d, stall = (d, s) if s is not None else (None, 0.0)
-                    seen.pop(d or "", None)
-                else:
-                    d = None
+        stall = ws.now - t  # a reactive load waited for
+        draft, k = choice.draft, choice.k
         key = ""
         proposed = accepted = 0
         dt = 0.0
-        if d is not None and k > 0:
-            pd = drafts[d]
+        if isinstance(draft, TraceDraft) and k > 0:
+            d = draft.id
+            if before is not None and d not in before:
+                seen.pop(d, None)  # loaded just now: its KV holds nothing
+            ws.touch(d)
+            pd = r.drafts[d]
             proposed = min(k, pd.length[pos], max(k_room, 0))
             accepted = min(proposed, pd.run[pos])
-            suffix = pd.keys[pos] if pd.keys is not None else ""
-            key = f"{d}/{suffix}" if suffix else d
+            key = draft.key_at(pos)
             c = costs[d]
             if c.s_per_token:
                 gap = len(r.prompt) + pos - seen.get(d, 0)
@@ -154,16 +205,20 @@ def run_request(
             dt *= 1 + prof.load_contention
         t += stall + dt
         tokens = min(accepted + 1, n - pos)
-        c0 = time.perf_counter()
-        policy.observe(d if proposed else None, key, pos, proposed, accepted, stall + dt, tokens)
-        tot.policy_s += time.perf_counter() - c0
+        if proposed:
+            c0 = time.perf_counter()
+            rounds.observe(key, proposed, accepted, stall + dt)
+            tot.policy_s += time.perf_counter() - c0
         tot.proposed += proposed
         tot.accepted += accepted
         tot.rounds += 1
+        context += r.output[pos : pos + tokens]
         pos += tokens
     ws.advance(t)
     ws.now = t
-    policy.end()
+    c0 = time.perf_counter()
+    rounds.finish()
+    tot.policy_s += time.perf_counter() - c0
     tot.tokens += n
     tot.requests += 1
 
@@ -198,8 +253,8 @@ def oracle_table(trace: Trace, setup: Setup) -> dict[str, OracleEntry]:
             entry = OracleEntry(cand, alphas)
             ws = SimWorkingSet(unlimited, sizes, {d: 0.0 for d in sizes})
             ws.resident = {d: 0.0 for d in sizes}
-            tot = Totals()
-            run_request(r, OraclePolicy(setup.env, {prompt_key(r.prompt): entry}), ws, setup, tot)
+            oracle = OraclePolicy(setup.env, {prompt_key(r.prompt): entry})
+            run_request(r, scheduler_for(setup, ws), oracle, ws, setup, Totals())
             if ws.now < best_s - 1e-12:
                 best, best_s = cand, ws.now
         table[prompt_key(r.prompt)] = OracleEntry(best, alphas)
@@ -251,9 +306,10 @@ def simulate(
     loads = {d: i.load_s for d, i in setup.env.drafts.items()}
     ws = SimWorkingSet(drafts_budget, sizes, loads)
     tot = Totals()
+    rounds = scheduler_for(setup, ws)
     wall = time.perf_counter()
     for r in workload:
-        run_request(r, policy, ws, setup, tot)
+        run_request(r, rounds, policy, ws, setup, tot)
     return {
         "tokens_per_s": round(tot.tokens / ws.now, 3) if ws.now else 0.0,
         "stall_s": round(ws.stall_s, 4),

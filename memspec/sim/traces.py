@@ -29,6 +29,7 @@ import numpy as np
 
 from memspec.backends.base import common_prefix
 from memspec.drafts.model import ModelDraft
+from memspec.engine.costs import RoundCosts
 from memspec.engine.policy import Choice, FixedPolicy, RoundPolicy
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import speculative_generate
@@ -161,7 +162,7 @@ class RecordingPolicy:
         self.inner = inner
         self.rounds: list[RoundRecord] = []
         self.first_choose: float | None = None
-        self._open: dict | None = None
+        self._open: tuple[float, RoundRecord] | None = None  # (its start, the round so far)
 
     def choose(self, context, k_room, params, rng) -> Choice:
         t = time.perf_counter()
@@ -171,38 +172,24 @@ class RecordingPolicy:
         c = self.inner.choose(context, k_room, params, rng)
         if c.draft is not None and c.k > 0 and c.proposal is None:
             c.proposal = c.draft.propose(context, c.k, params, rng)
-        self._open = {
-            "draft": c.draft.id if c.draft is not None else None,
-            "k": c.k,
-            "t0": t,
-            "draft_s": time.perf_counter() - t,
-            "proposed": 0,
-            "accepted": 0,
-        }
+        draft = c.draft.id if c.draft is not None else None
+        self._open = (t, RoundRecord(draft, c.k, 0, 0, time.perf_counter() - t, 0.0))
         return c
 
     def observe(self, key, proposed, accepted, seconds) -> None:
         if self._open is not None:
-            self._open["proposed"], self._open["accepted"] = proposed, accepted
+            self._open[1].proposed, self._open[1].accepted = proposed, accepted
         self.inner.observe(key, proposed, accepted, seconds)
 
-    def observe_costs(self, draft_id, drafted, draft_s, gap, verify_s, first_s=0.0) -> None:
-        self.inner.observe_costs(draft_id, drafted, draft_s, gap, verify_s, first_s)
+    def observe_costs(self, measured: RoundCosts) -> None:
+        self.inner.observe_costs(measured)
 
     def _close(self, t: float) -> None:
         if self._open is None:
             return
-        o, self._open = self._open, None
-        self.rounds.append(
-            RoundRecord(
-                o["draft"],
-                o["k"],
-                o["proposed"],
-                o["accepted"],
-                o["draft_s"],
-                max(0.0, t - o["t0"] - o["draft_s"]),
-            )
-        )
+        (t0, record), self._open = self._open, None
+        record.verify_s = max(0.0, t - t0 - record.draft_s)
+        self.rounds.append(record)
 
     def finish(self) -> None:
         self._close(time.perf_counter())

@@ -1,17 +1,22 @@
 """A working set in virtual time: the simulator's stand-in for the real one.
 
-Same contract as memspec.scheduler.working_set.WorkingSet as far as policies see it:
-`prefetch(values)` holds the highest value-per-byte set that fits, loading in the background
-(one loader, loads in sequence) and evicting what the new plan does not hold; `acquire(id)`
-is a reactive load that the caller waits for (stall), evicting the least recently used draft
-if it must. The budget here is for drafts only (the target is resident beside it), and a load
-reserves its bytes when it starts, so the budget holds at every instant.
+Same contract as memspec.scheduler.working_set.WorkingSet as far as the Scheduler and its
+policies see it: `prefetch(values)` holds the highest value-per-byte set that fits, loading in
+the background (one loader, loads in sequence) and evicting what the new plan does not hold;
+`acquire(id)` is a reactive load that the caller waits for (stall), evicting the least
+recently used draft if it must; `get` and `lease_resident` hand out the request's drafts
+(`drafts`, set per request: the simulator's trace-backed ones) that are resident. The budget
+here is for drafts only (the target is resident beside it), and a load reserves its bytes
+when it starts, so the budget holds at every instant.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from memspec.engine.types import Draft
 from memspec.memory.fill import fill_by_value
 
 
@@ -37,6 +42,31 @@ class SimWorkingSet:
         self.evictions = 0
         self.peak_bytes = 0
         self.load_busy_s = 0.0  # seconds a background load was running
+        self.drafts: dict[str, Draft] = {}  # the request's drafts, by id
+
+    # --- the drafts, as the Scheduler asks for them ---------------------------------------
+    def _available(self, draft: str) -> bool:
+        return draft in self.resident or self.sizes.get(draft, 1) == 0
+
+    def get(self, draft: str) -> Draft | None:
+        """The draft if resident now (a draft with nothing to load always is)."""
+        return self.drafts.get(draft) if self._available(draft) else None
+
+    def lease_resident(self, ids: Iterable[str] | None = None) -> list[Draft]:
+        """The resident drafts (or those of `ids`): those with nothing to load, then the
+        others in load order, as the live set gives them."""
+        order = dict.fromkeys([d for d in self.drafts if self.sizes.get(d, 1) == 0])
+        order.update(dict.fromkeys(self.resident))
+        wanted = self.drafts.keys() if ids is None else set(ids)
+        return [self.drafts[d] for d in order if d in wanted and d in self.drafts]
+
+    def release_leases(self) -> None:
+        """Nothing is leased in virtual time."""
+
+    @contextlib.contextmanager
+    def holding(self, *ids: str) -> Iterator[None]:
+        """Nothing is evicted under a request here but by its own policy's plan."""
+        yield
 
     # --- time -------------------------------------------------------------------------
     def advance(self, now: float) -> None:
@@ -103,7 +133,12 @@ class SimWorkingSet:
             if self._make_room(self.sizes[d], keep, order):
                 self._enqueue(d)
 
-    def acquire(self, draft: str, wait: bool = True) -> float | None:
+    def acquire(self, draft: str, wait: bool = True) -> Draft | None:
+        """Make `draft` resident now, waiting for it (virtual time moves on by the stall);
+        None if it cannot fit."""
+        return self.drafts.get(draft) if self.load_now(draft, wait) is not None else None
+
+    def load_now(self, draft: str, wait: bool = True) -> float | None:
         """Make `draft` resident now; return the seconds waited, or None if it cannot fit."""
         if draft in self.resident:
             self.resident[draft] = self.now

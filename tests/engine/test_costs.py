@@ -1,4 +1,4 @@
-from memspec.engine.costs import AcceptanceEstimator, CostModel, expected_tokens
+from memspec.engine.costs import AcceptanceEstimator, CostModel, RoundCosts, expected_tokens
 
 
 def test_expected_tokens():
@@ -95,12 +95,12 @@ def test_batch_rule_keeps_serial_drafts_only_where_they_pay():
     from memspec.engine.costs import BatchOption, plan_batch
 
     costs = _box_costs(draft_s={"q8_0": 0.011})
-    model = BatchOption("q8_0", 6, 0.95, 0.95, serial=True)
+    model = BatchOption("q8_0", 6, 0.95, 0.95, free=False)
     lookup = BatchOption("lookup", 6, 0.95, 0.95)
     # Beside a sequence drafting as deep, a good caught-up model draft pays.
     assert plan_batch([model, lookup], costs)[0] > 0
     # Beside seven that draft nothing, its serial steps and the extra ubatch do not.
-    weak = BatchOption("q8_0", 6, 0.5, 0.5, serial=True)
+    weak = BatchOption("q8_0", 6, 0.5, 0.5, free=False)
     assert plan_batch([weak] + [BatchOption(None, 0)] * 7, costs)[0] == 0
     # A fixed k (a request's own) is kept as asked.
     assert plan_batch([BatchOption("lookup", 5, fixed=True), BatchOption(None, 0)], costs)[0] == 5
@@ -110,8 +110,8 @@ def test_batch_rule_charges_a_serial_drafts_catch_up():
     from memspec.engine.costs import BatchOption, plan_batch
 
     costs = _box_costs(draft_s={"q8_0": 0.011})
-    caught_up = BatchOption("q8_0", 6, 0.95, 0.95, serial=True)
-    behind = BatchOption("q8_0", 6, 0.95, 0.95, serial=True, gap=300)  # a new prompt to feed
+    caught_up = BatchOption("q8_0", 6, 0.95, 0.95, free=False)
+    behind = BatchOption("q8_0", 6, 0.95, 0.95, free=False, gap=300)  # a new prompt to feed
     lookup = BatchOption("lookup", 6, 0.95, 0.95)
     assert plan_batch([caught_up, lookup], costs)[0] > 0
     assert plan_batch([behind, lookup], costs)[0] == 0
@@ -134,15 +134,15 @@ def test_a_dear_first_forward_is_charged_once_per_round():
     lumped = CostModel(verify_s=verify, draft_s={"d": 0.019})
     split = CostModel(verify_s=verify, draft_s={"d": 0.019})
     for _ in range(40):  # k = 1 rounds: the whole draft time is the first forward
-        lumped.observe("d", 1, 0.046, 1, 0.116)
-        split.observe("d", 1, 0.046, 1, 0.116, first_s=0.046)
+        lumped.observe(RoundCosts("d", 1, 0.046, 1, 0.116))
+        split.observe(RoundCosts("d", 1, 0.046, 1, 0.116, first_s=0.046))
     assert lumped.best_k("d", 0.97, 8, 0.9)[0] <= 2
     assert abs(split.round_seconds("d", 3) - (0.046 + 2 * 0.019 + 0.144)) < 1e-3
     assert split.best_k("d", 0.97, 8, 0.9)[0] >= 4
     for _ in range(40):  # k = 4 rounds: later steps learnt from what the first left
-        split.observe("d", 4, 0.046 + 3 * 0.025, 1, 0.148, first_s=0.046)
+        split.observe(RoundCosts("d", 4, 0.046 + 3 * 0.025, 1, 0.148, first_s=0.046))
     assert abs(split.draft_cost("d") - 0.025) < 1e-3
     # Without the first forward's time, rounds are charged per token as before.
     plain = CostModel(verify_s=verify, draft_s={"d": 0.019})
-    plain.observe("d", 2, 0.050, 1, 0.121)
+    plain.observe(RoundCosts("d", 2, 0.050, 1, 0.121))
     assert abs(plain.round_seconds("d", 2) - (2 * plain.draft_cost("d") + 0.121)) < 1e-9

@@ -1,6 +1,6 @@
 """The decision rule's choice among drafts, shared by the engine, the policies and training."""
 
-from memspec.engine.costs import CostModel, best_choice
+from memspec.engine.costs import CostModel, RoundCosts, best_choice
 
 COSTS = CostModel(verify_s=[0.02, 0.026, 0.03, 0.032, 0.04], draft_s={"d": 0.01, "e": 0.01})
 
@@ -56,11 +56,9 @@ def test_a_calibration_taken_on_a_busy_machine_is_corrected_by_measured_rounds()
     rule = rule_for(BehindDraft(0), costs, alpha=0.5)
     ctx, params = [1, 2, 3], SamplingParams()
     assert rule.choose(ctx, 8, params, None).draft is not None  # today's rule: drafts
-    v0 = costs.version
     for _ in range(3):
-        costs.observe(None, 0, 0.0, 0, 0.044)
-        costs.observe("m", 1, 0.070, 1, 0.053)
-    assert costs.version > v0
+        costs.observe(RoundCosts(None, 0, 0.0, 0, 0.044))
+        costs.observe(RoundCosts("m", 1, 0.070, 1, 0.053))
     assert abs(costs.verify(1) - 0.044) < 1e-9 and abs(costs.draft_cost("m") - 0.070) < 1e-9
     # An unseen batch: its calibration times the measured ratio, never below a smaller one.
     assert 0.053 <= costs.verify(5) < 0.85 / 10
@@ -69,7 +67,8 @@ def test_a_calibration_taken_on_a_busy_machine_is_corrected_by_measured_rounds()
 
 def test_a_prompt_catch_up_is_not_taken_for_a_draft_step():
     costs = CostModel(verify_s=[0.02, 0.026, 0.03], draft_s={"m": 0.005})
-    costs.observe("m", 2, 0.5, 194, 0.026)  # a 194-token catch-up round: not a per-token cost
+    # A 194-token catch-up round: not a per-token cost.
+    costs.observe(RoundCosts("m", 2, 0.5, 194, 0.026))
     assert costs.draft_cost("m") == 0.005
 
 

@@ -1,4 +1,5 @@
-"""Each policy's choose/observe on synthetic rounds, over the simulator's working set."""
+"""Each policy on synthetic rounds, over the simulator's working set (memspec's rounds through
+the Scheduler, as the daemon and the simulator run them)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from collections import Counter
 
 import numpy as np
 
-from memspec.engine.costs import CostModel
+from memspec.engine.costs import AcceptanceEstimator, CostModel
+from memspec.engine.types import SamplingParams
 from memspec.predictor.model import AcceptancePredictor, KeyModel
 from memspec.scheduler.policies import (
     DraftInfo,
@@ -18,6 +20,9 @@ from memspec.scheduler.policies import (
     make_policy,
     prompt_key,
 )
+from memspec.scheduler.rounds import Scheduler
+from memspec.sim.simulator import TraceDraft
+from memspec.sim.traces import DraftPositions
 from memspec.sim.working_set import SimWorkingSet
 
 # GPU-like costs: verification nearly flat in k, drafting cheap.
@@ -58,7 +63,7 @@ def play(policy, ws, rounds: int, rng: random.Random, peek=no_peek) -> Counter:
         stall = 0.0
         if d is not None and d not in ws.resident and not DRAFTS[d].always_resident:
             assert policy.reactive, f"{policy.name} chose non-resident {d}"
-            stall = ws.acquire(d)
+            stall = ws.load_now(d)
             if stall is None:  # cannot fit: this round decodes without a draft
                 d, k, stall = None, 0, 0.0
         chosen[d] += 1
@@ -118,30 +123,52 @@ def predictor_knowing(alphas: dict[str, float]) -> AcceptancePredictor:
     return AcceptancePredictor({k: KeyModel.prior(a) for k, a in alphas.items()})
 
 
+OUTPUT = list(range(1000, 1300))
+
+
+def with_drafts(ws: SimWorkingSet, lookup: tuple[str, int] = ("n0", 0)) -> SimWorkingSet:
+    """The simulator's trace-backed drafts over OUTPUT: model drafts propose up to k_max
+    tokens; the lookup proposes `lookup` (key suffix, tokens) at every position."""
+    n = len(OUTPUT)
+    for d, info in DRAFTS.items():
+        length = [lookup[1]] * n if info.free else [8] * n
+        keys = [lookup[0]] * n if info.free else None
+        positions = DraftPositions(length, [0] * n, keys)
+        ws.drafts[d] = TraceDraft(info, positions, len(PROMPT), OUTPUT, {}, [])
+    return ws
+
+
+def memspec_rounds(pred: AcceptancePredictor, ws: SimWorkingSet, max_tokens: int = 128):
+    """memspec's rounds as the daemon and the simulator run them: the Scheduler's."""
+    ws = with_drafts(ws) if not ws.drafts else ws
+    sched = Scheduler(ws, COSTS, AcceptanceEstimator(), ENV.k_max, clock=lambda: ws.now)
+    memspec = make_policy("memspec", ENV, predictor=pred)
+    sched.begin_policy(memspec, Request("r", PROMPT, max_tokens=max_tokens))
+    return sched, memspec
+
+
+def choose_at(sched: Scheduler, pos: int) -> tuple[str | None, int]:
+    c = sched.choose(PROMPT + OUTPUT[:pos], 64, SamplingParams(), np.random.default_rng(0))
+    return (c.draft.id if c.draft is not None and c.k > 0 else None), c.k
+
+
 def test_memspec_prefers_the_predicted_best_resident_draft():
     pred = predictor_knowing({"good": 0.9, "bad": 0.05, "big": 0.3})
-    memspec = make_policy("memspec", ENV, predictor=pred)
-    ws = working_set(resident=("good", "bad"))
-    memspec.begin(Request("r", PROMPT, max_tokens=128), ws)
-    d, k = memspec.choose(Round(0, 64, no_peek), ws)
+    sched, _ = memspec_rounds(pred, working_set(resident=("good", "bad")))
+    d, k = choose_at(sched, 0)
     assert d == "good" and k >= 4
     # Only "bad" resident and it does not pay: plain decoding, never a stall.
     ws2 = working_set(budget=100, resident=("bad",))
-    memspec.begin(Request("r2", PROMPT, max_tokens=128), ws2)
-    assert memspec.choose(Round(0, 64, no_peek), ws2)[0] != "bad"
+    sched2, _ = memspec_rounds(pred, ws2)
+    assert choose_at(sched2, 0)[0] != "bad"
     assert ws2.stall_s == 0
 
 
 def test_memspec_uses_lookup_when_it_has_a_long_match():
     pred = predictor_knowing({"good": 0.3, "lookup/n3": 0.95})
-    memspec = make_policy("memspec", ENV, predictor=pred)
-    ws = working_set(resident=("good",))
-    memspec.begin(Request("r", PROMPT), ws)
-
-    def peek(d):
-        return "lookup/n3", 8
-
-    assert memspec.choose(Round(10, 64, peek), ws)[0] == "lookup"
+    ws = with_drafts(working_set(resident=("good",)), lookup=("n3", 8))
+    sched, _ = memspec_rounds(pred, ws)
+    assert choose_at(sched, 10)[0] == "lookup"
 
 
 def test_memspec_prefetches_by_predicted_value():
@@ -150,47 +177,42 @@ def test_memspec_prefetches_by_predicted_value():
     # everything it holds both (the second loaded between requests); a draft predicted not to
     # pay is never loaded.
     pred = predictor_knowing({"good": 0.9, "bad": 0.05, "big": 0.92})
-    memspec = make_policy("memspec", ENV, predictor=pred)
     ws = working_set(budget=300)
-    memspec.begin(Request("r", PROMPT, max_tokens=256), ws)
+    sched, memspec = memspec_rounds(pred, ws, max_tokens=256)
     assert [ld.draft for ld in ws.queue] == ["good"]
     assert set(memspec.plan) == {"good"}
-    d, _ = memspec.choose(Round(0, 64, no_peek), ws)
-    assert d is None, "decoding goes on without waiting for the load"
+    assert choose_at(sched, 0)[0] is None, "decoding goes on without waiting for the load"
     ws.advance(1.0)
-    assert memspec.choose(Round(1, 64, no_peek), ws)[0] == "good"
+    assert choose_at(sched, 1)[0] == "good"
     wide = working_set(budget=1000)
-    memspec.begin(Request("r2", PROMPT, max_tokens=256), wide)
+    sched, memspec = memspec_rounds(pred, wide, max_tokens=256)
     # While a request decodes, one load at a time (the loader competes for its cores): the
     # best; the rest of the room is filled for later requests once the request ends.
     assert [ld.draft for ld in wide.queue] == ["good"]
-    memspec.choose(Round(200, 56, no_peek), wide)  # the request ran 200 tokens
-    memspec.end()
+    choose_at(sched, 200)  # the request ran 200 tokens
+    sched.finish()
     assert sorted(ld.draft for ld in wide.queue) == ["big", "good"]
     assert "bad" not in memspec.plan
     # A much better draft wins the one slot even though a smaller one is denser.
     pred2 = predictor_knowing({"good": 0.55, "bad": 0.05, "big": 0.97})
-    memspec2 = make_policy("memspec", ENV, predictor=pred2)
     ws2 = working_set(budget=300)
-    memspec2.begin(Request("r3", PROMPT, max_tokens=256), ws2)
+    _, memspec2 = memspec_rounds(pred2, ws2, max_tokens=256)
     assert [ld.draft for ld in ws2.queue] == ["big"], memspec2.plan
 
 
 def test_memspec_learns_online_when_the_prediction_is_wrong():
     pred = predictor_knowing({"good": 0.9, "bad": 0.85, "big": 0.1})
-    memspec = make_policy("memspec", ENV, predictor=pred)
-    ws = working_set(resident=("good", "bad"))
-    TRUE_ALPHA_WRONG = {"good": 0.05}
-    memspec.begin(Request("r", PROMPT), ws)
+    sched, _ = memspec_rounds(pred, working_set(resident=("good", "bad")))
+    TRUE_ALPHA_WRONG = {"good": 0.05, "bad": 0.85}  # the prediction, the wrong way round
     rng = random.Random(5)
     for pos in range(40):
-        d, k = memspec.choose(Round(pos, 64, no_peek), ws)
+        d, k = choose_at(sched, pos)
         if d is None:
             continue
         a = TRUE_ALPHA_WRONG.get(d, TRUE_ALPHA[d])
         acc = sum(1 for _ in range(k) if rng.random() < a)
-        memspec.observe(d, d, pos, k, min(acc, k), 0.05, acc + 1)
-    assert memspec.choose(Round(41, 64, no_peek), ws)[0] == "bad"
+        sched.observe(d, k, min(acc, k), 0.05)
+    assert choose_at(sched, 41)[0] == "bad"
 
 
 def test_oracle_follows_its_table():
@@ -212,14 +234,14 @@ def test_policy_decision_is_fast():
     import time
 
     pred = predictor_knowing({"good": 0.9, "bad": 0.2, "big": 0.9})
-    memspec = make_policy("memspec", ENV, predictor=pred)
-    ws = working_set(resident=("good", "bad", "big"))
-    memspec.begin(Request("r", PROMPT), ws)
+    ws = with_drafts(working_set(resident=("good", "bad", "big")), lookup=("n2", 3))
+    sched, _ = memspec_rounds(pred, ws, max_tokens=4096)
     rng = np.random.default_rng(0)
     t = time.perf_counter()
     for pos in range(2000):
-        d, k = memspec.choose(Round(pos, 64, lambda d: ("lookup/n2", 3)), ws)
-        memspec.observe(d, d or "", pos, k, int(rng.integers(0, k + 1)), 0.05, 2)
+        d, k = choose_at(sched, pos % len(OUTPUT))
+        if d is not None:
+            sched.observe(d, k, int(rng.integers(0, k + 1)), 0.05)
     assert (time.perf_counter() - t) / 2000 < 1e-3
 
 
@@ -268,4 +290,4 @@ def test_only_lookups_are_peeked_and_only_models_catch_up():
     kinds |= {"model": (False, True), "head": (False, False)}
     for kind, (peek, catches_up) in kinds.items():
         info = DraftInfo("d", kind, 1)
-        assert (info.peek, info.catches_up) == (peek, catches_up), kind
+        assert (info.free, info.catches_up) == (peek, catches_up), kind

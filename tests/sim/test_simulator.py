@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from memspec.scheduler.policies import Policy
 from memspec.sim.profile import load_profile
 from memspec.sim.simulator import build_setup, policy_for, sim_workload, simulate
 
@@ -26,8 +27,10 @@ def test_ten_thousand_requests_in_seconds(synthetic_trace, setup):
     wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     assert result["requests"] == 10_000
     print(f"\n10k requests, memspec: {cpu:.1f} s CPU, {wall:.1f} s wall, {result['rounds']} rounds")
-    # CPU time: what it costs on a quiet core (wall time on a shared box is noise).
-    assert cpu < 15, f"{cpu:.1f} s of CPU"
+    # CPU time: what it costs on a quiet core (wall time on a shared box is noise). Each round
+    # is the daemon's Scheduler and decision rule, as live (~15 s here; 3 s when the simulator
+    # ran a memoised copy of memspec's choice that no request ran).
+    assert cpu < 30, f"{cpu:.1f} s of CPU"
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -52,17 +55,15 @@ def test_replay_follows_the_trace_exactly(synthetic_trace, setup):
         rounds += 1
         pos += min(a + 1, len(r.output) - pos)
 
-    class KOne:
+    class KOne(Policy):
         name, reactive = "k1", True
 
-        def begin(self, req, ws): ...
         def choose(self, rnd, ws):
             return "q8_0", 1
 
-        def observe(self, *a): ...
-        def end(self): ...
-
-    result = simulate(synthetic_trace, setup, KOne(), setup.profile.target_bytes + 10**9, [r])
+    result = simulate(
+        synthetic_trace, setup, KOne(setup.env), setup.profile.target_bytes + 10**9, [r]
+    )
     assert result["rounds"] == rounds
     assert result["acceptance"] == pytest.approx(expect_acc / rounds, abs=1e-4)
 
