@@ -115,12 +115,13 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Steps 3-4: softmax(logits / T), then top_k, typical_p, top_p and min_p (float32)."""
     # One float32 row, every later step in place on it: a float64 copy and softmax cost twice
     # the memory traffic and exp's time per token, for precision the draw never sees (llama.cpp
-    # samples in float32 too; sums that pick a token accumulate in float64).
+    # samples in float32 too). A whole row's sum is numpy's pairwise one (~1e-7 relative in
+    # float32); the running sums a draw searches are float64.
     z = np.subtract(logits, np.max(logits), dtype=LOGIT_DTYPE)
     if params.temperature != 1.0:  # (x - max) / T: softmax(x / T), the shift taken first
         z *= LOGIT_DTYPE(1.0 / params.temperature)
     p = np.exp(z, out=z)
-    p *= LOGIT_DTYPE(1.0 / p.sum(dtype=np.float64))
+    p *= LOGIT_DTYPE(1.0 / float(p.sum()))
     support = None  # the ids an earlier filter kept (the rest have no mass)
     if 0 < params.top_k < len(p):
         support = top_k_order(p, params.top_k)
@@ -135,7 +136,7 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         _keep(p, order[:keep])
     if params.min_p > 0.0:
         p[p < LOGIT_DTYPE(params.min_p) * p.max()] = 0.0
-        p *= LOGIT_DTYPE(1.0 / p.sum(dtype=np.float64))
+        p *= LOGIT_DTYPE(1.0 / float(p.sum()))
     return p
 
 
@@ -259,7 +260,7 @@ def residual(p: np.ndarray, q: np.ndarray | None, token: int) -> np.ndarray:
     else:
         r = np.subtract(p, q)
         np.maximum(r, 0.0, out=r)
-    total = float(r.sum(dtype=np.float64))
+    total = float(r.sum())
     if total <= 0:
         return p
     r *= 1.0 / total
