@@ -37,6 +37,7 @@ __all__ = [
     "TokenLogprob",
     "accept_draft_token",
     "adjust_logits",
+    "draw",
     "probs_from_logits",
     "residual",
     "sample",
@@ -117,10 +118,7 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     # the memory traffic and exp's time per token, for precision the draw never sees (llama.cpp
     # samples in float32 too). A whole row's sum is numpy's pairwise one (~1e-7 relative in
     # float32); the running sums a draw searches are float64.
-    z = np.subtract(logits, np.max(logits), dtype=LOGIT_DTYPE)
-    if params.temperature != 1.0:  # (x - max) / T: softmax(x / T), the shift taken first
-        z *= LOGIT_DTYPE(1.0 / params.temperature)
-    p = np.exp(z, out=z)
+    p = _weights(logits, params)
     p *= LOGIT_DTYPE(1.0 / float(p.sum()))
     support = None  # the ids an earlier filter kept (the rest have no mass)
     if 0 < params.top_k < len(p):
@@ -138,6 +136,30 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         p[p < LOGIT_DTYPE(params.min_p) * p.max()] = 0.0
         p *= LOGIT_DTYPE(1.0 / float(p.sum()))
     return p
+
+
+def _weights(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """exp((logits - max) / T): softmax(logits / T) but for its normalisation, a new float32
+    row (the shift taken first, so that nothing overflows)."""
+    z = np.subtract(logits, np.max(logits), dtype=LOGIT_DTYPE)
+    if params.temperature != 1.0:
+        z *= LOGIT_DTYPE(1.0 / params.temperature)
+    return np.exp(z, out=z)
+
+
+def truncates(params: SamplingParams) -> bool:
+    """Whether step 4 cuts anything (top_k, typical_p, top_p, min_p)."""
+    return params.top_k > 0 or params.typical_p < 1.0 or params.top_p < 1.0 or params.min_p > 0
+
+
+def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """sample(probs_from_logits(logits, params), rng): the same draw for the same uniform
+    number (but where float32 normalisation rounds apart). Without truncation the weights are
+    drawn from unnormalised (sample scales its uniform number by their sum, which its block
+    sums give): two passes over the row fewer a token."""
+    if truncates(params):
+        return sample(probs_from_logits(logits, params), rng)
+    return sample(_weights(logits, params), rng)
 
 
 def _keep(p: np.ndarray, ids: np.ndarray) -> None:

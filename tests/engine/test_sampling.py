@@ -11,6 +11,7 @@ import pytest
 from memspec.engine.sampling import (
     SamplingParams,
     at_least,
+    draw,
     nucleus_order,
     probs_from_logits,
     residual,
@@ -193,3 +194,23 @@ def test_at_least_is_a_prefix_of_the_stable_sort(vocab):
         assert len(top) >= m and np.all(np.diff(top) > 0)
         order = np.argsort(-p, kind="stable")
         assert sorted(order[: len(top)].tolist()) == top.tolist()
+
+
+@pytest.mark.parametrize("fields", [{}, {"temperature": 0.7}, {"temperature": 0.7, "top_k": 40}])
+def test_draw_is_the_normalised_distributions_draw(fields):
+    """draw() skips the normalisation without truncation: the same id for the same uniform
+    number (float32 normalisation may round a boundary apart: at most a rare draw differs)."""
+    logits = np.random.default_rng(4).standard_normal(VOCAB).astype(np.float32) * 3
+    params = SamplingParams(**({"temperature": 1.0} | fields))
+    same = sum(
+        draw(logits, params, np.random.default_rng(seed))
+        == sample(probs_from_logits(logits, params), np.random.default_rng(seed))
+        for seed in range(200)
+    )
+    assert same >= 199
+
+
+def test_a_plain_draw_takes_one_float32_row():
+    logits = np.random.default_rng(5).standard_normal(VOCAB).astype(np.float32)
+    rng = np.random.default_rng(0)
+    assert row_bytes_at_peak(lambda: draw(logits, SamplingParams(temperature=0.8), rng)) < 1.1
