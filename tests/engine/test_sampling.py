@@ -214,3 +214,18 @@ def test_a_plain_draw_takes_one_float32_row():
     logits = np.random.default_rng(5).standard_normal(VOCAB).astype(np.float32)
     rng = np.random.default_rng(0)
     assert row_bytes_at_peak(lambda: draw(logits, SamplingParams(temperature=0.8), rng)) < 1.1
+
+
+@pytest.mark.parametrize("scale,shift", [(3.0, 0.0), (3.0, 35.0), (3.0, -60.0), (20.0, 200.0)])
+def test_unshifted_and_shifted_weights_are_one_softmax(scale, shift):
+    """Rows whose max is small skip the shift by the max; large ones (either sign) take it:
+    both give the softmax, nothing overflows or vanishes."""
+    logits = np.random.default_rng(6).standard_normal(VOCAB).astype(np.float32) * scale + shift
+    for temperature in (1.0, 0.5):
+        z = logits.astype(np.float64) / temperature
+        want = np.exp(z - z.max())
+        want /= want.sum()
+        got = probs_from_logits(logits, SamplingParams(temperature=temperature))
+        assert np.isfinite(got).all()
+        big = want > 1e-30  # float32 keeps relative precision down to ~1e-38
+        assert np.allclose(got[big], want[big], rtol=2e-5, atol=0)
