@@ -28,12 +28,16 @@ import numpy as np
 
 from memspec.engine.types import SamplingParams
 
+# The dtype of the rows the distributions are built in (llama.cpp's logits are float32).
+LOGIT_DTYPE = np.float32
+
 __all__ = [
     "SamplingParams",
     "TokenHistory",
     "TokenLogprob",
     "accept_draft_token",
     "adjust_logits",
+    "draw",
     "probs_from_logits",
     "residual",
     "sample",
@@ -59,7 +63,7 @@ class TokenHistory:
         self.counts[token] = self.counts.get(token, 0) + 1
 
     def penalize(self, z: np.ndarray, pending: list[int]) -> None:
-        """Apply the penalties to float64 logits `z` in place."""
+        """Apply the penalties to logits `z` (adjust_logits' float32 copy) in place."""
         p = self.params
         if p.repeat_penalty != 1.0 and self.window != 0:
             seen = list(self.recent) + pending
@@ -86,11 +90,11 @@ def adjust_logits(
     history: TokenHistory | None = None,
     pending: list[int] | None = None,
 ) -> np.ndarray:
-    """Steps 1-2: the logits (float64, a copy) after logit_bias and the penalties."""
-    z = np.array(logits, dtype=np.float64)
+    """Steps 1-2: the logits (float32, a copy) after logit_bias and the penalties."""
+    z = np.array(logits, dtype=LOGIT_DTYPE)
     if params.logit_bias:
         ids = np.fromiter(params.logit_bias, dtype=np.int64, count=len(params.logit_bias))
-        z[ids] += np.fromiter(params.logit_bias.values(), dtype=np.float64, count=len(ids))
+        z[ids] += np.fromiter(params.logit_bias.values(), dtype=LOGIT_DTYPE, count=len(ids))
     if history is not None:
         history.penalize(z, pending or [])
     return z
@@ -109,44 +113,102 @@ def target_probs(
 
 
 def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Steps 3-4: softmax(logits / T), then top_k, typical_p, top_p and min_p."""
-    # One float64 copy of the row, every later step in place on it (each full-vocabulary
-    # temporary was an allocation of its own per token); dividing by T = 1 changes no bit.
-    z = logits.astype(np.float64)
-    if params.temperature != 1.0:
-        z /= params.temperature
-    z -= z.max()
-    p = np.exp(z, out=z)
-    p /= p.sum()
+    """Steps 3-4: softmax(logits / T), then top_k, typical_p, top_p and min_p (float32)."""
+    # One float32 row, every later step in place on it: a float64 copy and softmax cost twice
+    # the memory traffic and exp's time per token, for precision the draw never sees (llama.cpp
+    # samples in float32 too). A whole row's sum is numpy's pairwise one (~1e-7 relative in
+    # float32); the running sums a draw searches are float64.
+    p = _weights(logits, params)
+    p *= LOGIT_DTYPE(1.0 / float(p.sum()))
+    support = None  # the ids an earlier filter kept (the rest have no mass)
     if 0 < params.top_k < len(p):
-        p = _keep(p, top_k_order(p, params.top_k))
+        support = top_k_order(p, params.top_k)
+        _keep(p, support)
     if params.typical_p < 1.0:
-        p = _keep(p, typical_order(p, params.typical_p))
+        support = typical_order(p, params.typical_p)
+        _keep(p, support)
     if params.top_p < 1.0:
-        order = nucleus_order(p, params.top_p)
-        cum = np.cumsum(p[order])
+        order = nucleus_order(p, params.top_p, None if support is None else np.sort(support))
+        cum = np.cumsum(p[order], dtype=np.float64)
         keep = int(np.searchsorted(cum, params.top_p) + 1)  # smallest set reaching top_p
-        p = _keep(p, order[:keep])
+        _keep(p, order[:keep])
     if params.min_p > 0.0:
-        p = np.where(p >= params.min_p * p.max(), p, 0.0)
-        p /= p.sum()
+        p[p < LOGIT_DTYPE(params.min_p) * p.max()] = 0.0
+        p *= LOGIT_DTYPE(1.0 / float(p.sum()))
     return p
 
 
-def _keep(p: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """p restricted to `ids`, renormalized."""
-    mask = np.zeros_like(p, dtype=bool)
-    mask[ids] = True
-    p = np.where(mask, p, 0.0)
-    return p / p.sum()
+# |max logit / T| up to which the weights are exp(logits / T) unshifted: their sum stays far
+# from float32's overflow (e^40 a token), and what underflows (below e^-103) weighs under
+# e^-63 of the top token. Real rows' largest logits are ~10-30.
+UNSHIFTED_MAX = 40.0
+
+
+def _weights(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """softmax(logits / T) but for its normalisation, a new float32 row: exp(logits / T),
+    shifted by the max first when the max is large (a pass saved when it is not)."""
+    inv_t = 1.0 / params.temperature
+    m = float(np.max(logits))
+    if abs(m * inv_t) <= UNSHIFTED_MAX:
+        z = np.multiply(logits, inv_t, dtype=LOGIT_DTYPE) if inv_t != 1.0 else None
+        return np.exp(logits if z is None else z, out=z, dtype=LOGIT_DTYPE)
+    z = np.subtract(logits, m, dtype=LOGIT_DTYPE)
+    if inv_t != 1.0:
+        z *= LOGIT_DTYPE(inv_t)
+    return np.exp(z, out=z)
+
+
+def truncates(params: SamplingParams) -> bool:
+    """Whether step 4 cuts anything (top_k, typical_p, top_p, min_p)."""
+    return params.top_k > 0 or params.typical_p < 1.0 or params.top_p < 1.0 or params.min_p > 0
+
+
+def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """sample(probs_from_logits(logits, params), rng): the same draw for the same uniform
+    number (but where float32 normalisation rounds apart). Without truncation the weights are
+    drawn from unnormalised (sample scales its uniform number by their sum, which its block
+    sums give): two passes over the row fewer a token."""
+    if truncates(params):
+        return sample(probs_from_logits(logits, params), rng)
+    return sample(_weights(logits, params), rng)
+
+
+def _keep(p: np.ndarray, ids: np.ndarray) -> None:
+    """Restrict p to `ids` and renormalize, in place (ids: a few, out of a vocabulary)."""
+    kept = p[ids]
+    p.fill(0.0)
+    p[ids] = kept * (1.0 / kept.sum(dtype=np.float64))
 
 
 def top_k_order(p: np.ndarray, k: int) -> np.ndarray:
     """The k most likely ids in stable descending order (ties: lower id first), without
     sorting the whole vocabulary."""
-    threshold = np.partition(p, len(p) - k)[len(p) - k]
-    top = np.flatnonzero(p >= threshold)
+    top = at_least(p, k)
     return top[np.argsort(-p[top], kind="stable")][:k]
+
+
+# at_least's guess of its threshold reads one id in this many (at most), so that the guess
+# costs a partition of a few thousand values, not of the whole vocabulary.
+GUESS_STRIDE = 64
+
+
+def at_least(p: np.ndarray, m: int) -> np.ndarray:
+    """The ascending ids of every value >= some threshold that at least m values reach: a
+    superset of the m largest and of every value tied with the m-th, hence a prefix of the
+    stable descending order. The threshold is guessed from a strided subsample's order
+    statistic (~4m ids pass it); a guess too high is lowered, down to the exact m-th value."""
+    n = len(p)
+    if m >= n:
+        return np.arange(n)
+    stride = min(GUESS_STRIDE, max(n // (4 * m), 1))
+    guess = p[::stride]
+    j = 4 * m // stride + 4  # the subsample's j-th largest: ~4m values above it in p
+    while j < len(guess):
+        top = np.flatnonzero(p >= np.partition(guess, len(guess) - j)[len(guess) - j])
+        if len(top) >= m:
+            return top
+        j *= 4
+    return np.flatnonzero(p >= np.partition(p, n - m)[n - m])
 
 
 def typical_order(p: np.ndarray, typical_p: float) -> np.ndarray:
@@ -154,25 +216,29 @@ def typical_order(p: np.ndarray, typical_p: float) -> np.ndarray:
     surprise is from the entropy, the shortest prefix whose mass exceeds typical_p."""
     ids = np.flatnonzero(p)
     logp = np.log(p[ids])
-    entropy = -float(np.sum(p[ids] * logp))
+    entropy = -float(np.sum(p[ids] * logp, dtype=np.float64))
     order = ids[np.argsort(np.abs(-logp - entropy), kind="stable")]
-    cum = np.cumsum(p[order])
+    cum = np.cumsum(p[order], dtype=np.float64)
     keep = int(np.searchsorted(cum, typical_p, side="right") + 1)  # first sum > typical_p
     return order[: min(keep, len(order))]
 
 
-def nucleus_order(p: np.ndarray, top_p: float) -> np.ndarray:
+def nucleus_order(p: np.ndarray, top_p: float, support: np.ndarray | None = None) -> np.ndarray:
     """A prefix of the stable descending order of p (ties: lower id first) whose mass reaches
     top_p: what top-p keeps, without sorting a whole vocabulary (262k ids: ~20 ms a row).
 
-    Takes the m most likely ids and every id tied with the m-th (so the prefix is exactly the
-    full sort's), doubling m until their mass reaches top_p."""
+    Takes a prefix holding the m most likely ids and every id tied with the m-th (at_least),
+    growing m until its mass reaches top_p. Ids of no mass never end the nucleus, so they are
+    left out: `support` (ascending ids), when given, holds every id with mass (after top_k)."""
+    if support is not None:
+        return support[np.argsort(-p[support], kind="stable")]
     m = 64
     while m < len(p):
-        threshold = np.partition(p, len(p) - m)[len(p) - m]
-        top = np.flatnonzero(p >= threshold)  # ascending ids: the stable sort keeps them so
+        top = at_least(p, m)  # ascending ids: the stable sort keeps them so
+        if not p[top].all():  # the threshold reached 0: the support is prefix enough
+            top = np.flatnonzero(p)
         order = top[np.argsort(-p[top], kind="stable")]
-        if p[order].sum() >= top_p:
+        if p[order].sum(dtype=np.float64) >= top_p:
             return order
         m *= 8
     return np.argsort(-p, kind="stable")
@@ -186,18 +252,22 @@ SAMPLE_BLOCK = 512
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """Inverse-CDF draw of an id from p (one uniform draw). Over a large vocabulary, the block
     of SAMPLE_BLOCK ids holding the draw is found from the blocks' sums first, then the id in
-    it: the same id as a whole cumsum's search but where the two round apart (~1e-16)."""
+    it: the same id as a whole cumsum's search but where the two round apart (~1e-16 for a
+    float64 p). The running sums are float64 whatever p's dtype."""
     if len(p) <= SAMPLE_BLOCK:
-        i = int(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"))
+        x = rng.random() * p.sum(dtype=np.float64)
+        i = int(np.searchsorted(np.cumsum(p, dtype=np.float64), x, side="right"))
         return i if i < len(p) else _last_with_mass(p)
-    cum = np.cumsum(np.add.reduceat(p, np.arange(0, len(p), SAMPLE_BLOCK)))
+    # Each block's sum in p's dtype (a pairwise sum: float32's error ~1e-7 of the block's mass).
+    cum = np.cumsum(np.add.reduceat(p, np.arange(0, len(p), SAMPLE_BLOCK)), dtype=np.float64)
     x = rng.random() * cum[-1]
     b = int(np.searchsorted(cum, x, side="right"))
     if b >= len(cum):
         return _last_with_mass(p)
     lo = b * SAMPLE_BLOCK
     block = p[lo : lo + SAMPLE_BLOCK]
-    j = int(np.searchsorted(np.cumsum(block), x - (cum[b - 1] if b else 0.0), side="right"))
+    x -= cum[b - 1] if b else 0.0
+    j = int(np.searchsorted(np.cumsum(block, dtype=np.float64), x, side="right"))
     return lo + (j if j < len(block) else _last_with_mass(block))
 
 
@@ -217,12 +287,17 @@ def accept_draft_token(
 
 def residual(p: np.ndarray, q: np.ndarray | None, token: int) -> np.ndarray:
     """Distribution to sample from after rejecting `token`: norm(max(p - q, 0))."""
-    if q is None:  # deterministic proposal: q is a point mass on `token`
-        q = np.zeros_like(p)
-        q[token] = 1.0
-    r = np.maximum(p - q, 0.0)
-    total = r.sum()
-    return r / total if total > 0 else p
+    if q is None:  # deterministic proposal: q is a point mass on `token`, so p - q is p
+        r = p.copy()  # but at `token`, where it is p(token) - 1 <= 0
+        r[token] = 0.0
+    else:
+        r = np.subtract(p, q)
+        np.maximum(r, 0.0, out=r)
+    total = float(r.sum())
+    if total <= 0:
+        return p
+    r *= 1.0 / total
+    return r
 
 
 @dataclass

@@ -32,6 +32,7 @@ from memspec.engine.sampling import (
     TokenLogprob,
     accept_draft_token,
     adjust_logits,
+    draw,
     probs_from_logits,
     residual,
     sample,
@@ -217,7 +218,7 @@ def accept_sampled(
         if not accept_draft_token(tok, p, q, rng):
             return new + [keep(sample(residual(p, q, tok), rng))]
         new.append(keep(tok))
-    return new + [keep(sample(probs_from_logits(row(len(drafted)), params), rng))]
+    return new + [keep(draw(row(len(drafted)), params, rng))]
 
 
 class Sequence:

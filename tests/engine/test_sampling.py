@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import tracemalloc
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from memspec.engine.sampling import SamplingParams, nucleus_order, probs_from_logits
+from memspec.engine.sampling import (
+    SamplingParams,
+    at_least,
+    draw,
+    nucleus_order,
+    probs_from_logits,
+    residual,
+    sample,
+)
 
 
-def full_sort_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The definition: softmax(logits / T), then the smallest stable-sorted prefix >= top_p."""
-    z = logits.astype(np.float64) / params.temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
+def full_sort_nucleus(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The definition: the smallest prefix of the softmax's full stable sort (ties: lower id
+    first) whose mass reaches top_p, over the softmax probs_from_logits builds."""
+    p = probs_from_logits(logits, replace(params, top_p=1.0))
     order = np.argsort(-p, kind="stable")
-    keep = int(np.searchsorted(np.cumsum(p[order]), params.top_p) + 1)
-    mask = np.zeros_like(p, dtype=bool)
-    mask[order[:keep]] = True
-    p = np.where(mask, p, 0.0)
-    return p / p.sum()
+    keep = int(np.searchsorted(np.cumsum(p[order], dtype=np.float64), params.top_p) + 1)
+    return np.sort(order[:keep])
 
 
 @pytest.mark.parametrize("vocab", [50, 49_152, 262_144])
@@ -32,7 +39,11 @@ def test_nucleus_equals_the_full_sort(vocab):
             temperature=float(rng.choice([0.5, 1.0, 1.5])),
             top_p=float(rng.choice([0.1, 0.5, 0.9, 0.999])),
         )
-        assert np.array_equal(probs_from_logits(logits, params), full_sort_probs(logits, params))
+        p = probs_from_logits(logits, params)
+        kept = full_sort_nucleus(logits, params)
+        assert np.flatnonzero(p).tolist() == kept.tolist()
+        full = probs_from_logits(logits, replace(params, top_p=1.0))
+        assert p[kept] == pytest.approx(full[kept] / full[kept].sum(dtype=np.float64), rel=1e-6)
 
 
 def test_nucleus_order_is_a_prefix_of_the_stable_sort():
@@ -105,12 +116,116 @@ def test_a_draw_never_takes_a_whole_vocabulary_cumsum(monkeypatch):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_probs_are_the_softmax_bit_for_bit_and_leave_the_row_alone(temperature):
+def test_probs_are_the_softmax_in_float32_and_leave_the_row_alone(temperature):
     logits = np.random.default_rng(1).standard_normal(49_152).astype(np.float32) * 4
     logits.flags.writeable = False  # as llama.cpp's buffer is handed out: read in place
     z = logits.astype(np.float64) / temperature
     want = np.exp(z - z.max())
     want /= want.sum()
     got = probs_from_logits(logits, SamplingParams(temperature=temperature))
-    assert np.array_equal(got, want)
+    assert got.dtype == np.float32  # llama.cpp's own precision
+    assert np.allclose(got, want, rtol=1e-5, atol=0)
+    assert got.sum(dtype=np.float64) == pytest.approx(1.0, abs=1e-6)
     assert not np.shares_memory(got, logits)
+
+
+VOCAB = 151_936  # Qwen2.5's: the bench's target
+
+
+def row_bytes_at_peak(fn) -> float:
+    """The most memory `fn()` held at once (numpy reports its buffers to tracemalloc), in
+    float32 rows of VOCAB values: how many full-vocabulary buffers one call needs."""
+    fn()  # warm: first-call caches are not the per-token cost
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1] / (VOCAB * 4)
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},  # the server's defaults: T = 1, no truncation
+        {"temperature": 0.7},
+        {"temperature": 0.7, "top_k": 40},
+        {"temperature": 0.7, "min_p": 0.05},
+        {"temperature": 0.7, "top_k": 40, "top_p": 0.95},
+    ],
+)
+def test_a_sampled_token_takes_one_float32_row(fields):
+    """A plain sampled token (the distribution, then the draw) builds one float32 row and
+    nothing else its size: no float64 copy (8 bytes an id: 2 rows), no temporaries per step,
+    no partition of a copied row for top_k; a truncation's boolean mask is a quarter row, the
+    cast buffers numpy works through 64 KiB."""
+    logits = np.random.default_rng(2).standard_normal(VOCAB).astype(np.float32) * 3
+    params = SamplingParams(**({"temperature": 1.0} | fields))
+    rng = np.random.default_rng(0)
+    assert row_bytes_at_peak(lambda: sample(probs_from_logits(logits, params), rng)) < 1.4
+
+
+def test_a_rejection_takes_one_more_row():
+    """The residual after a deterministic proposal's rejection: one copy of p, no point-mass
+    row and no p - q temporary."""
+    logits = np.random.default_rng(3).standard_normal(VOCAB).astype(np.float32)
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0))
+    token = int(np.argmax(p))
+    r = residual(p, None, token)
+    assert r[token] == 0 and r.sum(dtype=np.float64) == pytest.approx(1.0, abs=1e-6)
+    others = np.arange(VOCAB) != token
+    assert np.allclose(r[others], p[others] / (1 - p[token]), rtol=1e-5, atol=0)
+    assert row_bytes_at_peak(lambda: residual(p, None, token)) < 1.2  # + a 64 KiB cast buffer
+
+
+@pytest.mark.parametrize("vocab", [50, 4096, 151_936])
+def test_at_least_is_a_prefix_of_the_stable_sort(vocab):
+    """at_least's guessed threshold keeps at least m ids and cuts the stable descending order
+    between two values, ties included (a guess too high is lowered until it does)."""
+    rng = np.random.default_rng(vocab)
+    for trial in range(30):
+        p = rng.standard_normal(vocab).astype(np.float32) * rng.choice([0.5, 3.0, 30.0])
+        if trial % 3 == 0:
+            p = np.round(p, 1)  # ties
+        if trial % 5 == 0:
+            p[: vocab // 2] = p.max()  # a sorted run: the strided guess is far off
+        m = int(rng.integers(1, vocab))
+        top = at_least(p, m)
+        assert len(top) >= m and np.all(np.diff(top) > 0)
+        order = np.argsort(-p, kind="stable")
+        assert sorted(order[: len(top)].tolist()) == top.tolist()
+
+
+@pytest.mark.parametrize("fields", [{}, {"temperature": 0.7}, {"temperature": 0.7, "top_k": 40}])
+def test_draw_is_the_normalised_distributions_draw(fields):
+    """draw() skips the normalisation without truncation: the same id for the same uniform
+    number (float32 normalisation may round a boundary apart: at most a rare draw differs)."""
+    logits = np.random.default_rng(4).standard_normal(VOCAB).astype(np.float32) * 3
+    params = SamplingParams(**({"temperature": 1.0} | fields))
+    same = sum(
+        draw(logits, params, np.random.default_rng(seed))
+        == sample(probs_from_logits(logits, params), np.random.default_rng(seed))
+        for seed in range(200)
+    )
+    assert same >= 199
+
+
+def test_a_plain_draw_takes_one_float32_row():
+    logits = np.random.default_rng(5).standard_normal(VOCAB).astype(np.float32)
+    rng = np.random.default_rng(0)
+    assert row_bytes_at_peak(lambda: draw(logits, SamplingParams(temperature=0.8), rng)) < 1.1
+
+
+@pytest.mark.parametrize("scale,shift", [(3.0, 0.0), (3.0, 35.0), (3.0, -60.0), (20.0, 200.0)])
+def test_unshifted_and_shifted_weights_are_one_softmax(scale, shift):
+    """Rows whose max is small skip the shift by the max; large ones (either sign) take it:
+    both give the softmax, nothing overflows or vanishes."""
+    logits = np.random.default_rng(6).standard_normal(VOCAB).astype(np.float32) * scale + shift
+    for temperature in (1.0, 0.5):
+        z = logits.astype(np.float64) / temperature
+        want = np.exp(z - z.max())
+        want /= want.sum()
+        got = probs_from_logits(logits, SamplingParams(temperature=temperature))
+        assert np.isfinite(got).all()
+        big = want > 1e-30  # float32 keeps relative precision down to ~1e-38
+        assert np.allclose(got[big], want[big], rtol=2e-5, atol=0)
