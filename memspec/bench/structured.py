@@ -39,9 +39,10 @@ from memspec.bench.engine import (
 )
 from memspec.bench.peer_server import PeerServer, peer_configs
 from memspec.config import Settings
-from memspec.engine.grammar import Grammar, response_format_grammar
+from memspec.engine.grammar import Grammar
 from memspec.engine.types import SamplingParams
 from memspec.runtime import Runtime
+from memspec.server.structured import response_format_grammar
 
 WORKLOAD = Path(__file__).resolve().parent / "data" / "structured_extraction.jsonl"
 PLAIN = "none"

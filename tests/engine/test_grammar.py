@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from sampling_check import PARAMS, null_threshold, tv
 
-from memspec.engine.grammar import Grammar, json_schema_grammar, response_format_grammar
+from memspec.engine.grammar import Grammar
 from memspec.engine.policy import FixedPolicy
 from memspec.engine.sampling import SamplingParams, probs_from_logits
 from memspec.engine.speculative import speculative_generate
 from memspec.errors import InvalidRequest
+from memspec.server.structured import json_schema_grammar
 
 SCHEMA = {
     "type": "object",
@@ -47,9 +48,6 @@ def test_bad_grammars_are_refused_with_their_param(runtime):
     with pytest.raises(InvalidRequest) as e:
         Grammar("root ::= undefined-rule", runtime.target.path)
     assert e.value.param == "grammar" and "undefined-rule" in e.value.message
-    with pytest.raises(InvalidRequest) as e:
-        response_format_grammar({"type": "xml"})
-    assert e.value.param == "response_format"
 
 
 def test_grammar_greedy_identical_for_every_draft_kind(runtime, schema_grammar):
