@@ -27,9 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
+from memspec.engine.sampling import top_k_order
 from memspec.errors import InvalidRequest
 
 MAX_GRAMMAR_CHARS = 200_000  # a grammar is parsed on the engine thread: bound its size
+# Greedy checks this many of a row's most likely tokens one by one, after its argmax, before
+# the grammar's pass over the whole vocabulary (GrammarState.greedy).
+SCAN_CANDIDATES = 32
 
 # llama_token_data, as numpy lays it out: int32 id, float logit, float p (12 bytes).
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
@@ -180,12 +184,19 @@ class GrammarState:
         return out
 
     def greedy(self, logits: np.ndarray) -> int:
-        """The argmax of the masked row. The row's own argmax when the grammar allows it
-        (masking only removes tokens, so the masked argmax is the same, ties included),
-        else a full pass. A dead end (nothing allowed) ends the text with EOS."""
+        """The argmax of the masked row: the first token the grammar allows in the row's
+        stable descending order (ties: lower id first, as np.argmax). The row's own argmax,
+        then the next SCAN_CANDIDATES, are checked one at a time (masking only removes
+        tokens, so the first allowed is the masked argmax); only when none is allowed does
+        the grammar pass over the whole vocabulary (~12 ms at 152k ids, where a candidate's
+        check is ~10 µs). A dead end (nothing allowed) ends the text with EOS."""
         top = int(np.argmax(logits))
         if top < len(self._full) and self.allows(top):
             return top
+        n = min(len(logits), len(self._full))
+        for token in top_k_order(logits[:n], SCAN_CANDIDATES + 1).tolist():
+            if token != top and self.allows(token):
+                return token
         masked = self.mask(logits)
         top = int(np.argmax(masked))
         return top if np.isfinite(masked[top]) else self.vocab.eos

@@ -74,6 +74,40 @@ def test_grammar_applies_to_plain_decoding(runtime):
         assert gen.text in ("yes", "no") and gen.finish_reason == "stop"
 
 
+def test_greedy_is_the_masked_argmax_without_a_full_pass(runtime, schema_grammar):
+    """greedy() checks a row's most likely tokens one by one before masking the whole
+    vocabulary: its choice must be np.argmax of the masked row in every state, ties
+    included, and a row whose best allowed token ranks near the top must not be masked."""
+    rng = np.random.default_rng(0)
+    state = schema_grammar.start()
+    full_passes = 0
+    mask = state.mask
+
+    def counted(row: np.ndarray) -> np.ndarray:
+        nonlocal full_passes
+        full_passes += 1
+        return mask(row)
+
+    state.mask = counted  # type: ignore[method-assign] - counts the passes, changes nothing
+    text = runtime.target.tokenize('{"people": ["Al", "Bo"], "place": "X"}', add_bos=False)
+    scanned = 0
+    for token in text:
+        for _ in range(20):
+            row = rng.standard_normal(runtime.target.n_vocab).astype(np.float32)
+            row[rng.integers(len(row), size=8)] = row.max()  # ties at the top
+            allowed = np.flatnonzero(np.isfinite(mask(row)))
+            if rng.random() < 0.5:  # its best allowed token among the row's top 8
+                row[allowed[rng.integers(len(allowed))]] = np.sort(row)[-rng.integers(1, 8)]
+            expect = int(np.argmax(mask(row)))
+            before = full_passes
+            assert state.greedy(row) == expect
+            scanned += full_passes == before
+        state.accept(token)
+    state.close()
+    assert scanned > 0, "every choice took a full pass: the scan never ran"
+    assert full_passes > 0, "no row fell through to the full pass: that branch is untested"
+
+
 # A grammar that keeps a few of the target's likely first tokens after "Name a fruit." and
 # removes the rest (its usual "Sure"/"A" openings among them): the masked joint is far
 # from the unmasked one, so a rule that skipped the mask anywhere would show.
