@@ -391,6 +391,10 @@ class AcceptanceEstimator:
                 self._cont_acc[key] = self._cont_acc.get(key, 0.0) * d + (accepted - 1)
                 self._cont_seen[key] = self._cont_seen.get(key, 0.0) * d + compared
 
+    def snapshot(self) -> dict[str, float]:
+        """α₁ per key seen, rounded (what a restart must carry over)."""
+        return {key: round(self.alpha(key), 4) for key in sorted(self._seen)}
+
     def counts(self) -> dict[str, dict[str, float]]:
         """The decayed counts behind the estimates (priors are the runtime's, not saved)."""
         return {
