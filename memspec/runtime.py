@@ -16,6 +16,7 @@ import importlib.util
 import logging
 import math
 import threading
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,7 +41,6 @@ from memspec.engine.speculative import (
     Sequence,
     TokenCallback,
     decode_round,
-    speculative_generate,
 )
 from memspec.engine.types import Draft, ModelBacked, RoundPolicy, SamplingParams
 from memspec.errors import (
@@ -192,7 +192,7 @@ class Runtime:
         self.costs = CostModel(verify_s=[1.0] * (settings.k_max + 1))  # until calibrated
         self._measure_loads = False  # drafts loaded after calibration get their cost measured
         self._lead_stall0 = 0.0  # the working set's stall clock when the lead slot's began
-        self.requests_per_draft: dict[str, int] = {}
+        self.requests_per_draft: Counter[str] = Counter()
         self.estimator = self.new_estimator()
         self.lock = threading.Lock()  # one decode loop at a time owns the models
         # The target and its KV caches (one per slot) and buffers are charged first.
@@ -551,12 +551,7 @@ class Runtime:
         elif ask.messages is not None:
             prompt = self.prompt_tokens(messages=ask.messages, tools=ask.tools)
         elif isinstance(ask.prompt, list):
-            n_vocab = self.target.n_vocab
-            bad = next((t for t in ask.prompt if not 0 <= t < n_vocab), None)
-            if bad is not None:
-                raise InvalidRequest(
-                    f"token id {bad} is outside the vocabulary (0..{n_vocab - 1})", param="prompt"
-                )
+            self._check_token_ids(ask.prompt, "prompt")
             prompt = list(ask.prompt)
         else:
             prompt = self.prompt_tokens(prompt=ask.prompt or "")
@@ -667,41 +662,18 @@ class Runtime:
         policy: str | None = None,
         messages: list[dict[str, str]] | None = None,
     ) -> Generation:
-        """Decode (the fields of a GenerationRequest, or a tool's own); a named draft that is
-        not resident is loaded first (counted as stall).
-
-        If that load fails the request decodes without it (output identical: the target
-        decides every token) and the draft's status says why.
-        """
-        ws = self._ws
+        """Decode one request alone on the lead slot (the fields of a GenerationRequest, or
+        a tool's own, with a fixed `k` or its own `estimator`): the daemon's path, a batch of
+        one. A named draft that is not resident is loaded first (counted as stall); if that
+        load fails the request decodes without it (output identical: the target decides every
+        token) and the draft's status says why."""
         if draft not in ("auto", "none"):
             self.usable(draft)
-        stall0 = ws.thread_stall_s()
-        sched = self.scheduler
-        try:
-            ran = sched.begin(
-                prompt,
-                params,
-                draft=draft,
-                k=k,
-                policy=policy or self.settings.policy,
-                messages=messages,
-                estimator=estimator,
-            )
-            with self.lock:
-                gen = speculative_generate(self.target, prompt, params, sched, on_token, cancel)
-            gen.policy = ran
-            sched.finish()
-            # Learning datastores file this output now, not when the next request starts.
-            for d in ws.lease_resident():
-                if isinstance(d, DatastoreDraft) and d.learn:
-                    d.finish_request(gen.token_ids)
-        finally:
-            sched.abort()
-        gen.stall_s = ws.thread_stall_s() - stall0
-        for draft_id in gen.drafts_used:
-            self.requests_per_draft[draft_id] = self.requests_per_draft.get(draft_id, 0) + 1
-        return gen
+        req = GenerationRequest(prompt, params, draft, policy, messages)
+        seq = self.open_sequence(req, LEAD_SLOT, on_token, cancel, k=k, estimator=estimator)
+        while not seq.done:
+            self.decode_round([seq])
+        return self.close_sequence(seq)
 
     # --- batched decoding (the daemon's engine thread) ------------------------------------
     def pick_slot(self, prompt: list[int], busy: set[int], partition: str = "") -> int | None:
@@ -739,6 +711,8 @@ class Runtime:
         on_token: TokenCallback | None = None,
         cancel: threading.Event | None = None,
         alone: bool = True,
+        k: int | None = None,
+        estimator: AcceptanceEstimator | None = None,
     ) -> Sequence:
         """Start `req` on a slot of the target. The lead slot (LEAD_SLOT): the scheduler
         decides its rounds over every resident draft, by the request's policy. The others
@@ -759,8 +733,10 @@ class Runtime:
                 req.prompt,
                 req.params,
                 draft=req.draft,
+                k=k,
                 policy=policy_name,
                 messages=req.messages,
+                estimator=estimator,
             )
             policy: RoundPolicy = self.scheduler
         else:
@@ -796,12 +772,11 @@ class Runtime:
         gen = seq.result()
         if lead:  # waits on reactive loads happen in the lead's rounds
             gen.stall_s = self._ws.thread_stall_s() - self._lead_stall0
-        for d in self._ws.lease_resident():
+        for d in self._ws.lease_resident():  # learning datastores file the output now
             if isinstance(d, DatastoreDraft) and d.learn:
                 d.finish_request(gen.token_ids)
         self._ws.release_leases()
-        for draft_id in gen.drafts_used:
-            self.requests_per_draft[draft_id] = self.requests_per_draft.get(draft_id, 0) + 1
+        self.requests_per_draft.update(gen.drafts_used.keys())
         if lead:
             self.memory.request_done()
         return gen

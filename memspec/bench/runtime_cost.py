@@ -17,7 +17,9 @@ prompt-lookup draft (which finds the cycle in the prompt) is always right. Every
 stub's step is the runtime's own cost, per token for plain decoding and per round for
 speculative decoding, against the goal of OWN_COST_GOAL_MS. It runs twice: `warm`, the step
 doing nothing, and `cold`, the step sweeping a buffer larger than the CPU's caches as a model's
-step does, so the runtime's Python runs from cold caches as it does between real forward passes.
+step does and then writing its logits rows (as llama.cpp's decode writes its logits buffer), so
+the runtime's Python runs from cold caches as it does between real forward passes, on rows as
+warm as a real step leaves them.
 """
 
 from __future__ import annotations
@@ -339,9 +341,11 @@ class StubBackend(SequenceContext):
     """A target whose step costs next to nothing: the row for input token t is precomputed, its
     argmax the token after t in a fixed cycle (STUB_CYCLE_*), over a vocabulary of the real
     target's size. Rows for consecutive cycle tokens are a view of one table (a doubled cycle,
-    so a round's rows never wrap), as llama.cpp's logits are a view of its buffer. The step's
-    time (and, with `sweep_mib`, a sweep of that many MiB to leave the caches cold as a model's
-    weights do) is counted as decode_s: the model's share, not the runtime's."""
+    so a round's rows never wrap). The step's time is counted as decode_s, the model's share,
+    not the runtime's: with `sweep_mib`, a sweep of that many MiB that leaves the caches cold
+    as a model's weights do, then the rows written into an output buffer the engine reads as a
+    view, as llama.cpp's decode ends by writing the logits it hands back (so they are as warm
+    as a real step's, while the runtime's own code and data are cold)."""
 
     def __init__(self, path: Path, n_vocab: int, n_ctx: int, sweep_mib: int = 0):
         super().__init__()
@@ -359,6 +363,7 @@ class StubBackend(SequenceContext):
         self._pieces: dict[int, bytes] = {}
         self.sweep_mib = sweep_mib
         self._sweep = np.ones(COLD_SWEEP_MIB << 18, dtype=np.float32)
+        self._logits = np.empty((2 * STUB_CYCLE_LEN, n_vocab), dtype=np.float32)
 
     @property
     def chat_template(self) -> ChatTemplate:  # it renders no chat: no warning for lacking one
@@ -387,11 +392,16 @@ class StubBackend(SequenceContext):
             idx = idx[-1:]
         j, n = idx[0], len(idx)
         if n <= STUB_CYCLE_LEN and idx == [(j + i) % STUB_CYCLE_LEN for i in range(n)]:
-            out = self.table[j : j + n]  # the doubled cycle: rows past its end repeat it
-        else:  # not a run of the cycle (a prompt, a wrong draft): rows by index, a copy
-            out = self.table[idx]
-        if copy:
-            out = out.copy()
+            rows = self.table[j : j + n]  # the doubled cycle: rows past its end repeat it
+        else:  # not a run of the cycle (a prompt, a wrong draft): rows by index
+            rows = self.table[idx]
+        if self.sweep_mib and len(rows) <= len(self._logits):  # written last, as llama.cpp's
+            out = self._logits[: len(rows)]
+            np.copyto(out, rows)
+            if copy:
+                out = out.copy()
+        else:
+            out = rows.copy() if copy else rows
         self.decode_s += time.perf_counter() - t
         return out, None
 

@@ -156,10 +156,6 @@ class CostModel:
             return rate
         return 1.0 / (1.0 / rate + self.catchup_s(draft_id) * gap / max(tokens_left, 1.0))
 
-    @property
-    def k_cap(self) -> int:
-        return len(self.verify_s) - 1
-
     def verify(self, batch: int) -> float:
         hit = self._verify_memo.get(batch)
         if hit is None:
@@ -220,14 +216,8 @@ class CostModel:
 
         force: at least k = 1 when k_max allows, for a draft that must be tried (bandits)."""
         best_k, best_rate = 0, self.rate(None, alpha, 0)
-        step = self.draft_cost(draft_id)
-        first, overhead = (
-            self._first_seen.get(draft_id, step),
-            self.draft_overhead_s.get(draft_id, 0.0),
-        )
         for k in range(1, k_max + 1):
-            seconds = first + step * (k - 1) + overhead + self.verify(k + 1)
-            r = expected_tokens(alpha, k, alpha_cont) / seconds
+            r = expected_tokens(alpha, k, alpha_cont) / self.round_seconds(draft_id, k)
             if r > best_rate:
                 best_k, best_rate = k, r
         if force and best_k == 0 and k_max > 0:
@@ -402,6 +392,7 @@ class AcceptanceEstimator:
                 self._cont_seen[key] = self._cont_seen.get(key, 0.0) * d + compared
 
     def snapshot(self) -> dict[str, float]:
+        """α₁ per key seen, rounded (what a restart must carry over)."""
         return {key: round(self.alpha(key), 4) for key in sorted(self._seen)}
 
     def counts(self) -> dict[str, dict[str, float]]:

@@ -1,8 +1,9 @@
 """Grammar-constrained decoding (GBNF, JSON schema) with llama.cpp's own grammar engine.
 
-A request's grammar (llama.cpp's GBNF, or a JSON schema turned into GBNF by llama.cpp's
-converter, `json_schema_grammar`) is compiled once against the target's vocabulary
-(`Grammar`); each sequence walks it with a `GrammarState`, a llama.cpp grammar sampler.
+A request's grammar (llama.cpp's GBNF, or a JSON schema the server turned into GBNF with
+llama.cpp's converter: memspec/server/structured.py) is compiled once against the target's
+vocabulary (`Grammar`); each sequence walks it with a `GrammarState`, a llama.cpp grammar
+sampler.
 
 Under speculation the state masks the target's logits at every verified position (tokens it
 does not allow get -inf before temperature and the rest), and advances only on tokens the
@@ -16,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
-import json
 import os
 import sys
 import tempfile
@@ -24,13 +24,16 @@ import threading
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from memspec.engine.sampling import top_k_order
 from memspec.errors import InvalidRequest
 
 MAX_GRAMMAR_CHARS = 200_000  # a grammar is parsed on the engine thread: bound its size
+# Greedy checks this many of a row's most likely tokens one by one, after its argmax, before
+# the grammar's pass over the whole vocabulary (GrammarState.greedy).
+SCAN_CANDIDATES = 32
 
 # llama_token_data, as numpy lays it out: int32 id, float logit, float p (12 bytes).
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
@@ -181,12 +184,19 @@ class GrammarState:
         return out
 
     def greedy(self, logits: np.ndarray) -> int:
-        """The argmax of the masked row. The row's own argmax when the grammar allows it
-        (masking only removes tokens, so the masked argmax is the same, ties included),
-        else a full pass. A dead end (nothing allowed) ends the text with EOS."""
+        """The argmax of the masked row: the first token the grammar allows in the row's
+        stable descending order (ties: lower id first, as np.argmax). The row's own argmax,
+        then the next SCAN_CANDIDATES, are checked one at a time (masking only removes
+        tokens, so the first allowed is the masked argmax); only when none is allowed does
+        the grammar pass over the whole vocabulary (~12 ms at 152k ids, where a candidate's
+        check is ~10 µs). A dead end (nothing allowed) ends the text with EOS."""
         top = int(np.argmax(logits))
         if top < len(self._full) and self.allows(top):
             return top
+        n = min(len(logits), len(self._full))
+        for token in top_k_order(logits[:n], SCAN_CANDIDATES + 1).tolist():
+            if token != top and self.allows(token):
+                return token
         masked = self.mask(logits)
         top = int(np.argmax(masked))
         return top if np.isfinite(masked[top]) else self.vocab.eos
@@ -210,53 +220,3 @@ class GrammarState:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-
-
-# --- JSON schema and response_format --------------------------------------------------------
-
-
-def json_schema_grammar(
-    schema: dict[str, Any] | bool, param: str = "response_format", name: str = ""
-) -> str:
-    """GBNF for values `schema` accepts, by llama.cpp's converter (json_schema_to_grammar, as
-    llama-cpp-python ships it); its root rule is `name` ("root" when empty)."""
-    from llama_cpp.llama_grammar import SchemaConverter
-
-    if schema is True:
-        schema = {}
-    if not isinstance(schema, dict):
-        raise InvalidRequest("a JSON schema must be an object", param=param)
-    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-    try:
-        resolved = converter.resolve_refs(json.loads(json.dumps(schema)), "input")
-        converter.visit(resolved, name)
-    except Exception as e:  # noqa: BLE001 - the converter raises bare errors on bad schemas
-        raise InvalidRequest(
-            f"the JSON schema cannot be turned into a grammar: {e}", param=param
-        ) from None
-    return converter.format_grammar()
-
-
-def response_format_grammar(response_format: dict[str, Any] | None) -> str | None:
-    """The GBNF an OpenAI `response_format` asks for (None: free text)."""
-    if not response_format:
-        return None
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return json_schema_grammar({"type": "object"})
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict):
-            raise InvalidRequest(
-                "response_format json_schema needs a json_schema object", param="response_format"
-            )
-        # OpenAI's own shape {"name", "schema", "strict"}; llama-server also takes the schema
-        # itself, or {"schema": ...} without a name.
-        schema = spec.get("schema", spec if "name" not in spec else {})
-        return json_schema_grammar(schema)
-    raise InvalidRequest(
-        f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
-        param="response_format",
-    )

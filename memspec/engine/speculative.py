@@ -117,7 +117,6 @@ class Generation:
     per_draft: dict[str, dict[str, int]] = field(default_factory=dict)  # id -> proposed/accepted
     ttft_s: float = 0.0
     elapsed_s: float = 0.0
-    target_s: float = 0.0  # time inside the target's forward passes
     draft_s: float = 0.0  # time inside draft proposals
     stall_s: float = 0.0  # time waiting on draft loads (set by the scheduler)
     # The policy it ran under ("auto", "memspec", "none"...; "": not told); on the lead slot?
@@ -415,8 +414,6 @@ class Sequence:
         t, c, proposal, drafted = self.times, self._choice, self._proposal, self.drafted
         n_accepted = len(new) - 1
         argmax_s, self._argmax_s = self._argmax_s, 0.0
-        # The target's time: its pass and reading the rows (a greedy argmax on its buffer too).
-        gen.target_s += t.verify_s
         catchup = proposal.catchup_s if proposal is not None else 0.0
         if not batched:  # a batched pass's time is the batch's (costs.observe_batch)
             used = c.draft.id if drafted and c.draft is not None else None

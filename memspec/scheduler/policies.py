@@ -474,9 +474,7 @@ class MemSpecPolicy(Policy):
         for d in self.env.drafts.values():
             if d.always_resident:
                 continue
-            alpha = self.predictor.alpha(self.state, d.id, 0)
-            k, rate = self.env.costs.best_k(d.id, alpha, self.env.k_max)
-            per_token = max(1.0 / self.r_none - 1.0 / rate, 0.0) if k > 0 else 0.0
+            per_token = self.saved_per_token(d.id, 0)
             # Net seconds it would have saved on this request, catch-up of the prompt paid.
             catchup = self.env.costs.catchup_s(d.id) * len(self.req.prompt) if d.catches_up else 0
             saved = per_token * n - catchup

@@ -17,7 +17,7 @@ BudgetExceeded when pinned drafts block it.
 
 Draft objects are not reference counted by Python alone: closing a llama.cpp draft while the
 engine is inside its propose() would free memory under it. So every draft handed out by
-`get`, `acquire`, `lease_resident` or `using` is *leased* to the calling thread, and an
+`get`, `acquire` or `lease_resident` is *leased* to the calling thread, and an
 evicted draft is closed only once no thread holds it. The engine releases its leases at
 each round boundary and at the end of a request (memspec.scheduler.rounds.Scheduler).
 """
@@ -250,22 +250,6 @@ class WorkingSet:
                 freed = freed or (s.uses == 0 and s.state == DraftState.EVICTING)
             leases.clear()
             if freed:
-                self._kick()
-
-    @contextlib.contextmanager
-    def using(self, ids: Iterable[str] | None = None) -> Iterator[list[Draft]]:
-        """Scoped lease: the resident drafts of `ids` (all if None) stay open inside."""
-        with self._cond:
-            slots = self._slots.values() if ids is None else [self._slot(i) for i in ids]
-            held = [s for s in slots if s.state == DraftState.RESIDENT]
-            for s in held:
-                s.uses += 1
-        try:
-            yield [s.draft for s in held]  # type: ignore[misc]
-        finally:
-            with self._cond:
-                for s in held:
-                    s.uses -= 1
                 self._kick()
 
     @contextlib.contextmanager

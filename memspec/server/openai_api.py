@@ -33,7 +33,7 @@ from memspec.engine.sampling import TokenLogprob
 from memspec.engine.speculative import Generation
 from memspec.errors import InvalidRequest
 from memspec.runtime import ClientRequest
-from memspec.server import tools
+from memspec.server import structured, tools
 from memspec.server.auth import request_partition, require_api_key
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.engine_state import state_error
@@ -342,7 +342,7 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest | InfillRequest) -
 
 def structured_output(body: CompletionRequest | InfillRequest) -> dict[str, Any]:
     """ClientRequest's grammar fields for response_format / grammar / json_schema."""
-    gbnf, param = tools.structured_output(body.response_format, body.grammar, body.json_schema)
+    gbnf, param = structured.structured_output(body.response_format, body.grammar, body.json_schema)
     return {"grammar": gbnf, "grammar_param": param}
 
 

@@ -157,7 +157,7 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     # vLLM's: token ids that end the text like EOS.
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP)] = []
-    # Structured output (memspec/server/tools.py structured_output): at most one of them.
+    # Structured output (memspec/server/structured.py): at most one of them.
     response_format: dict[str, Any] | None = None
     grammar: Annotated[str | None, Field(max_length=200_000)] = None  # llama.cpp's GBNF
     json_schema: dict[str, Any] | bool | None = None  # llama-server's

@@ -13,8 +13,7 @@ tool_choice `required` and a named function constrain the output with a grammar 
 JSON-schema converter over the functions' parameters), so it always parses; `auto` parses
 what the model wrote; `none` renders no tools.
 
-`structured_output` turns response_format / grammar / json_schema into the GBNF the engine
-masks the target with (memspec/engine/grammar.py).
+What response_format / grammar / json_schema ask for: memspec/server/structured.py.
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memspec.backends.chat import ChatTemplate
-from memspec.engine.grammar import json_schema_grammar, response_format_grammar
 from memspec.errors import InvalidRequest
+from memspec.server.structured import json_schema_grammar, structured_output
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -475,35 +474,6 @@ def _arguments_value(arguments: str) -> Any:
         return json.loads(arguments)
     except ValueError:
         return arguments
-
-
-def structured_output(
-    response_format: dict[str, Any] | None,
-    grammar: str | None,
-    json_schema: dict[str, Any] | bool | None,
-) -> tuple[str | None, str]:
-    """(GBNF, the field it came from) for a request's response_format, llama.cpp's `grammar`
-    or llama-server's `json_schema`; at most one of them may constrain the output."""
-    asked = [
-        (name, value)
-        for name, value in (
-            ("response_format", response_format_grammar(response_format)),
-            ("grammar", grammar or None),
-            (
-                "json_schema",
-                json_schema_grammar(json_schema, "json_schema")
-                if json_schema is not None
-                else None,
-            ),
-        )
-        if value is not None
-    ]
-    if len(asked) > 1:
-        raise InvalidRequest(
-            f"{' and '.join(n for n, _ in asked)} both constrain the output; send one",
-            param=asked[1][0],
-        )
-    return (asked[0][1], asked[0][0]) if asked else (None, "grammar")
 
 
 @dataclass

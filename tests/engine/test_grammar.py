@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from sampling_check import PARAMS, null_threshold, tv
 
-from memspec.engine.grammar import Grammar, json_schema_grammar, response_format_grammar
+from memspec.engine.grammar import Grammar
 from memspec.engine.policy import FixedPolicy
 from memspec.engine.sampling import SamplingParams, probs_from_logits
 from memspec.engine.speculative import speculative_generate
 from memspec.errors import InvalidRequest
+from memspec.server.structured import json_schema_grammar
 
 SCHEMA = {
     "type": "object",
@@ -47,9 +48,6 @@ def test_bad_grammars_are_refused_with_their_param(runtime):
     with pytest.raises(InvalidRequest) as e:
         Grammar("root ::= undefined-rule", runtime.target.path)
     assert e.value.param == "grammar" and "undefined-rule" in e.value.message
-    with pytest.raises(InvalidRequest) as e:
-        response_format_grammar({"type": "xml"})
-    assert e.value.param == "response_format"
 
 
 def test_grammar_greedy_identical_for_every_draft_kind(runtime, schema_grammar):
@@ -74,6 +72,40 @@ def test_grammar_applies_to_plain_decoding(runtime):
     for draft in ("none", "q4_0"):
         gen = runtime.generate(prompt, SamplingParams(max_tokens=16, grammar=grammar), draft=draft)
         assert gen.text in ("yes", "no") and gen.finish_reason == "stop"
+
+
+def test_greedy_is_the_masked_argmax_without_a_full_pass(runtime, schema_grammar):
+    """greedy() checks a row's most likely tokens one by one before masking the whole
+    vocabulary: its choice must be np.argmax of the masked row in every state, ties
+    included, and a row whose best allowed token ranks near the top must not be masked."""
+    rng = np.random.default_rng(0)
+    state = schema_grammar.start()
+    full_passes = 0
+    mask = state.mask
+
+    def counted(row: np.ndarray) -> np.ndarray:
+        nonlocal full_passes
+        full_passes += 1
+        return mask(row)
+
+    state.mask = counted  # type: ignore[method-assign] - counts the passes, changes nothing
+    text = runtime.target.tokenize('{"people": ["Al", "Bo"], "place": "X"}', add_bos=False)
+    scanned = 0
+    for token in text:
+        for _ in range(20):
+            row = rng.standard_normal(runtime.target.n_vocab).astype(np.float32)
+            row[rng.integers(len(row), size=8)] = row.max()  # ties at the top
+            allowed = np.flatnonzero(np.isfinite(mask(row)))
+            if rng.random() < 0.5:  # its best allowed token among the row's top 8
+                row[allowed[rng.integers(len(allowed))]] = np.sort(row)[-rng.integers(1, 8)]
+            expect = int(np.argmax(mask(row)))
+            before = full_passes
+            assert state.greedy(row) == expect
+            scanned += full_passes == before
+        state.accept(token)
+    state.close()
+    assert scanned > 0, "every choice took a full pass: the scan never ran"
+    assert full_passes > 0, "no row fell through to the full pass: that branch is untested"
 
 
 # A grammar that keeps a few of the target's likely first tokens after "Name a fruit." and
