@@ -5,19 +5,39 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 
 from memspec.bench import batch as batch_bench  # concurrent streams against a daemon
 from memspec.bench import kernels as kernels_bench  # the price of bit-exactness
 from memspec.bench import load as load_bench  # load and soak runs against a daemon
 from memspec.cli.flags import load_settings, model_flags, workload_flags
+from memspec.config import Settings
+
+
+def bench_settings(args: argparse.Namespace) -> Settings:
+    """The command's settings, with a state directory of its own unless one is configured: a
+    benchmark's runtimes start from the per-kind priors, not from what earlier runs on this
+    box learnt (the acceptance, the predictor's online weights, which drafts were resident),
+    and what they learn does not steer the next daemon's start (an engine bench run after a
+    structured-output bench, whose grammar had taught memspec that model drafts fail, drafted
+    in a tenth of its rounds)."""
+    settings = load_settings(args)
+    if settings.state_dir is not None:
+        return settings
+    state = tempfile.TemporaryDirectory(prefix="memspec-bench-state-")
+    _BENCH_STATE.append(state)  # removed when the process exits
+    return settings.model_copy(update={"state_dir": Path(state.name)})
+
+
+_BENCH_STATE: list[tempfile.TemporaryDirectory] = []
 
 
 def cmd_bench_reuse(args: argparse.Namespace) -> int:
     from memspec.bench.reuse import run_reuse_bench
 
     report = run_reuse_bench(
-        load_settings(args), out=args.out, questions=args.questions, max_tokens=args.max_tokens
+        bench_settings(args), out=args.out, questions=args.questions, max_tokens=args.max_tokens
     )
     print(json.dumps(report["summary"], indent=2))
     return 0
@@ -27,7 +47,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     from memspec.bench.engine import run_engine_bench
 
     run_engine_bench(
-        load_settings(args),
+        bench_settings(args),
         out=args.out,
         plot=args.plot,
         per_category=args.per_category,
@@ -45,7 +65,7 @@ def cmd_bench_cold(args: argparse.Namespace) -> int:
     from memspec.bench.cold import run_cold_bench
 
     report = run_cold_bench(
-        load_settings(args),
+        bench_settings(args),
         out=args.out,
         per_category=args.per_category,
         max_tokens=args.max_tokens,
@@ -75,7 +95,7 @@ def cmd_bench_policies(args: argparse.Namespace) -> int:
         curve=not args.no_curve,
         extra={"drafts_given": args.drafts is not None},
     )
-    report = run_policy_bench(load_settings(args), config, Path(args.out), args.plot)
+    report = run_policy_bench(bench_settings(args), config, Path(args.out), args.plot)
     return 0 if report.get("all_identical", True) else 1
 
 
@@ -186,7 +206,7 @@ def cmd_bench_structured(args: argparse.Namespace) -> int:
     from memspec.bench.structured import run_structured_bench
 
     report = run_structured_bench(
-        load_settings(args),
+        bench_settings(args),
         out=args.out,
         ids=[i.strip() for i in args.ids.split(",")] if args.ids else None,
         limit=args.prompts,
@@ -227,7 +247,7 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
     from memspec.bench.runtime_cost import run_runtime_bench
 
     report = run_runtime_bench(
-        load_settings(args),
+        bench_settings(args),
         out=args.out,
         plot=args.plot,
         workload=args.workload,
@@ -268,7 +288,7 @@ def cmd_bench_rpc(args: argparse.Namespace) -> int:
     except ValueError:
         raise SystemExit(f"--latency takes numbers (ms): {args.latency!r}") from None
     report = run_rpc_bench(
-        load_settings(args), latencies, args.workers, args.per_category, args.max_tokens,
+        bench_settings(args), latencies, args.workers, args.per_category, args.max_tokens,
         args.workload, args.worker_threads,
     )  # fmt: skip
     out = Path(args.out)
