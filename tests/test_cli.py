@@ -101,3 +101,17 @@ def test_generate_with_an_incompatible_draft_is_one_line(capsys, testbed_pool):
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1
     assert err.startswith("memspec: error: draft 'q4_0' cannot serve this target: built for a gpt2")
+
+
+def test_benches_learn_in_a_state_dir_of_their_own(tmp_path, monkeypatch):
+    """A bench's runtimes neither read nor write what the box learnt (<data>/state/learned):
+    a temporary state directory, unless one is configured."""
+    from memspec.cli.bench import bench_settings
+
+    argv = ["bench", "engine", "--out", str(tmp_path / "o.json")]
+    fresh = bench_settings(build_parser().parse_args(argv))
+    assert fresh.state_dir is not None and fresh.state_dir.is_dir()
+    assert not any(fresh.state_dir.iterdir())
+    assert fresh.state_dir != bench_settings(build_parser().parse_args(argv)).state_dir
+    monkeypatch.setenv("MEMSPEC_STATE_DIR", str(tmp_path / "mine"))
+    assert bench_settings(build_parser().parse_args(argv)).state_dir == tmp_path / "mine"
