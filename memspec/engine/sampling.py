@@ -20,6 +20,8 @@ A draft's own proposal q only needs steps 3-4 (any q keeps the output exact).
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -142,6 +144,7 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 # from float32's overflow (e^40 a token), and what underflows (below e^-103) weighs under
 # e^-63 of the top token. Real rows' largest logits are ~10-30.
 UNSHIFTED_MAX = 40.0
+MIN_TOP_WEIGHT = math.exp(-UNSHIFTED_MAX)
 
 
 def _weights(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -163,13 +166,29 @@ def truncates(params: SamplingParams) -> bool:
     return params.top_k > 0 or params.typical_p < 1.0 or params.top_p < 1.0 or params.min_p > 0
 
 
+# draw() tries exp(logits / T) with no shift at all (no pass for the max) when T >= this: no
+# real row's largest logit (~10-30) then nears float32's exp limit (88 at logit / T). A row
+# that breaks it shows in its total (inf, or too small to trust) and is shifted after all.
+UNSHIFTED_FIRST_T = 0.5
+
+
 def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """sample(probs_from_logits(logits, params), rng): the same draw for the same uniform
     number (but where float32 normalisation rounds apart). Without truncation the weights are
     drawn from unnormalised (sample scales its uniform number by their sum, which its block
-    sums give): two passes over the row fewer a token."""
+    sums give), unshifted where the temperature allows: three passes over the row fewer."""
     if truncates(params):
         return sample(probs_from_logits(logits, params), rng)
+    if params.temperature >= UNSHIFTED_FIRST_T and len(logits) > SAMPLE_BLOCK:
+        inv_t = 1.0 / params.temperature
+        z = np.multiply(logits, inv_t, dtype=LOGIT_DTYPE) if inv_t != 1.0 else None
+        with np.errstate(over="ignore"):  # an overflow is caught by the total below
+            w = np.exp(logits if z is None else z, out=z, dtype=LOGIT_DTYPE)
+        cum = block_cumsum(w)
+        # The top weight is at least total / n: above e^-UNSHIFTED_MAX, nothing that mattered
+        # underflowed (the same bound the shift's skip below keeps).
+        if len(w) * MIN_TOP_WEIGHT <= cum[-1] < np.inf:
+            return sample(w, rng, cum)
     return sample(_weights(logits, params), rng)
 
 
@@ -249,17 +268,31 @@ def nucleus_order(p: np.ndarray, top_p: float, support: np.ndarray | None = None
 SAMPLE_BLOCK = 512
 
 
-def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+@functools.lru_cache(maxsize=8)
+def _block_starts(n: int) -> np.ndarray:
+    starts = np.arange(0, n, SAMPLE_BLOCK)
+    starts.flags.writeable = False  # shared by every draw over n ids
+    return starts
+
+
+def block_cumsum(p: np.ndarray) -> np.ndarray:
+    """The running float64 sums of p's blocks of SAMPLE_BLOCK ids (each block's own sum in
+    p's dtype: a pairwise sum, float32's error ~1e-7 of the block's mass)."""
+    return np.cumsum(np.add.reduceat(p, _block_starts(len(p))), dtype=np.float64)
+
+
+def sample(p: np.ndarray, rng: np.random.Generator, cum: np.ndarray | None = None) -> int:
     """Inverse-CDF draw of an id from p (one uniform draw). Over a large vocabulary, the block
-    of SAMPLE_BLOCK ids holding the draw is found from the blocks' sums first, then the id in
-    it: the same id as a whole cumsum's search but where the two round apart (~1e-16 for a
-    float64 p). The running sums are float64 whatever p's dtype."""
+    of SAMPLE_BLOCK ids holding the draw is found from the blocks' sums first (`cum`, when
+    the caller has them: block_cumsum(p)), then the id in it: the same id as a whole cumsum's
+    search but where the two round apart (~1e-16 for a float64 p). The running sums are
+    float64 whatever p's dtype."""
     if len(p) <= SAMPLE_BLOCK:
         x = rng.random() * p.sum(dtype=np.float64)
         i = int(np.searchsorted(np.cumsum(p, dtype=np.float64), x, side="right"))
         return i if i < len(p) else _last_with_mass(p)
-    # Each block's sum in p's dtype (a pairwise sum: float32's error ~1e-7 of the block's mass).
-    cum = np.cumsum(np.add.reduceat(p, np.arange(0, len(p), SAMPLE_BLOCK)), dtype=np.float64)
+    if cum is None:
+        cum = block_cumsum(p)
     x = rng.random() * cum[-1]
     b = int(np.searchsorted(cum, x, side="right"))
     if b >= len(cum):

@@ -229,3 +229,40 @@ def test_unshifted_and_shifted_weights_are_one_softmax(scale, shift):
         assert np.isfinite(got).all()
         big = want > 1e-30  # float32 keeps relative precision down to ~1e-38
         assert np.allclose(got[big], want[big], rtol=2e-5, atol=0)
+
+
+@pytest.mark.parametrize(
+    "scale,shift,temperature,shifted",
+    [
+        (3.0, 0.0, 1.0, False),  # a real row: drawn unshifted, no pass for the max
+        (3.0, 20.0, 0.7, False),
+        (3.0, 20.0, 0.2, True),  # a low temperature takes the shift first
+        (3.0, 200.0, 1.0, True),  # exp overflows: caught by the total, shifted after all
+        (3.0, -120.0, 1.0, True),  # every weight underflows: the same
+    ],
+)
+def test_a_plain_draw_skips_the_max_unless_the_row_needs_it(
+    monkeypatch, scale, shift, temperature, shifted
+):
+    """Without truncation a draw tries exp(logits / T) unshifted (the pass for the max is a
+    third of a cold token's cost on a 152k vocabulary); a row whose weights overflow or
+    vanish is shifted by its max instead. Either way the draw is the softmax's own, and no
+    overflow warning escapes."""
+    import warnings
+
+    from memspec.engine import sampling
+
+    logits = np.random.default_rng(7).standard_normal(VOCAB).astype(np.float32) * scale + shift
+    params = SamplingParams(temperature=temperature)
+    calls = []
+    weights = sampling._weights
+    monkeypatch.setattr(sampling, "_weights", lambda *a: calls.append(1) or weights(*a))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = [draw(logits, params, np.random.default_rng(seed)) for seed in range(100)]
+    assert bool(calls) == shifted
+    want = [
+        sample(probs_from_logits(logits, params), np.random.default_rng(seed))
+        for seed in range(100)
+    ]
+    assert sum(g == w for g, w in zip(got, want, strict=True)) >= 99
