@@ -25,6 +25,10 @@ from memspec.units import parse_size  # noqa: E402
 DEFAULT_CONFIG_FILE = Path("/etc/memspec/config.toml")
 
 
+# What greedy output promises (Settings.exactness).
+EXACTNESS = ("bitwise", "numeric")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MEMSPEC_", extra="forbid", frozen=True)
 
@@ -61,6 +65,13 @@ class Settings(BaseSettings):
         True,
         description="load the target with llama.cpp's repacked weights (its faster CPU kernels "
         "for Q4_0, Q4_K, IQ4_NL...); the row rule keeps output bit-exact (docs/daemon.md)",
+    )
+    exactness: str = Field(
+        "bitwise",
+        description="bitwise: a position's logits never depend on its batch (the row rule), so "
+        "greedy output is the target's own token for token; numeric: the repacked kernels' "
+        "batched paths as llama-server runs them, the same distribution, greedy output may "
+        "differ where the top two logits tie within the kernels' rounding (docs/daemon.md)",
     )
     rpc: list[str] = Field(
         [],
@@ -147,6 +158,13 @@ class Settings(BaseSettings):
         if keyed and "*" in self.cors_origins:  # any page could then drive a keyed API
             raise ValueError("cors_origins '*' is refused while an API or admin key is set")
         return self
+
+    @field_validator("exactness")
+    @classmethod
+    def _exactness(cls, v: str) -> str:
+        if v not in EXACTNESS:
+            raise ValueError(f"exactness must be one of {', '.join(EXACTNESS)}, not {v!r}")
+        return v
 
     @field_validator("chat_template")
     @classmethod

@@ -179,10 +179,10 @@ class Runtime:
             device=settings.device,
             chat_template=settings.chat_template,
             n_seq=self.slots,
-            # Repacked CPU weights, kept bit-exact by the row rule (backends/llama_cpp.py);
-            # not over RPC, whose workers load their layers themselves.
+            # Repacked CPU weights, kept bit-exact by the row rule (backends/llama_cpp.py)
+            # unless exactness is numeric; not over RPC, whose workers load their layers.
             weight_repack=settings.weight_repack and not settings.rpc,
-            batch_invariant=True,
+            batch_invariant=settings.exactness == "bitwise",
             **rpc,  # type: ignore[arg-type]
         )
         # Recipes a target's family skipped (e.g. a Q4 self-draft of a Q4 target): named in

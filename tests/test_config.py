@@ -38,3 +38,14 @@ def test_load_does_not_write_the_environment(clean_env, tmp_path):
 def test_env_still_configures(clean_env, monkeypatch):
     monkeypatch.setenv("MEMSPEC_K_MAX", "3")
     assert Settings.load().k_max == 3
+
+
+def test_exactness_is_bitwise_unless_numeric_is_asked_for(clean_env, monkeypatch, tmp_path):
+    assert Settings.load().exactness == "bitwise"
+    monkeypatch.setenv("MEMSPEC_EXACTNESS", "numeric")
+    assert Settings.load().exactness == "numeric"
+    monkeypatch.delenv("MEMSPEC_EXACTNESS")  # the environment outranks the file
+    toml = tmp_path / "c.toml"
+    toml.write_text('exactness = "close-enough"\n')
+    with pytest.raises(ValidationError, match="exactness must be one of bitwise, numeric"):
+        Settings.load(toml)

@@ -9,13 +9,13 @@ from typing import Any, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
-from memspec.config import DEFAULT_CONFIG_FILE, Settings
+from memspec.config import DEFAULT_CONFIG_FILE, EXACTNESS, Settings
 from memspec.paths import use_data_dir
 
 # The settings every command that loads the models takes, and those only the daemon takes.
 MODEL_SETTINGS = (
     "target", "drafts", "backend", "device", "n_ctx", "n_threads", "n_gpu_layers",
-    "weight_repack", "k_max", "chat_template", "rpc", "tensor_split", "rpc_timeout_s",
+    "weight_repack", "exactness", "k_max", "chat_template", "rpc", "tensor_split", "rpc_timeout_s",
 )  # fmt: skip
 SERVE_SETTINGS = (
     "host", "port", "budget", "policy", "max_queue", "parallel", "state_dir", "log_level",
@@ -24,6 +24,7 @@ SERVE_SETTINGS = (
 # Checked on the command line only: the model takes any string (a TOML "INFO" stays valid).
 CHOICES = {
     "backend": ["llama_cpp", "torch"],
+    "exactness": list(EXACTNESS),
     "device": ["cpu", "cuda"],
     "log_level": ["debug", "info", "warning", "error"],
 }

@@ -177,7 +177,7 @@ def status(ctx: ServerContext) -> dict[str, Any]:
         "warnings": list(w.warnings) + ([chat["warning"]] if chat and chat["warning"] else []),
         # The build's kernels, and the target's own: repacked weights (under the row rule,
         # backends/llama_cpp.py) and whether its logits are independent of the batch.
-        "kernels": _kernels() | _target_kernels(rt),
+        "kernels": _kernels() | _target_kernels(rt) | {"exactness": s.exactness},
         "devices": rt.devices() if rt is not None else _devices_unloaded(s, w.error),
         "tokens_per_s_recent": w.tokens_per_s_recent(),
         "requests_served": w.requests_served,

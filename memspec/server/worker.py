@@ -337,6 +337,9 @@ class EngineWorker:
         differ from plain decoding at a near-tie (see memspec/backends/llama_cpp.py)."""
         if rt.target.describe().get("batch_invariant", True):
             return
+        if rt.settings.exactness == "numeric":  # asked for: said in /admin/status, no warning
+            log.info("exactness numeric: the target's batched passes run llama.cpp's own kernels")
+            return
         msg = (
             "the target's kernels are not known to be batch-invariant (llama.cpp built with "
             "llamafile, or layers on a GPU): at a floating-point near-tie, speculative output "

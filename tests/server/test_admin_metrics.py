@@ -54,6 +54,7 @@ def test_status(admin_http):
     kernels = st["kernels"]
     assert kernels["batch_invariant"] is True and "CPU" in kernels["features"]
     assert kernels["build"]["probe"]["Q4_0"] == "ok"
+    assert kernels["exactness"] == "bitwise" and kernels["target_batch_invariant"] is True
 
 
 def test_draft_actions(admin_http):
