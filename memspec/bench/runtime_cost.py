@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import threading
@@ -232,8 +233,10 @@ def run_real(
     params: SamplingParams,
     stream: bool = True,
     peer_server: bool = True,
+    repeat: int = 1,
 ) -> dict[str, Any]:
-    """Part 1: plain decoding of `prompts` by memspec (and with streaming, and llama-server)."""
+    """Part 1: plain decoding of `prompts` by memspec (and with streaming, and llama-server),
+    `repeat` times over, the systems' order alternating from one prompt to the next."""
     settings = settings.model_copy(update={"drafts": []})  # plain decoding: no draft loaded
     rt = Runtime(settings, calibrate_costs=False)
     sink = StreamSink() if stream else None
@@ -245,12 +248,17 @@ def run_real(
     try:
         warm = rt.prompt_tokens(messages=[{"role": "user", "content": "Say hello in one line."}])
         timed_generate(rt, warm, SamplingParams(max_tokens=16))
-        for n, p in enumerate(prompts):
+        for n, p in enumerate(prompts * max(repeat, 1)):
             prompt = _tokens(rt, p)
-            order = list(rows)
-            if n % 2:  # alternate, so that machine noise hits both alike
+            order = list(rows) + (["llama-server"] if server is not None else [])
+            if n % 2:  # alternate, so that machine noise hits every system alike
                 order.reverse()
             for name in order:
+                if name == "llama-server":
+                    assert server is not None
+                    row = _peer_row(server, prompt, params.max_tokens, rt.target.eos_token_ids)
+                    peer_rows.append({"id": p.id, **row})
+                    continue
                 if name == "memspec stream":
                     assert sink is not None
                     on_token, finish = sink.open()
@@ -259,9 +267,6 @@ def run_real(
                 else:
                     timed = timed_generate(rt, prompt, params)
                 rows[name].append(timed.row(p.id))
-            if server is not None:
-                row = _peer_row(server, prompt, params.max_tokens, rt.target.eos_token_ids)
-                peer_rows.append({"id": p.id, **row})
     finally:
         if sink is not None:
             sink.close()
@@ -276,9 +281,39 @@ def run_real(
             "identical_to_plain": all(r["token_ids"] == plain[r["id"]] for r in rs),
             "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in rs],
         }
+    report: dict[str, Any] = {"systems": systems, "peer_server_skipped": skipped}
     if peer_rows:
         systems["llama-server"] = _peer_summary(peer_rows, plain)
-    return {"systems": systems, "peer_server_skipped": skipped}
+        report["memspec_vs_llama_server"] = _versus(rows["memspec"], peer_rows)
+    return report
+
+
+def _versus(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    """memspec's plain decoding against llama-server's, as speed ratios (above 1: memspec is
+    faster): over the whole run, and the median of the per-prompt ratios (each pair ran back
+    to back, so a burst of load on the shared box moves one pair, not the median)."""
+    mine, peer = split(ours), _peer_summary(theirs, {})
+
+    def step(r: dict[str, Any], their: dict[str, Any]) -> float:
+        their_ms = their["predicted_ms"] / max(their["predicted_n"] - 1, 1)
+        return their_ms / split([r])["ms_per_round"]
+
+    def prompt(r: dict[str, Any], their: dict[str, Any]) -> float | None:
+        ms = split([r])["prefill"]["ms_per_token"]
+        return their["prompt_ms"] / their["prompt_n"] / ms if ms and their["prompt_n"] else None
+
+    pairs = list(zip(ours, theirs, strict=True))
+    prompts = [x for x in (prompt(a, b) for a, b in pairs) if x is not None]
+    return {
+        "tokens_per_s": round(mine["tokens_per_s"] / peer["tokens_per_s"], 3),
+        "decode_step": round(peer["ms_per_round"] / mine["ms_per_round"], 3),
+        "prompt_token": round(peer["prefill"]["ms_per_token"] / mine["prefill"]["ms_per_token"], 3)
+        if peer["prefill"]["ms_per_token"] and mine["prefill"]["ms_per_token"]
+        else None,
+        "decode_step_median_of_prompts": round(statistics.median(step(a, b) for a, b in pairs), 3),
+        "prompt_token_median_of_prompts": round(statistics.median(prompts), 3) if prompts else None,
+        "pairs": len(pairs),
+    }
 
 
 def _peer(settings: Settings, wanted: bool) -> tuple[PeerServer | None, str]:
@@ -469,6 +504,7 @@ def run_runtime_bench(
     stub: bool = True,
     stub_tokens: int = 512,
     sweep_mib: int = COLD_SWEEP_MIB,
+    repeat: int = 1,
 ) -> dict[str, Any]:
     """Both parts, one JSON report (and table on stderr, plot if asked)."""
     report: dict[str, Any] = {
@@ -489,7 +525,7 @@ def run_runtime_bench(
             chosen = pick_prompts(workload, prompts)
             report["workload"] = {"name": workload, "prompts": [p.id for p in chosen]}
             params = SamplingParams(max_tokens=max_tokens)
-            report["real"] = run_real(settings, chosen, params, stream, peer_server)
+            report["real"] = run_real(settings, chosen, params, stream, peer_server, repeat)
         if stub:
             report["stub"] = run_stub(settings, stub_tokens, sweep_mib)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -531,6 +567,15 @@ def print_tables(report: dict[str, Any]) -> None:
             print(
                 f"{name:16s} {s['tokens_per_s']:7.2f} {s['ms_per_round']:7.3f} {cells} "
                 f"{prefill if prefill is not None else float('nan'):8.3f}{same}",
+                file=err,
+            )
+        vs = real.get("memspec_vs_llama_server")
+        if vs:
+            print(
+                f"memspec / llama-server speed: tokens/s {vs['tokens_per_s']}, decode step "
+                f"{vs['decode_step']} (median of {vs['pairs']} prompts "
+                f"{vs['decode_step_median_of_prompts']}), prompt token {vs['prompt_token']} "
+                f"(median {vs['prompt_token_median_of_prompts']})",
                 file=err,
             )
         if real["peer_server_skipped"]:

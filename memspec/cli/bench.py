@@ -231,6 +231,9 @@ def _register_runtime(bsub: argparse._SubParsersAction) -> None:
     r.add_argument("--workload", choices=["mtbench", "heldout"], default="heldout")
     r.add_argument("--prompts", type=int, default=3, help="prompts, over the categories")
     r.add_argument("--max-tokens", type=int, default=128)
+    r.add_argument(
+        "--repeat", type=int, default=1, help="times over the prompts (the systems alternate)"
+    )
     r.add_argument("--no-peer-server", action="store_true", help="skip llama-server")
     r.add_argument("--no-stream", action="store_true", help="skip the streamed config")
     part = r.add_mutually_exclusive_group()
@@ -259,6 +262,7 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
         stub=not args.no_stub,
         stub_tokens=args.stub_tokens,
         sweep_mib=args.sweep_mib,
+        repeat=args.repeat,
     )
     real = report.get("real", {}).get("systems", {})
     return 0 if all(s["identical_to_plain"] for s in real.values()) else 1

@@ -38,6 +38,7 @@ __all__ = [
     "TokenHistory",
     "TokenLogprob",
     "accept_draft_token",
+    "accept_or_resample",
     "adjust_logits",
     "draw",
     "probs_from_logits",
@@ -45,6 +46,8 @@ __all__ = [
     "sample",
     "target_probs",
     "token_logprob",
+    "truncates",
+    "weights",
 ]
 
 
@@ -166,30 +169,52 @@ def truncates(params: SamplingParams) -> bool:
     return params.top_k > 0 or params.typical_p < 1.0 or params.top_p < 1.0 or params.min_p > 0
 
 
-# draw() tries exp(logits / T) with no shift at all (no pass for the max) when T >= this: no
-# real row's largest logit (~10-30) then nears float32's exp limit (88 at logit / T). A row
+# weights() tries exp(logits / T) with no shift at all (no pass for the max) when T >= this:
+# no real row's largest logit (~10-30) then nears float32's exp limit (88 at logit / T). A row
 # that breaks it shows in its total (inf, or too small to trust) and is shifted after all.
 UNSHIFTED_FIRST_T = 0.5
 
 
-def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """sample(probs_from_logits(logits, params), rng): the same draw for the same uniform
-    number (but where float32 normalisation rounds apart). Without truncation the weights are
-    drawn from unnormalised (sample scales its uniform number by their sum, which its block
-    sums give), unshifted where the temperature allows: three passes over the row fewer."""
-    if truncates(params):
-        return sample(probs_from_logits(logits, params), rng)
-    if params.temperature >= UNSHIFTED_FIRST_T and len(logits) > SAMPLE_BLOCK:
+def weights(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """softmax(logits / T) unnormalised, a new float32 row, and its block_cumsum (whose last
+    value is the total): what a draw without truncation needs, two passes over the row fewer
+    than normalising (unshifted where the temperature allows: a third)."""
+    if params.temperature >= UNSHIFTED_FIRST_T:
         inv_t = 1.0 / params.temperature
         z = np.multiply(logits, inv_t, dtype=LOGIT_DTYPE) if inv_t != 1.0 else None
         with np.errstate(over="ignore"):  # an overflow is caught by the total below
             w = np.exp(logits if z is None else z, out=z, dtype=LOGIT_DTYPE)
         cum = block_cumsum(w)
         # The top weight is at least total / n: above e^-UNSHIFTED_MAX, nothing that mattered
-        # underflowed (the same bound the shift's skip below keeps).
+        # underflowed (the bound the shift's skip keeps in _weights).
         if len(w) * MIN_TOP_WEIGHT <= cum[-1] < np.inf:
-            return sample(w, rng, cum)
-    return sample(_weights(logits, params), rng)
+            return w, cum
+    w = _weights(logits, params)
+    return w, block_cumsum(w)
+
+
+def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """sample(probs_from_logits(logits, params), rng): the same draw for the same uniform
+    number (but where float32 normalisation rounds apart). Without truncation the weights are
+    drawn from unnormalised (sample scales its uniform number by their sum)."""
+    if truncates(params):
+        return sample(probs_from_logits(logits, params), rng)
+    w, cum = weights(logits, params)
+    return sample(w, rng, cum)
+
+
+def accept_or_resample(
+    token: int, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator
+) -> tuple[bool, int]:
+    """accept_draft_token and, on a rejection, the residual's draw, for a deterministic
+    proposal (q a point mass on `token`) without truncation, on unnormalised weights: accept
+    with p(token) = w(token) / total, else draw from w without `token`. The same uniform
+    numbers, in the same order, as the normalised rows' rule."""
+    w, cum = weights(logits, params)
+    if rng.random() < float(w[token]) / cum[-1]:
+        return True, token
+    w[token] = 0.0  # the residual: p but at `token`, where p(token) - 1 <= 0
+    return False, sample(w, rng) if w.any() else token
 
 
 def _keep(p: np.ndarray, ids: np.ndarray) -> None:

@@ -31,12 +31,14 @@ from memspec.engine.sampling import (
     TokenHistory,
     TokenLogprob,
     accept_draft_token,
+    accept_or_resample,
     adjust_logits,
     draw,
     probs_from_logits,
     residual,
     sample,
     token_logprob,
+    truncates,
 )
 from memspec.engine.text import TextAssembler
 from memspec.engine.types import Choice, Proposal, RoundPolicy
@@ -212,10 +214,15 @@ def accept_sampled(
 
     new: list[int] = []
     for i, tok in enumerate(drafted):
-        p = probs_from_logits(row(i), params)
         q = proposal.probs[i] if proposal is not None and proposal.probs else None
-        if not accept_draft_token(tok, p, q, rng):
-            return new + [keep(sample(residual(p, q, tok), rng))]
+        if q is None and not truncates(params):  # a point mass: unnormalised weights do
+            accepted, resampled = accept_or_resample(tok, row(i), params, rng)
+        else:
+            p = probs_from_logits(row(i), params)
+            accepted = accept_draft_token(tok, p, q, rng)
+            resampled = tok if accepted else sample(residual(p, q, tok), rng)
+        if not accepted:
+            return new + [keep(resampled)]
         new.append(keep(tok))
     return new + [keep(draw(row(len(drafted)), params, rng))]
 

@@ -47,6 +47,7 @@ def test_bench_runtime_report(tmp_path, settings):
         peer_server=False,
         stub_tokens=24,
         sweep_mib=1,
+        repeat=2,
     )
     assert json.loads(out.read_text()) == report
     real = report["real"]
@@ -55,7 +56,8 @@ def test_bench_runtime_report(tmp_path, settings):
     for name, s in real["systems"].items():
         check_split(s)
         assert s["identical_to_plain"], name
-        assert s["tokens"] == 8 and s["prefill"]["tokens"] > 0
+        assert s["tokens"] == 16 and s["prefill"]["tokens"] > 0  # the prompt twice over
+        assert len(s["runs"]) == 2
         assert s["split_ms_per_token"]["model"] > 0  # llama.cpp's decode, from decode_s
     # Only the streamed config hands text to a stream.
     assert real["systems"]["memspec"]["split_ms_per_token"]["stream"] == 0
@@ -108,3 +110,32 @@ def test_llama_servers_row_is_per_decode_step():
     assert s["rounds"] == 96 and s["ms_per_round"] == 10.0
     assert s["prefill"] == {"tokens": 30, "ms_per_token": round(80.0 / 30, 4)}
     assert s["tokens"] == 3 and not s["identical_to_plain"]
+
+
+def test_memspec_against_llama_server_per_step_and_per_prompt():
+    """The ratios are speeds (above 1: memspec faster), over the run and as the median of the
+    back-to-back pairs, so one pair hit by a burst of load does not move the median."""
+    from memspec.bench.runtime_cost import _versus
+
+    def ours(step_ms: float, prompt_ms_per_token: float) -> dict:
+        rounds = 10
+        return {
+            "id": "p", "tokens": rounds, "rounds": rounds, "prompt_tokens": 21,
+            "prefill_tokens": 20, "decode_s": 0.0, "forward_s": 0.0,
+            "elapsed_s": (rounds * step_ms + 20 * prompt_ms_per_token) / 1e3,
+            "phases": {"prefill": 20 * prompt_ms_per_token / 1e3},
+        }  # fmt: skip
+
+    def theirs(step_ms: float, prompt_ms_per_token: float) -> dict:
+        return {"id": "p", "prompt_n": 20, "prompt_ms": 20 * prompt_ms_per_token, "predicted_n": 11,
+                "predicted_ms": 10 * step_ms, "token_ids": list(range(10))}  # fmt: skip
+
+    # Pairs of (ours, theirs): memspec 1.25x faster per step twice, then a pair 4x slower.
+    vs = _versus(
+        [ours(8.0, 4.0), ours(8.0, 4.0), ours(40.0, 4.0)],
+        [theirs(10.0, 5.0), theirs(10.0, 5.0), theirs(10.0, 5.0)],
+    )
+    assert vs["pairs"] == 3
+    assert vs["decode_step_median_of_prompts"] == 1.25
+    assert vs["prompt_token_median_of_prompts"] == 1.25 and vs["prompt_token"] == 1.25
+    assert vs["decode_step"] == round(10.0 / (56.0 / 3), 3)  # the run's totals: the burst
