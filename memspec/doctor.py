@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from memspec.memory.huge_pages import malloc_asks_for_huge_pages, thp_mode
+
 BUILD_STAMP = Path(sys.prefix) / ".memspec-llama.json"
 
 
@@ -42,6 +44,8 @@ def kernel_report() -> dict[str, Any]:
         "features": parse_system_info(info),
         "batch_invariant": "LLAMAFILE = 1" not in info,
         "build": build,
+        # Whether llama.cpp's buffers go on transparent huge pages (memory/huge_pages.py).
+        "huge_pages": {"thp": thp_mode(), "malloc_hugetlb": malloc_asks_for_huge_pages()},
     }
 
 
@@ -50,6 +54,9 @@ def render(report: dict[str, Any]) -> str:
     for backend, features in report["features"].items():
         lines.append(f"  {backend}: {' '.join(features) or '(baseline)'}")
     lines.append(f"  batch-invariant kernels: {'yes' if report['batch_invariant'] else 'no'}")
+    pages = report["huge_pages"]
+    asks = "yes" if pages["malloc_hugetlb"] else "no"
+    lines.append(f"  huge pages: THP {pages['thp'] or 'not available'}, malloc asks: {asks}")
     build = report["build"]
     if build is None:
         lines.append("  build: not made by scripts/setup.sh (no probe on record)")

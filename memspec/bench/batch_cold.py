@@ -7,7 +7,10 @@ figure leaves prompt processing out; a server whose requests are new must pay it
   (distinct held-out prompts, code and chats spread evenly over the levels; the warm-up uses
   others);
 - memspec's prefix cache is off (`prefix_cache` 0) and so are llama-server's prompt caches
-  (`--cache-reuse 0 --cache-ram 0 --no-cache-prompt`, and `cache_prompt: false` per request);
+  beyond its slots (`--cache-reuse 0 --cache-ram 0`); each server keeps only what a slot
+  holds, the common prefix of the slot's last prompt and the new one (a chat template's
+  head), memspec by design and llama-server with `cache_prompt` (both report it as
+  `cached_tokens`);
 - memspec runs `draft` auto (what a client gets by default), llama-server plain decoding,
   both with N slots (`--parallel N`, `-np N`) and greedy;
 - each level's prompts are then sent one at a time to a fresh server of the same config:
@@ -38,9 +41,11 @@ from memspec.paths import use_data_dir
 MEMSPEC = "memspec"
 PEER = "llama-server"
 WARMUP = 2  # prompts outside the measured ones, sent before each server's first level
-# llama-server with no prompt reuse of any kind: no KV-shift reuse, no host-memory prompt
-# cache, no slot prompt cache (and `cache_prompt: false` in every request).
-PEER_COLD_FLAGS = ["--cache-reuse", "0", "--cache-ram", "0", "--no-cache-prompt"]
+# llama-server with no prompt reuse beyond a slot's own: no KV-shift reuse, no host-memory
+# prompt cache. A slot's common prefix with its last prompt it keeps (`cache_prompt`), as
+# memspec's engine does (until wave 3's fifth stop the bench turned that off for llama-server
+# only, which gave memspec 4-9% of the prompt tokens free).
+PEER_COLD_FLAGS = ["--cache-reuse", "0", "--cache-ram", "0"]
 MEMSPEC_COLD_ENV = {"MEMSPEC_PREFIX_CACHE": "0"}
 MISMATCH_SAMPLES = 5  # mismatching answers quoted in the report
 
@@ -208,7 +213,7 @@ def run_cold_batch_bench(
         "setup": {
             MEMSPEC: f"memspec serve --parallel {slots}, prefix_cache 0, draft auto",
             PEER: f"llama-server -np {slots} -cb {' '.join(PEER_COLD_FLAGS)}, "
-            "cache_prompt false, plain decoding",
+            "cache_prompt true (a slot's own prefix), plain decoding",
         },
         "configs": {},  # system -> level -> the concurrent run
         "serial": {},  # system -> level -> the same prompts, one at a time, fresh server
@@ -242,7 +247,7 @@ def run_cold_batch_bench(
                 continue
             p = PeerServer(binary, peer_settings, flags)
             try:
-                rows = _measure(p.url, {"cache_prompt": False}, todo, warmup, is_serial, say, PEER)
+                rows = _measure(p.url, {"cache_prompt": True}, todo, warmup, is_serial, say, PEER)
                 report["serial" if is_serial else "configs"][PEER] = rows
             finally:
                 p.close()

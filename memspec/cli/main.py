@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from memspec.cli import bench, doctor, drafts, generate, rpc, scheduling, serve
 from memspec.config import settings_error
 from memspec.errors import MemSpecError
+from memspec.memory.huge_pages import reexec_with_huge_pages
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the process's own command line: malloc on huge pages first
+        reexec_with_huge_pages()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

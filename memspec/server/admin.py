@@ -28,6 +28,7 @@ from memspec import telemetry
 from memspec.config import Settings
 from memspec.doctor import kernel_report
 from memspec.errors import InvalidRequest
+from memspec.memory.huge_pages import huge_page_bytes
 from memspec.server.auth import require_admin_key
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.errors import UnsupportedMediaType
@@ -177,7 +178,9 @@ def status(ctx: ServerContext) -> dict[str, Any]:
         "warnings": list(w.warnings) + ([chat["warning"]] if chat and chat["warning"] else []),
         # The build's kernels, and the target's own: repacked weights (under the row rule,
         # backends/llama_cpp.py) and whether its logits are independent of the batch.
-        "kernels": _kernels() | _target_kernels(rt) | {"exactness": s.exactness},
+        "kernels": _kernels()
+        | _target_kernels(rt)
+        | {"exactness": s.exactness, "anon_huge_page_bytes": huge_page_bytes()},
         "devices": rt.devices() if rt is not None else _devices_unloaded(s, w.error),
         "tokens_per_s_recent": w.tokens_per_s_recent(),
         "requests_served": w.requests_served,

@@ -8,6 +8,8 @@ import httpx
 from launcher import ADMIN_KEY, API_KEY, MODEL
 from prometheus_client.parser import text_string_to_metric_families
 
+from memspec.memory.huge_pages import huge_page_env
+
 STATUS_KEYS = {
     "version",
     "uptime_s",
@@ -55,6 +57,11 @@ def test_status(admin_http):
     assert kernels["batch_invariant"] is True and "CPU" in kernels["features"]
     assert kernels["build"]["probe"]["Q4_0"] == "ok"
     assert kernels["exactness"] == "bitwise" and kernels["target_batch_invariant"] is True
+    # The daemon started itself again with malloc on huge pages (memory/huge_pages.py), and
+    # its weights and KV caches are on them.
+    if kernels["huge_pages"]["thp"] == "madvise" and huge_page_env({}) is not None:
+        assert kernels["huge_pages"]["malloc_hugetlb"] is True
+        assert kernels["anon_huge_page_bytes"] > 100 << 20  # SmolLM2 F32: ~540 MB of weights
 
 
 def test_draft_actions(admin_http):
