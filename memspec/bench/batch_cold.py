@@ -218,15 +218,33 @@ def run_cold_batch_bench(
         "configs": {},  # system -> level -> the concurrent run
         "serial": {},  # system -> level -> the same prompts, one at a time, fresh server
     }
-    memspec_extra = {"draft": "auto"}
-    for name, is_serial in ((MEMSPEC, False), (MEMSPEC, True)):
+    binary = PeerServer.find() if peer else None
+    if peer and binary is None:
+        report["peer_missing"] = "llama-server not built: scripts/setup.sh --peer"
+    # memspec, llama-server, llama-server, memspec: a box whose speed drifts over the run
+    # (this one's does, by up to ~18% an hour) moves both systems alike.
+    phases = [(MEMSPEC, False), (PEER, False), (PEER, True), (MEMSPEC, True)]
+    for name, is_serial in phases:
         todo = serial_levels if is_serial else levels
-        if not todo:
+        if not todo or (name == PEER and binary is None):
+            continue
+        key = "serial" if is_serial else "configs"
+        if name == PEER:
+            assert binary is not None
+            peer_settings = settings.model_copy(update={"n_ctx": settings.n_ctx * slots})
+            p = PeerServer(binary, peer_settings, ["-np", str(slots), "-cb", *PEER_COLD_FLAGS])
+            try:
+                report[key][PEER] = _measure(
+                    p.url, {"cache_prompt": True}, todo, warmup, is_serial, say, PEER
+                )
+            finally:
+                p.close()
             continue
         srv = MemspecServer(slots, config, settings.n_threads, env=MEMSPEC_COLD_ENV)
         try:
-            rows = _measure(srv.url, memspec_extra, todo, warmup, is_serial, say, name)
-            report["serial" if is_serial else "configs"][name] = rows
+            report[key][MEMSPEC] = _measure(
+                srv.url, {"draft": "auto"}, todo, warmup, is_serial, say, MEMSPEC
+            )
             status = httpx.get(srv.url + "/admin/status", timeout=10).json()
             # Proof that nothing was reused from the prefix cache (capacity 0, no restores).
             cache = {k: status["prefix_cache"][k] for k in ("capacity", "restores")}
@@ -237,22 +255,6 @@ def run_cold_batch_bench(
                 report["memspec_slots"] = status["slots"]
         finally:
             srv.close()
-    binary = PeerServer.find() if peer else None
-    if binary is not None:
-        peer_settings = settings.model_copy(update={"n_ctx": settings.n_ctx * slots})
-        flags = ["-np", str(slots), "-cb", *PEER_COLD_FLAGS]
-        for is_serial in (False, True):
-            todo = serial_levels if is_serial else levels
-            if not todo:
-                continue
-            p = PeerServer(binary, peer_settings, flags)
-            try:
-                rows = _measure(p.url, {"cache_prompt": True}, todo, warmup, is_serial, say, PEER)
-                report["serial" if is_serial else "configs"][PEER] = rows
-            finally:
-                p.close()
-    elif peer:
-        report["peer_missing"] = "llama-server not built: scripts/setup.sh --peer"
     summarise_cold(report)
     return report
 
