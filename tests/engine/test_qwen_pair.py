@@ -103,15 +103,19 @@ def test_greedy_identical_with_the_rest_of_the_family(qwen, prompts, references,
         assert qwen.generate(prompt, params, draft=draft, k=k).token_ids == ref, (draft, k)
 
 
-def test_speculative_sampling_with_the_sibling_matches_the_target(qwen):
+def assert_sibling_sampling_matches_the_target(rt) -> None:
     # A prompt whose first tokens are nearly certain keeps the exact joint small (one target
     # eval per first token in the nucleus).
-    prompt = qwen.prompt_tokens("Monday, Tuesday, Wednesday,")
-    exact = exact_joint(qwen.target, prompt)
-    counts = speculative_samples(qwen, prompt, QWEN_SIBLING, N_SAMPLES)
+    prompt = rt.prompt_tokens("Monday, Tuesday, Wednesday,")
+    exact = exact_joint(rt.target, prompt)
+    counts = speculative_samples(rt, prompt, QWEN_SIBLING, N_SAMPLES)
     n = sum(counts.values())
     assert n == N_SAMPLES
     assert tv(counts, exact, n) < null_threshold(exact, n, np.random.default_rng(0))
+
+
+def test_speculative_sampling_with_the_sibling_matches_the_target(qwen):
+    assert_sibling_sampling_matches_the_target(qwen)
 
 
 def test_a_sibling_of_another_tokenizer_is_refused_with_the_reason():
@@ -192,9 +196,4 @@ def test_numeric_greedy_differs_only_at_near_ties(qwen, qwen_numeric, prompts, d
 
 
 def test_numeric_speculative_sampling_matches_the_target(qwen_numeric):
-    prompt = qwen_numeric.prompt_tokens("Monday, Tuesday, Wednesday,")
-    exact = exact_joint(qwen_numeric.target, prompt)
-    counts = speculative_samples(qwen_numeric, prompt, QWEN_SIBLING, N_SAMPLES)
-    n = sum(counts.values())
-    assert n == N_SAMPLES
-    assert tv(counts, exact, n) < null_threshold(exact, n, np.random.default_rng(0))
+    assert_sibling_sampling_matches_the_target(qwen_numeric)

@@ -293,6 +293,7 @@ def test_a_point_mass_proposal_is_accepted_on_unnormalised_weights():
     counts = np.bincount(
         [accept_or_resample(0, logits, params, rng)[1] for _ in range(n)], minlength=len(p)
     )
+
     # Four bins (the proposed id, the two other likely ones, the rest): noise ~0.005 in TV.
     def binned(x: np.ndarray) -> np.ndarray:
         return np.array([x[0], x[1], x[2], x[3:].sum()])
