@@ -337,7 +337,7 @@ class EngineWorker:
         differ from plain decoding at a near-tie (see memspec/backends/llama_cpp.py)."""
         if rt.target.describe().get("batch_invariant", True):
             return
-        if rt.settings.exactness == "numeric":  # asked for: said in /admin/status, no warning
+        if self.settings.exactness == "numeric":  # asked for: said in /admin/status, no warning
             log.info("exactness numeric: the target's batched passes run llama.cpp's own kernels")
             return
         msg = (
