@@ -61,7 +61,7 @@ def test_status(admin_http):
     # its weights and KV caches are on them.
     if kernels["huge_pages"]["thp"] == "madvise" and huge_page_env({}) is not None:
         assert kernels["huge_pages"]["malloc_hugetlb"] is True
-        assert kernels["anon_huge_page_bytes"] > 100 << 20  # SmolLM2 F32: ~540 MB of weights
+        assert kernels["anon_huge_page_bytes"] >= 64 << 20  # SmolLM2 F32: ~540 MB of weights
 
 
 def test_draft_actions(admin_http):
