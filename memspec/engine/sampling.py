@@ -123,8 +123,8 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     # the memory traffic and exp's time per token, for precision the draw never sees (llama.cpp
     # samples in float32 too). A whole row's sum is numpy's pairwise one (~1e-7 relative in
     # float32); the running sums a draw searches are float64.
-    p = _weights(logits, params)
-    p *= LOGIT_DTYPE(1.0 / float(p.sum()))
+    p, cum = weights(logits, params)
+    p *= LOGIT_DTYPE(1.0 / cum[-1])  # the block sums' total: no pass of its own
     support = None  # the ids an earlier filter kept (the rest have no mass)
     if 0 < params.top_k < len(p):
         support = top_k_order(p, params.top_k)
@@ -182,9 +182,9 @@ def weights(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.
     if params.temperature >= UNSHIFTED_FIRST_T:
         inv_t = 1.0 / params.temperature
         z = np.multiply(logits, inv_t, dtype=LOGIT_DTYPE) if inv_t != 1.0 else None
-        with np.errstate(over="ignore"):  # an overflow is caught by the total below
-            w = np.exp(logits if z is None else z, out=z, dtype=LOGIT_DTYPE)
-        cum = block_cumsum(w)
+        with np.errstate(over="ignore"):  # an overflow (exp's, or a block sum's) shows in
+            w = np.exp(logits if z is None else z, out=z, dtype=LOGIT_DTYPE)  # the total
+            cum = block_cumsum(w)
         # The top weight is at least total / n: above e^-UNSHIFTED_MAX, nothing that mattered
         # underflowed (the bound the shift's skip keeps in _weights).
         if len(w) * MIN_TOP_WEIGHT <= cum[-1] < np.inf:
