@@ -49,7 +49,7 @@ from memspec.engine.speculative import Generation, TokenCallback
 from memspec.engine.types import SamplingParams
 from memspec.memory.footprint import target_footprint
 from memspec.memory.gguf_info import read_shape
-from memspec.paths import resolve_model_path
+from memspec.paths import models_dir, resolve_model_path
 from memspec.runtime import Runtime
 
 # The runtime's own cost the project aims at, per plain token and per speculative round: on a
@@ -447,14 +447,29 @@ class StubBackend(SequenceContext):
         return {"backend": "stub", "file": self.path.name, "batch_invariant": True}
 
 
-# (name, draft, k, temperature): plain and prompt-lookup rounds, greedy and sampled.
+# (name, draft, k, temperature): plain and prompt-lookup rounds, greedy and sampled; then the
+# daemon's own choice (policy memspec, draft auto) among every free draft of the target's
+# pool, each peeked every round, as a daemon with its datastores resident does.
+POOL_CONFIG = "policy, free pool greedy"
 STUB_CONFIGS: list[tuple[str, str, int | None, float]] = [
     ("plain greedy", "none", None, 0.0),
     ("plain sampled", "none", None, 1.0),
     ("prompt-lookup k=4 greedy", "prompt-lookup", 4, 0.0),
     ("prompt-lookup adaptive-k greedy", "prompt-lookup", None, 0.0),
     ("prompt-lookup k=4 sampled", "prompt-lookup", 4, 1.0),
+    (POOL_CONFIG, "auto", None, 0.0),
 ]
+FREE_KINDS = ("prompt_lookup", "datastore")
+
+
+def free_pool(settings: Settings) -> list[str]:
+    """The target's pool's drafts that run no model (prompt lookup, datastores): what a stub
+    target can be decoded beside."""
+    from memspec.drafts.family import settings_pool_dir
+    from memspec.drafts.manifest import load_manifests
+
+    manifests = load_manifests(settings_pool_dir(settings))
+    return [i for i, m in manifests.items() if m.kind in FREE_KINDS and m.is_built(models_dir())]
 
 
 def run_stub(settings: Settings, tokens: int = 512, sweep_mib: int = COLD_SWEEP_MIB) -> dict:
@@ -462,14 +477,19 @@ def run_stub(settings: Settings, tokens: int = 512, sweep_mib: int = COLD_SWEEP_
     path = resolve_model_path(settings.target)
     shape = read_shape(path)
     stub = StubBackend(path, shape.n_vocab, settings.n_ctx)
-    # A budget with room for the target alone: no model draft is ever loaded beside the stub.
-    budget = target_footprint(path, settings.n_ctx, settings.k_max).total + (1 << 20)
-    stub_settings = settings.model_copy(update={"drafts": ["prompt-lookup"], "budget": budget})
+    # The free drafts preloaded, and room for them: no model draft is named, so none is loaded.
+    free = free_pool(settings)
+    budget = target_footprint(path, settings.n_ctx, settings.k_max).total + (1 << 30)
+    stub_settings = settings.model_copy(update={"drafts": free, "budget": budget})
     rt = Runtime(stub_settings, calibrate_costs=False, target=stub)
     try:
         prompt = [1] + stub.cycle * 3
         n = max(min(tokens, stub.n_ctx - len(prompt) - 1), 1)
-        out: dict[str, Any] = {"vocab": shape.n_vocab, "prompt_tokens": len(prompt)}
+        out: dict[str, Any] = {
+            "vocab": shape.n_vocab,
+            "prompt_tokens": len(prompt),
+            "free_pool": sorted(rt.drafts),
+        }
         for mode, sweep in (("warm", 0), ("cold", sweep_mib)):
             stub.sweep_mib = sweep
             results: dict[str, Any] = {}

@@ -107,6 +107,10 @@ def memspec_stats(gen: Generation) -> dict[str, Any]:
         "stall_s": round(gen.stall_s, 4),
         "ttft_s": round(gen.ttft_s, 4),
         "tokens_per_s": round(gen.tokens_per_s, 2),
+        # Where the generation's time went (docs/daemon.md "Where the time goes"); the
+        # rest of elapsed_s is the engine's loop between rounds and other requests' rounds.
+        "phases_ms": {p: round(s * 1e3, 3) for p, s in gen.phases.items()},
+        "elapsed_ms": round(gen.elapsed_s * 1e3, 3),
     }
     return out
 

@@ -504,6 +504,11 @@ class MemSpecStats(BaseModel):
     stall_s: float = Field(description="seconds waiting on draft loads")
     ttft_s: float
     tokens_per_s: float
+    phases_ms: dict[str, float] = Field(
+        description="milliseconds per phase of its rounds (prefill, choose, draft_steps, "
+        "verify_decode: the target's forward passes, sample, detokenize, stream...)"
+    )
+    elapsed_ms: float = Field(description="from admission to its last token")
 
 
 class FunctionCallOut(BaseModel):

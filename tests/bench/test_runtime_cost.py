@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from memspec.bench.runtime_cost import (
+    POOL_CONFIG,
     SPLIT,
     STUB_CONFIGS,
     StubBackend,
+    free_pool,
     run_runtime_bench,
 )
 from memspec.engine.policy import FixedPolicy
@@ -65,13 +67,19 @@ def test_bench_runtime_report(tmp_path, settings):
 
     stub = report["stub"]
     assert stub["goal_ms"] == 0.3
+    assert "prompt-lookup" in stub["free_pool"]
+    assert set(stub["free_pool"]) <= set(free_pool(settings))
     for mode in ("warm", "cold"):
         configs = stub[mode]["configs"]
         assert list(configs) == [name for name, *_ in STUB_CONFIGS]
         for name, s in configs.items():
             check_split(s)
             assert s["continues_cycle"], (mode, name)
-            if name.startswith("prompt-lookup") and "adaptive" not in name:
+            if name == POOL_CONFIG:
+                # The daemon's own rule among the free drafts: each peeked every round.
+                assert s["engine_detail_ms_per_token"]["choose"] > 0, mode
+                assert s["tokens_per_round"] >= 1.0, mode
+            elif name.startswith("prompt-lookup") and "adaptive" not in name:
                 assert s["tokens_per_round"] > 2, (mode, name)  # it finds the cycle: k = 4
             elif name.startswith("prompt-lookup"):
                 # The rule's k follows the stub's measured step, microseconds whose noise under

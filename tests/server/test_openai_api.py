@@ -67,6 +67,12 @@ def test_chat_greedy_matches_plain_decoding(client, reference):
         assert ms["rounds"] >= 1
         if draft == "none":
             assert ms["proposed"] == 0 and ms["drafts_used"] == {}
+        # Where its time went: the target's passes are most of it, and no phase outlasts
+        # the generation.
+        phases = ms["phases_ms"]
+        assert phases["verify_decode"] > 0  # (prefill: 0 where the prompt was cached)
+        assert sum(phases.values()) <= ms["elapsed_ms"]
+        assert ms["elapsed_ms"] >= ms["ttft_s"] * 1e3
 
 
 def test_per_request_policy(client, reference):
