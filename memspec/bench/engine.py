@@ -346,7 +346,9 @@ def _run_prompt(
             {**base, "tokens": len(ids), "seconds": secs, "identical": ids == plain_ids}
         )
     for name, server in servers.items():
-        ids, secs, drafted, accepted = server.complete(prompt, params.max_tokens)
+        ids, secs, drafted, accepted = server.complete(
+            prompt, params.max_tokens, rt.target.eos_token_ids
+        )
         results[name].append(
             {
                 **base,

@@ -38,6 +38,15 @@ def peer_configs(draft: tuple[str, Path] | None) -> dict[str, list[str]]:
     return configs
 
 
+def generated_tokens(out: dict, eos: frozenset[int]) -> list[int]:
+    """The tokens of llama-server's /completion answer without the end-of-generation token it
+    stopped on, which it returns (and counts) and memspec's generations do not."""
+    tokens = list(out.get("tokens", []))
+    if tokens and tokens[-1] in eos:
+        tokens.pop()
+    return tokens
+
+
 class PeerServer:
     def __init__(self, binary: Path, settings: Settings, flags: list[str], timeout_s: float = 120):
         with socket.socket() as s:
@@ -84,14 +93,15 @@ class PeerServer:
         return path if path.is_file() and os.access(path, os.X_OK) else None
 
     def complete(
-        self, prompt: list[int], max_tokens: int, **fields: Any
+        self, prompt: list[int], max_tokens: int, eos: frozenset[int], **fields: Any
     ) -> tuple[list[int], float, int, int]:
-        """Greedy completion of token ids: (tokens, seconds, drafted, accepted)."""
+        """Greedy completion of token ids: (tokens, seconds, drafted, accepted); the tokens
+        as memspec counts them (generated_tokens)."""
         out = self.complete_json(prompt, max_tokens, **fields)
         t = out.get("timings", {})
         seconds = (t.get("prompt_ms", 0.0) + t.get("predicted_ms", 0.0)) / 1e3
         return (
-            list(out.get("tokens", [])),
+            generated_tokens(out, eos),
             seconds,
             t.get("draft_n", 0),
             t.get("draft_n_accepted", 0),

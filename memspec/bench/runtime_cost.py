@@ -42,7 +42,7 @@ import numpy as np
 
 from memspec.backends.base import Backend, BackendOptions, SequenceContext
 from memspec.backends.chat import CHATML, ChatTemplate
-from memspec.bench.peer_server import PeerServer
+from memspec.bench.peer_server import PeerServer, generated_tokens
 from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
 from memspec.engine.speculative import Generation, TokenCallback
@@ -333,11 +333,8 @@ def _peer_row(
 ) -> dict[str, Any]:
     out = server.complete_json(prompt, max_tokens)
     t = out.get("timings", {})
-    tokens = list(out.get("tokens", []))
-    if tokens and tokens[-1] in eos:  # it returns (and counts) the EOS it stopped on
-        tokens.pop()
     return {
-        "token_ids": tokens,
+        "token_ids": generated_tokens(out, eos),
         "prompt_n": int(t.get("prompt_n", 0)),
         "prompt_ms": float(t.get("prompt_ms", 0.0)),
         "predicted_n": int(t.get("predicted_n", 0)),

@@ -39,7 +39,7 @@ from memspec.bench.engine import (
     speedup_summary,
     start_peer_servers,
 )
-from memspec.bench.peer_server import PeerServer, peer_configs
+from memspec.bench.peer_server import PeerServer, generated_tokens, peer_configs
 from memspec.config import Settings
 from memspec.engine.grammar import Grammar
 from memspec.engine.types import SamplingParams
@@ -290,9 +290,7 @@ def _run_prompt(
         constraint = p.schema if peer_constraint == "json_schema" else grammar.gbnf
         out = server.complete_json(prompt, max_tokens, **{peer_constraint: constraint})
         t = out.get("timings", {})
-        ids = list(out.get("tokens", []))
-        if ids and ids[-1] in rt.target.eos_token_ids:  # it returns the EOS it stopped on
-            ids.pop()
+        ids = generated_tokens(out, rt.target.eos_token_ids)
         text = rt.target.detokenize(ids).decode(errors="replace")
         results[name].append(
             {

@@ -7,7 +7,7 @@ import stat
 import sys
 import textwrap
 
-from memspec.bench.peer_server import PeerServer
+from memspec.bench.peer_server import PeerServer, generated_tokens
 
 # Logs 256 KiB (llama-server logs every request) before it answers /health: a pipe nobody
 # reads holds 64 KiB, so the server blocked in write() and never answered.
@@ -43,3 +43,13 @@ def test_a_chatty_peer_is_not_blocked_by_its_log(tmp_path, settings):
     finally:
         server.close()
     assert server.proc.returncode is not None
+
+
+def test_the_stop_token_llama_server_returns_is_not_a_generated_token():
+    """llama-server returns (and counts) the end-of-generation token it stopped on; memspec's
+    generations do not hold it, so a comparison with it left in said "outputs differ"."""
+    eos = frozenset({2})
+    assert generated_tokens({"tokens": [5, 6, 2]}, eos) == [5, 6]
+    assert generated_tokens({"tokens": [5, 6, 7]}, eos) == [5, 6, 7]  # cut at max_tokens
+    assert generated_tokens({"tokens": [2, 5]}, eos) == [2, 5]  # only a last token stops
+    assert generated_tokens({}, eos) == []
