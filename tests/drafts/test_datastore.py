@@ -10,6 +10,7 @@ import pytest
 from memspec.drafts.datastore import (
     SEP,
     DatastoreDraft,
+    _mode,
     build_index,
     build_suffix_array,
     load_datastore,
@@ -223,3 +224,15 @@ def test_seed_prompts_are_not_mt_bench():
     }  # fmt: skip
     leaks = [r["prompt"] for r in seeds if grams(r["prompt"]) & test_set]
     assert not leaks, leaks[:3]
+
+
+def test_the_mode_of_a_few_candidates_is_the_sorted_mode():
+    """The walk's next token among a few candidates is counted in plain Python: the same
+    (token, count) as a sort would give, ties to the smallest token."""
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 5, 31, 32, 33, 200):
+        for _ in range(40):
+            col = rng.integers(0, 6, n).astype(np.uint32)
+            values, counts = np.unique(col, return_counts=True)
+            best = int(np.argmax(counts))
+            assert _mode(col) == (int(values[best]), int(counts[best]))
