@@ -303,6 +303,7 @@ def _versus(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[st
         return their["prompt_ms"] / their["prompt_n"] / ms if ms and their["prompt_n"] else None
 
     pairs = list(zip(ours, theirs, strict=True))
+    steps = [step(a, b) for a, b in pairs]
     prompts = [x for x in (prompt(a, b) for a, b in pairs) if x is not None]
     return {
         "tokens_per_s": round(mine["tokens_per_s"] / peer["tokens_per_s"], 3),
@@ -310,10 +311,23 @@ def _versus(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[st
         "prompt_token": round(peer["prefill"]["ms_per_token"] / mine["prefill"]["ms_per_token"], 3)
         if peer["prefill"]["ms_per_token"] and mine["prefill"]["ms_per_token"]
         else None,
-        "decode_step_median_of_prompts": round(statistics.median(step(a, b) for a, b in pairs), 3),
+        "decode_step_median_of_prompts": round(statistics.median(steps), 3),
         "prompt_token_median_of_prompts": round(statistics.median(prompts), 3) if prompts else None,
+        # How far the medians can be trusted on a noisy box: a ratio whose interval holds 1.0
+        # is no measured difference.
+        "decode_step_median_ci95": median_ci95(steps),
+        "prompt_token_median_ci95": median_ci95(prompts) if prompts else None,
         "pairs": len(pairs),
     }
+
+
+def median_ci95(values: list[float], resamples: int = 2000) -> list[float]:
+    """A 95% bootstrap interval of the median of `values` (seeded: the same run, the same
+    interval)."""
+    x = np.asarray(values, dtype=np.float64)
+    picks = np.random.default_rng(0).integers(0, len(x), (resamples, len(x)))
+    medians = np.median(x[picks], axis=1)
+    return [round(float(v), 3) for v in np.percentile(medians, [2.5, 97.5])]
 
 
 def _peer(settings: Settings, wanted: bool) -> tuple[PeerServer | None, str]:
@@ -591,8 +605,9 @@ def print_tables(report: dict[str, Any]) -> None:
             print(
                 f"memspec / llama-server speed: tokens/s {vs['tokens_per_s']}, decode step "
                 f"{vs['decode_step']} (median of {vs['pairs']} prompts "
-                f"{vs['decode_step_median_of_prompts']}), prompt token {vs['prompt_token']} "
-                f"(median {vs['prompt_token_median_of_prompts']})",
+                f"{vs['decode_step_median_of_prompts']}, 95% {vs['decode_step_median_ci95']}), "
+                f"prompt token {vs['prompt_token']} (median "
+                f"{vs['prompt_token_median_of_prompts']}, 95% {vs['prompt_token_median_ci95']})",
                 file=err,
             )
         if real["peer_server_skipped"]:

@@ -147,3 +147,6 @@ def test_memspec_against_llama_server_per_step_and_per_prompt():
     assert vs["decode_step_median_of_prompts"] == 1.25
     assert vs["prompt_token_median_of_prompts"] == 1.25 and vs["prompt_token"] == 1.25
     assert vs["decode_step"] == round(10.0 / (56.0 / 3), 3)  # the run's totals: the burst
+    lo, hi = vs["decode_step_median_ci95"]
+    assert 0.25 <= lo <= 1.25 <= hi == 1.25  # the burst pair drawn twice pulls it down
+    assert vs["prompt_token_median_ci95"] == [1.25, 1.25]  # every pair alike
