@@ -17,7 +17,7 @@ import logging
 import math
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from memspec.engine.calibration import calibrate, measure_draft_cached
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.fim import FimRequest, FimTokens, fim_prompt, find_fim_tokens
 from memspec.engine.grammar import Grammar
-from memspec.engine.prefix_cache import PrefixCache
+from memspec.engine.prefix_cache import PrefixCache, share_slot_prefix
 from memspec.engine.speculative import (
     Generation,
     Sequence,
@@ -636,14 +636,21 @@ class Runtime:
         use_drafts: bool,
         slot: int = 0,
         partition: str = "",
+        busy: Collection[int] = (),
     ) -> int:
         """Ready a slot of the target's (and, when drafting in the lead slot, each model
-        draft's) KV cache for `prompt` of `partition` from `cache`. Returns the prompt tokens
-        a restored target snapshot covers (0: none)."""
+        draft's) KV cache for `prompt` of `partition` from `cache`, else from the target's
+        other slots (`busy`: those decoding, read but never written). Returns the prompt
+        tokens a restored target snapshot or another slot's copy covers (0: none)."""
         with self.lock:  # a background scheduler may load/evict drafts
             drafts = [d.backend for d in self.drafts.values() if isinstance(d, ModelBacked)]
             cache.forget([self.target, *drafts])
-            restored = cache.prepare(self.target.slots[slot], prompt, partition)
+            mine = self.target.slots[slot]
+            restored = cache.prepare(mine, prompt, partition)
+            others = self.target.slots
+            free = [s for s in others if s.seq_id not in busy]
+            park = not cache.enabled_for(mine)
+            restored = share_slot_prefix(mine, others, free, prompt, park) or restored
             if use_drafts and slot == LEAD_SLOT:
                 for be in drafts:
                     cache.prepare(be, prompt, partition)

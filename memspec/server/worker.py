@@ -489,8 +489,9 @@ class EngineWorker:
             req = rt.request(job.request)  # the one check: a clean 4xx before anything runs
             slot = rt.pick_slot(req.prompt, set(self._active), req.cache_partition)
             assert slot is not None  # admitted only into a free slot
+            busy = set(self._active)
             rt.prepare_prefix(
-                self.prefix_cache, req.prompt, req.draft != "none", slot, req.cache_partition
+                self.prefix_cache, req.prompt, req.draft != "none", slot, req.cache_partition, busy
             )
             seq = rt.open_sequence(req, slot, on_token, job.cancel, alone=alone)
             opened.append(seq)

@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 
 from memspec.backends.base import BackendOptions, load_backend
-from memspec.engine.prefix_cache import MIN_SAVE_TOKENS, PrefixCache
+from memspec.engine.prefix_cache import (
+    MIN_GAIN_TOKENS,
+    MIN_SAVE_TOKENS,
+    PrefixCache,
+    share_slot_prefix,
+)
 from memspec.paths import models_dir
 
 A = "The quick brown fox jumps over the lazy dog while the farmer watches from the gate. " * 2
@@ -116,3 +121,51 @@ def test_snapshots_never_cross_backends(small_backend):
         assert len(cache) == 0
     finally:
         other.close()
+
+
+def test_slots_share_their_prefixes_without_a_prefix_cache():
+    """With no prefix cache, a conversation the lead slot drops is parked in an empty slot and
+    copied back when it returns; a prompt another slot holds is copied in, not prefilled. The
+    copied KV gives the exact greedy continuation, and a busy slot is never written."""
+    be = _load("smollm2-135m-f32.gguf", n_seq=3)
+    try:
+        lead, other, spare = be.slots
+        a, b = be.tokenize(A), be.tokenize(B)
+        ref_a = greedy(lead, a)
+        a_kv = list(lead.tokens)
+        lead.reset()
+        ref_b = greedy(lead, b)
+        lead.reset()
+
+        greedy(lead, a)  # the lead holds A's conversation
+        # B arrives on the lead: A is parked in the emptier free slot, nothing is copied in.
+        assert share_slot_prefix(lead, be.slots, [other, spare], b, park=True) == 0
+        assert other.tokens == a_kv and spare.tokens == []
+        assert greedy(lead, b) == ref_b
+        # A comes back: its KV is copied from where it was parked, and continues exactly.
+        follow_up = a_kv + be.tokenize(" And then?", add_bos=False)
+        assert share_slot_prefix(lead, be.slots, [spare], follow_up, park=False) == len(a_kv)
+        assert lead.tokens == a_kv and spare.tokens == []  # nothing parked: park off
+        lead.truncate(len(a) - 1)
+        assert greedy(lead, a) == ref_a
+        # Without a free slot to park in, the lead's KV is not put anywhere.
+        lead.reset()
+        greedy(lead, b)
+        assert share_slot_prefix(lead, be.slots, [], a, park=True) == len(a)
+        assert spare.tokens == []
+    finally:
+        be.close()
+
+
+def test_a_short_shared_prefix_is_not_copied():
+    """A copy must beat what the slot holds by MIN_GAIN_TOKENS."""
+    be = _load("smollm2-135m-f32.gguf", n_seq=2)
+    try:
+        lead, other = be.slots
+        a = be.tokenize(A)
+        greedy(other, a)
+        few = a[: MIN_GAIN_TOKENS - 1] + be.tokenize(B, add_bos=False)
+        assert share_slot_prefix(lead, be.slots, [lead], few, park=False) == 0
+        assert lead.tokens == []
+    finally:
+        be.close()
