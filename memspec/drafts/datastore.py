@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from memspec.drafts.compat import TokenizerFingerprint, fingerprint_of
-from memspec.drafts.prompt_lookup import PromptLookupDraft
+from memspec.drafts.prompt_lookup import MARK_TOKENS, PromptLookupDraft
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.types import Proposal
 from memspec.errors import ModelLoadError
@@ -43,6 +43,7 @@ FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 SAMPLE = 1024  # at most this many occurrences are read to pick the next token
 SMALL = 32  # ranges this small are walked in plain Python (numpy calls cost more)
+TAIL_AT_ONCE = 4096  # a tail match over at most this many (candidate, length) cells: one pass
 # First-token acceptance by match length 0..8 for an index without a measured table (corpus,
 # context): `calibrate_alpha` on held-out answers of SmolLM2-135M to seed prompts, 18k tokens.
 DEFAULT_ALPHA = (
@@ -207,18 +208,58 @@ def _tail_match(arr: np.ndarray, context: list[int], max_match: int) -> tuple[in
     if len(arr) < 2 or not context:
         return 0, np.zeros(0, dtype=np.int64)
     cand = np.flatnonzero(arr[:-1] == context[-1])  # position of the matched tail's last token
-    m = 0
-    if cand.size:
-        m = 1
-        limit = min(max_match, len(context))
-        while m < limit:
-            prev = cand - m
-            ok = prev >= 0
-            ok[ok] = arr[prev[ok]] == context[-1 - m]
-            if not ok.any():
-                break
-            cand, m = cand[ok], m + 1
+    limit = min(max_match, len(context))
+    if not cand.size or limit == 1:
+        return int(cand.size > 0), cand
+    if cand.size * limit <= TAIL_AT_ONCE:
+        # Every candidate's run backwards at once (a repeated context had 16 rounds of
+        # filtering, ~0.1 ms): the first mismatch in each row ends its run.
+        want = np.asarray(context[-limit:][::-1], dtype=arr.dtype)
+        at = cand[:, None] - np.arange(limit)
+        ok = (at >= 0) & (arr[np.maximum(at, 0)] == want)
+        runs = np.where(ok.all(axis=1), limit, ok.argmin(axis=1))
+        m = int(runs.max())
+        return m, cand[runs == m]
+    m = 1  # many candidates: filtered a step at a time, most fall at the first
+    while m < limit:
+        prev = cand - m
+        ok = prev >= 0
+        ok[ok] = arr[prev[ok]] == context[-1 - m]
+        if not ok.any():
+            break
+        cand, m = cand[ok], m + 1
     return m, cand
+
+
+class ContextArrays:
+    """Contexts as uint32 arrays, converted once: each round the engine asks with the same
+    list grown by a few tokens (converting a 600-token list whole cost ~40 µs a round, more
+    as it grows). One entry per list, the few most recent (a batch's sequences each ask with
+    their own); a list edited where its conversion ends is converted again."""
+
+    def __init__(self, keep: int = 16):
+        self.keep = keep
+        # id(list) -> (the list, its array buffer, tokens converted, their last MARK_TOKENS)
+        self._entries: dict[int, tuple[list[int], np.ndarray, int, list[int]]] = {}
+
+    def of(self, context: list[int]) -> np.ndarray:
+        entry = self._entries.pop(id(context), None)
+        buf, done = np.zeros(0, np.uint32), 0
+        if entry is not None and entry[0] is context:
+            _, buf, done, mark = entry
+            if done > len(context) or context[max(done - MARK_TOKENS, 0) : done] != mark:
+                done = 0
+        if len(context) > len(buf):
+            grown = np.empty(max(2 * len(buf), len(context), 64), np.uint32)
+            grown[:done] = buf[:done]
+            buf = grown
+        if len(context) > done:
+            buf[done : len(context)] = context[done:]
+        n = len(context)
+        self._entries[id(context)] = (context, buf, n, context[max(n - MARK_TOKENS, 0) : n])
+        while len(self._entries) > self.keep:  # the least recently asked goes first
+            del self._entries[next(iter(self._entries))]
+        return buf[:n]
 
 
 def _linear_walk(
@@ -282,6 +323,7 @@ class DatastoreDraft(PromptLookupDraft):
         self.alpha_table: dict[str, list[float]] = dict(self.meta.get("alpha_by_match", {}))
         self._recent: deque[np.ndarray] = deque()
         self._recent_arr = np.array([SEP], dtype=np.uint32)
+        self._arrays = ContextArrays()
         self._recent_used = 0
         self._req_prompt: list[int] | None = None  # prompt of the request being decoded
         self._req_ctx: list[int] | None = None  # its context as last seen
@@ -358,7 +400,7 @@ class DatastoreDraft(PromptLookupDraft):
         """(tokens, source, match length): source "c" context, "r" recent, "b" base index."""
         found: dict[str, tuple[int, object]] = {}  # source -> (match length, where)
         if self.use_context and len(context) > 1:
-            ctx = np.asarray(context, dtype=np.uint32)
+            ctx = self._arrays.of(context)
             # cand indexes ctx[:-1]: the token after each is in ctx (never the tail itself)
             m, cand = _tail_match(ctx[:-1], context, self.max_match)
             if m >= self.min_match:

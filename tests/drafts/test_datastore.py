@@ -9,8 +9,10 @@ import pytest
 
 from memspec.drafts.datastore import (
     SEP,
+    ContextArrays,
     DatastoreDraft,
     _mode,
+    _tail_match,
     build_index,
     build_suffix_array,
     load_datastore,
@@ -236,3 +238,53 @@ def test_the_mode_of_a_few_candidates_is_the_sorted_mode():
             values, counts = np.unique(col, return_counts=True)
             best = int(np.argmax(counts))
             assert _mode(col) == (int(values[best]), int(counts[best]))
+
+
+def _tail_match_one_step_at_a_time(arr, context, max_match):
+    """The tail match as first written: candidates filtered one earlier token at a time."""
+    cand = np.flatnonzero(arr[:-1] == context[-1])
+    m = 0
+    if cand.size:
+        m = 1
+        while m < min(max_match, len(context)):
+            prev = cand - m
+            ok = prev >= 0
+            ok[ok] = arr[prev[ok]] == context[-1 - m]
+            if not ok.any():
+                break
+            cand, m = cand[ok], m + 1
+    return m, cand
+
+
+def test_the_tail_match_at_once_is_the_step_by_step_one():
+    """Few candidates are matched in one pass, many a step at a time: the same (m, ends)."""
+    rng = np.random.default_rng(0)
+    for size, vocab in ((40, 3), (300, 4), (3000, 2), (50, 50)):
+        for _ in range(30):
+            arr = rng.integers(0, vocab, size).astype(np.uint32)
+            context = rng.integers(0, vocab, int(rng.integers(1, 30))).tolist()
+            for max_match in (1, 4, 16):
+                m, ends = _tail_match(arr, context, max_match)
+                m0, ends0 = _tail_match_one_step_at_a_time(arr, context, max_match)
+                assert m == m0 and ends.tolist() == ends0.tolist()
+
+
+def test_a_context_grown_in_place_is_converted_once():
+    """The engine's list, grown by a few tokens a round, is converted by its new tokens only;
+    an edit where the conversion ended, or another list, is converted whole."""
+    arrays = ContextArrays(keep=2)
+    ctx = list(range(100))
+    first = arrays.of(ctx)
+    assert first.dtype == np.uint32 and first.tolist() == ctx
+    ctx.extend([7, 8, 9])
+    assert arrays.of(ctx).tolist() == ctx
+    ctx[-1] = 5  # edited where the last conversion ended
+    assert arrays.of(ctx).tolist() == ctx
+    del ctx[50:]  # shrunk
+    assert arrays.of(ctx).tolist() == ctx
+    ctx.extend(range(500, 700))  # grown past its buffer
+    assert arrays.of(ctx).tolist() == ctx
+    others = [[3, 1, 4], [1, 5, 9]]
+    for other in others:
+        assert arrays.of(other).tolist() == other
+    assert arrays.of(ctx).tolist() == ctx  # forgotten (keep=2) and converted again
