@@ -203,15 +203,18 @@ class SuffixIndex:
         return out
 
 
-def _tail_match(arr: np.ndarray, context: list[int], max_match: int) -> tuple[int, np.ndarray]:
-    """Longest tail of `context` occurring in `arr` followed by ≥1 token: (m, end positions)."""
+def _tail_match(
+    arr: np.ndarray, context: list[int], max_match: int, at_once: int = TAIL_AT_ONCE
+) -> tuple[int, np.ndarray]:
+    """Longest tail of `context` occurring in `arr` followed by ≥1 token: (m, end positions).
+    `at_once`: the most (candidate, length) cells matched in one pass."""
     if len(arr) < 2 or not context:
         return 0, np.zeros(0, dtype=np.int64)
     cand = np.flatnonzero(arr[:-1] == context[-1])  # position of the matched tail's last token
     limit = min(max_match, len(context))
     if not cand.size or limit == 1:
         return int(cand.size > 0), cand
-    if cand.size * limit <= TAIL_AT_ONCE:
+    if cand.size * limit <= at_once:
         # Every candidate's run backwards at once (a repeated context had 16 rounds of
         # filtering, ~0.1 ms): the first mismatch in each row ends its run.
         want = np.asarray(context[-limit:][::-1], dtype=arr.dtype)

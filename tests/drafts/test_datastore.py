@@ -240,32 +240,16 @@ def test_the_mode_of_a_few_candidates_is_the_sorted_mode():
             assert _mode(col) == (int(values[best]), int(counts[best]))
 
 
-def _tail_match_one_step_at_a_time(arr, context, max_match):
-    """The tail match as first written: candidates filtered one earlier token at a time."""
-    cand = np.flatnonzero(arr[:-1] == context[-1])
-    m = 0
-    if cand.size:
-        m = 1
-        while m < min(max_match, len(context)):
-            prev = cand - m
-            ok = prev >= 0
-            ok[ok] = arr[prev[ok]] == context[-1 - m]
-            if not ok.any():
-                break
-            cand, m = cand[ok], m + 1
-    return m, cand
-
-
 def test_the_tail_match_at_once_is_the_step_by_step_one():
-    """Few candidates are matched in one pass, many a step at a time: the same (m, ends)."""
+    """Matched in one pass (few candidates) or a step at a time (many): the same (m, ends)."""
     rng = np.random.default_rng(0)
     for size, vocab in ((40, 3), (300, 4), (3000, 2), (50, 50)):
         for _ in range(30):
             arr = rng.integers(0, vocab, size).astype(np.uint32)
             context = rng.integers(0, vocab, int(rng.integers(1, 30))).tolist()
             for max_match in (1, 4, 16):
-                m, ends = _tail_match(arr, context, max_match)
-                m0, ends0 = _tail_match_one_step_at_a_time(arr, context, max_match)
+                m, ends = _tail_match(arr, context, max_match, at_once=1 << 30)
+                m0, ends0 = _tail_match(arr, context, max_match, at_once=0)
                 assert m == m0 and ends.tolist() == ends0.tolist()
 
 
