@@ -470,17 +470,18 @@ STUB_CONFIGS: list[tuple[str, str, int | None, float]] = [
     ("prompt-lookup k=4 sampled", "prompt-lookup", 4, 1.0),
     (POOL_CONFIG, "auto", None, 0.0),
 ]
-FREE_KINDS = ("prompt_lookup", "datastore")
 
 
 def free_pool(settings: Settings) -> list[str]:
-    """The target's pool's drafts that run no model (prompt lookup, datastores): what a stub
-    target can be decoded beside."""
+    """The target's pool's built drafts that run no model (the registry's kinds that are not
+    weighty: prompt lookup, datastores): what a stub target can be decoded beside."""
     from memspec.drafts.family import settings_pool_dir
     from memspec.drafts.manifest import load_manifests
+    from memspec.drafts.registry import KINDS
 
     manifests = load_manifests(settings_pool_dir(settings))
-    return [i for i, m in manifests.items() if m.kind in FREE_KINDS and m.is_built(models_dir())]
+    light = {name for name, kind in KINDS.items() if not kind.weighty}
+    return [i for i, m in manifests.items() if m.kind in light and m.is_built(models_dir())]
 
 
 def run_stub(settings: Settings, tokens: int = 512, sweep_mib: int = COLD_SWEEP_MIB) -> dict:
