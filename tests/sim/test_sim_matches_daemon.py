@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from memspec.config import Settings
+from memspec.engine.costs import CostModel
 from memspec.engine.types import Choice, SamplingParams
 from memspec.paths import models_dir
 from memspec.scheduler.policies import DraftInfo, Env, Request, make_policy
@@ -46,8 +47,24 @@ def recorded(tmp_path_factory):
     for draft in rt.drafts.values():  # the trace's drafts start cold: so does the daemon's
         if isinstance(draft, ModelDraft):
             draft.backend.reset()
+    pin_costs(rt.costs)
     yield rt, spec, rec
     rt.close()
+
+
+def pin_costs(costs: CostModel) -> None:
+    """Both schedulers read the same costs; they are pinned (in place: the runtime's scheduler
+    holds them) to a GPU-like profile where drafting pays. The calibrated ones are this CPU's:
+    on a box whose verify curve is near-linear the rule rightly never drafts, and a replay with
+    no drafting round compares nothing."""
+    step = costs.verify_s[0]
+    pinned = CostModel(
+        [step * (1 + 0.05 * b) for b in range(len(costs.verify_s))],
+        draft_s=dict.fromkeys(costs.draft_s, 0.2 * step),
+        draft_overhead_s=dict(costs.draft_overhead_s),
+        prefill_s=dict(costs.prefill_s),
+    )
+    costs.__dict__.update(pinned.__dict__)
 
 
 def picked(c: Choice) -> tuple[str | None, int]:
