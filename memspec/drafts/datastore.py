@@ -25,6 +25,7 @@ import bisect
 import json
 import zipfile
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -138,14 +139,32 @@ class SuffixIndex:
             return lo, lo
         return lo, bisect.bisect_right(self._sa_mv, pat, lo, hi, key=key)
 
-    def longest_match(self, context: list[int], max_match: int) -> tuple[int, int, int]:
-        """(match length m, SA lo, SA hi) for the longest tail of `context` found (m ≥ 1)."""
+    def longest_match(
+        self, context: list[int], max_match: int, since: BaseMatch | None = None
+    ) -> tuple[int, int, int]:
+        """(match length m, SA lo, SA hi) for the longest tail of `context` found (m ≥ 1).
+
+        `since`: this index's answer for an earlier state of the same list, which `context`
+        extends by j tokens. No tail longer than its m + j can occur (its first m + 1 tokens
+        would have been a longer match then), and the match grown by the j tokens starts where
+        it did, so its range nests in the earlier one: a round whose draft was accepted costs
+        one search in a narrow range, not a binary search over m of whole-array searches."""
         max_match = min(max_match, len(context), self.depth - 1)
         if max_match <= 0:
             return 0, 0, 0
         tail = np.asarray(context[-max_match:], dtype=">u4").tobytes()
+        hi_m = max_match
+        if since is not None and len(context) >= since.n:
+            hi_m = min(max_match, since.m + len(context) - since.n)
+            if hi_m <= 0:
+                return 0, 0, 0
+            nested = since.m > 0 and since.m + len(context) - since.n == hi_m
+            a, b = self._range(tail[4 * (max_match - hi_m) :], *(since.range if nested else ()))
+            if b > a:
+                return hi_m, a, b
+            hi_m -= 1
         best = (0, 0, 0)
-        lo_m, hi_m = 1, max_match
+        lo_m = 1
         while lo_m <= hi_m:  # "the last m tokens occur" is monotone in m: binary search m
             m = (lo_m + hi_m) // 2
             a, b = self._range(tail[4 * (max_match - m) :])
@@ -160,7 +179,7 @@ class SuffixIndex:
         """Most frequent continuation path below the SA range [lo, hi) matched to depth m."""
         out: list[int] = []
         tokens, sa = self.tokens, self.sa
-        pat = b"".join(int(t).to_bytes(4, "big") for t in tokens[sa[lo] : sa[lo] + m])
+        pat = tokens[sa[lo] : sa[lo] + m].tobytes()  # big-endian already: the search key
         while len(out) < k and m + 1 < self.depth and hi > lo:
             if hi - lo <= SMALL:
                 return out + self._walk_small(
@@ -190,6 +209,9 @@ class SuffixIndex:
         starts = self.sa[lo:hi].astype(np.int64) + m
         idx = np.minimum(starts[:, None] + np.arange(k), len(self.tokens) - 1)
         rows = self.tokens[idx].tolist()  # past the end reads the final SEP
+        if len(rows) == 1 and min_count <= 1 and min_share <= 1.0:  # one occurrence: its path
+            path = rows[0]
+            return path[: path.index(SEP)] if SEP in path else path
         out: list[int] = []
         for j in range(k):
             counts: dict[int, int] = {}
@@ -234,35 +256,70 @@ def _tail_match(
     return m, cand
 
 
-class ContextArrays:
-    """Contexts as uint32 arrays, converted once: each round the engine asks with the same
-    list grown by a few tokens (converting a 600-token list whole cost ~40 µs a round, more
-    as it grows). One entry per list, the few most recent (a batch's sequences each ask with
-    their own); a list edited where its conversion ends is converted again."""
+@dataclass(frozen=True)
+class BaseMatch:
+    """The base index's longest match for a context of n tokens: length m, SA range."""
+
+    n: int
+    m: int
+    lo: int
+    hi: int
+
+    @property
+    def range(self) -> tuple[int, int]:
+        return self.lo, self.hi
+
+
+@dataclass
+class _Tracked:
+    context: list[int]
+    buf: np.ndarray  # uint32, its first n the context's
+    n: int  # tokens converted
+    mark: list[int]  # the last MARK_TOKENS of those, as they were
+    match: BaseMatch | None = None
+
+
+class TrackedContexts:
+    """What a lookup learned about each context, kept across rounds: each round the engine
+    asks with the same list grown by a few tokens. Its uint32 array is converted by the new
+    tokens only (a 600-token list whole cost ~40 µs a round, more as it grows), and the base
+    index's last match narrows the next one's search (SuffixIndex.longest_match). One entry
+    per list, the few most recent (a batch's sequences each ask with their own); a list
+    edited where its last conversion ended starts over."""
 
     def __init__(self, keep: int = 16):
         self.keep = keep
-        # id(list) -> (the list, its array buffer, tokens converted, their last MARK_TOKENS)
-        self._entries: dict[int, tuple[list[int], np.ndarray, int, list[int]]] = {}
+        self._entries: dict[int, _Tracked] = {}  # id(list) -> its entry
 
-    def of(self, context: list[int]) -> np.ndarray:
-        entry = self._entries.pop(id(context), None)
-        buf, done = np.zeros(0, np.uint32), 0
-        if entry is not None and entry[0] is context:
-            _, buf, done, mark = entry
-            if done > len(context) or context[max(done - MARK_TOKENS, 0) : done] != mark:
-                done = 0
-        if len(context) > len(buf):
-            grown = np.empty(max(2 * len(buf), len(context), 64), np.uint32)
-            grown[:done] = buf[:done]
-            buf = grown
-        if len(context) > done:
-            buf[done : len(context)] = context[done:]
+    def array(self, context: list[int]) -> np.ndarray:
+        """The context as uint32 (a view: valid until the next call for this list)."""
+        e = self._entries.pop(id(context), None)
+        if e is None or e.context is not context:
+            e = _Tracked(context, np.zeros(0, np.uint32), 0, [])
+        elif e.n > len(context) or context[max(e.n - MARK_TOKENS, 0) : e.n] != e.mark:
+            e.n, e.match = 0, None
         n = len(context)
-        self._entries[id(context)] = (context, buf, n, context[max(n - MARK_TOKENS, 0) : n])
+        if n > len(e.buf):
+            grown = np.empty(max(2 * len(e.buf), n, 64), np.uint32)
+            grown[: e.n] = e.buf[: e.n]
+            e.buf = grown
+        if n > e.n:
+            e.buf[e.n : n] = context[e.n :]
+        e.n, e.mark = n, context[max(n - MARK_TOKENS, 0) : n]
+        self._entries[id(context)] = e
         while len(self._entries) > self.keep:  # the least recently asked goes first
             del self._entries[next(iter(self._entries))]
-        return buf[:n]
+        return e.buf[:n]
+
+    def match(self, context: list[int]) -> BaseMatch | None:
+        """The base match remembered for an earlier state of this list (array() first)."""
+        e = self._entries.get(id(context))
+        return e.match if e is not None and e.context is context else None
+
+    def remember_match(self, context: list[int], m: int, lo: int, hi: int) -> None:
+        e = self._entries.get(id(context))
+        if e is not None and e.context is context:
+            e.match = BaseMatch(len(context), m, lo, hi)
 
 
 def _linear_walk(
@@ -326,7 +383,7 @@ class DatastoreDraft(PromptLookupDraft):
         self.alpha_table: dict[str, list[float]] = dict(self.meta.get("alpha_by_match", {}))
         self._recent: deque[np.ndarray] = deque()
         self._recent_arr = np.array([SEP], dtype=np.uint32)
-        self._arrays = ContextArrays()
+        self._contexts = TrackedContexts()
         self._recent_used = 0
         self._req_prompt: list[int] | None = None  # prompt of the request being decoded
         self._req_ctx: list[int] | None = None  # its context as last seen
@@ -402,8 +459,8 @@ class DatastoreDraft(PromptLookupDraft):
     def lookup(self, context: list[int], k: int) -> tuple[list[int], str, int]:
         """(tokens, source, match length): source "c" context, "r" recent, "b" base index."""
         found: dict[str, tuple[int, object]] = {}  # source -> (match length, where)
+        ctx = self._contexts.array(context)
         if self.use_context and len(context) > 1:
-            ctx = self._arrays.of(context)
             # cand indexes ctx[:-1]: the token after each is in ctx (never the tail itself)
             m, cand = _tail_match(ctx[:-1], context, self.max_match)
             if m >= self.min_match:
@@ -413,7 +470,9 @@ class DatastoreDraft(PromptLookupDraft):
             if m >= self.min_match:
                 found["r"] = (m, (self._recent_arr, cand))
         if self.index is not None:
-            m, lo, hi = self.index.longest_match(context, self.max_match)
+            since = self._contexts.match(context)
+            m, lo, hi = self.index.longest_match(context, self.max_match, since)
+            self._contexts.remember_match(context, m, lo, hi)
             if m >= self.min_match:
                 found["b"] = (m, (lo, hi))
         if not found:

@@ -9,8 +9,9 @@ import pytest
 
 from memspec.drafts.datastore import (
     SEP,
-    ContextArrays,
+    BaseMatch,
     DatastoreDraft,
+    TrackedContexts,
     _mode,
     _tail_match,
     build_index,
@@ -59,6 +60,7 @@ def test_longest_match_and_most_frequent_path():
     p = propose(d, [8, 1, 2, 3], 3)
     assert p.tokens == [4, 5, 6] and p.probs is None and p.key == "ds/b3"
     assert propose(d, [8, 1, 2, 3], 1).tokens == [4]
+    assert propose(d, [0, 9, 2], 8).tokens == [3, 4, 7, 8]  # one occurrence: up to its end
 
 
 def test_min_match_and_no_match():
@@ -84,6 +86,51 @@ def test_longest_match_agrees_with_brute_force():
         if m:
             for s in idx.sa[lo:hi]:
                 assert idx.tokens[s : s + m].tolist() == ctx[-m:]
+
+
+def test_longest_match_since_an_earlier_one_is_the_same_match():
+    """Grown from the last round's match (a nested search, a bound on m) or searched afresh,
+    a growing context gets the same (m, lo, hi): drafts accepted (the match grows), rejected,
+    no match at all, the same list asked twice, and a match at max_match."""
+    rng = np.random.default_rng(3)
+    docs = [list(rng.integers(0, 12, size=rng.integers(5, 200))) for _ in range(200)]
+    idx = build_index(docs)
+    for trial in range(60):
+        src = docs[trial % len(docs)]
+        ctx: list[int] = [int(t) for t in rng.integers(0, 12, size=3)]
+        since = None
+        for _ in range(40):
+            j = int(rng.integers(0, 6))  # tokens this round: 0 asks twice at the same length
+            if rng.random() < 0.5 and src:  # copy the corpus (long matches), else noise
+                at = int(rng.integers(0, len(src)))
+                ctx += [int(t) for t in src[at : at + j]]
+            else:
+                ctx += [int(t) for t in rng.integers(0, 14, size=j)]  # 12, 13: never seen
+            for max_match in (4, 16):
+                fresh = idx.longest_match(ctx, max_match)
+                if max_match == 16:
+                    assert idx.longest_match(ctx, 16, since) == fresh
+                    since = BaseMatch(len(ctx), *fresh)
+                assert fresh[0] == brute_longest(idx.tokens, ctx, min(max_match, len(ctx)))
+
+
+def test_lookups_of_a_list_grown_in_place_equal_fresh_ones():
+    """The draft's memo of each list (array, base match) never changes a proposal: two
+    contexts asked in turn, grown, edited and shrunk, against a draft that sees each once."""
+    rng = np.random.default_rng(4)
+    docs = [list(rng.integers(0, 20, size=rng.integers(20, 300))) for _ in range(100)]
+    idx = build_index(docs)
+    memo = DatastoreDraft("ds", idx, learn=False)
+    ctxs = [list(docs[0][:5]), list(docs[1][:5])]
+    for step in range(300):
+        ctx = ctxs[step % 2]
+        if step % 37 == 36:
+            del ctx[-3:]  # edited where the last lookup ended
+        src = docs[int(rng.integers(0, len(docs)))]
+        at = int(rng.integers(0, len(src)))
+        ctx += [int(t) for t in src[at : at + int(rng.integers(1, 5))]]
+        fresh = DatastoreDraft("ds", idx, learn=False)
+        assert memo.lookup(ctx, 8) == fresh.lookup(list(ctx), 8)
 
 
 def test_context_match_wins_when_longer():
@@ -256,19 +303,19 @@ def test_the_tail_match_at_once_is_the_step_by_step_one():
 def test_a_context_grown_in_place_is_converted_once():
     """The engine's list, grown by a few tokens a round, is converted by its new tokens only;
     an edit where the conversion ended, or another list, is converted whole."""
-    arrays = ContextArrays(keep=2)
+    contexts = TrackedContexts(keep=2)
     ctx = list(range(100))
-    first = arrays.of(ctx)
+    first = contexts.array(ctx)
     assert first.dtype == np.uint32 and first.tolist() == ctx
     ctx.extend([7, 8, 9])
-    assert arrays.of(ctx).tolist() == ctx
+    assert contexts.array(ctx).tolist() == ctx
     ctx[-1] = 5  # edited where the last conversion ended
-    assert arrays.of(ctx).tolist() == ctx
+    assert contexts.array(ctx).tolist() == ctx
     del ctx[50:]  # shrunk
-    assert arrays.of(ctx).tolist() == ctx
+    assert contexts.array(ctx).tolist() == ctx
     ctx.extend(range(500, 700))  # grown past its buffer
-    assert arrays.of(ctx).tolist() == ctx
+    assert contexts.array(ctx).tolist() == ctx
     others = [[3, 1, 4], [1, 5, 9]]
     for other in others:
-        assert arrays.of(other).tolist() == other
-    assert arrays.of(ctx).tolist() == ctx  # forgotten (keep=2) and converted again
+        assert contexts.array(other).tolist() == other
+    assert contexts.array(ctx).tolist() == ctx  # forgotten (keep=2) and converted again
