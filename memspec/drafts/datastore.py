@@ -155,10 +155,11 @@ class SuffixIndex:
         tail = np.asarray(context[-max_match:], dtype=">u4").tobytes()
         hi_m = max_match
         if since is not None and len(context) >= since.n:
-            hi_m = min(max_match, since.m + len(context) - since.n)
+            grown = since.m + len(context) - since.n  # the last match and the new tokens
+            hi_m = min(max_match, grown)
             if hi_m <= 0:
                 return 0, 0, 0
-            nested = since.m > 0 and since.m + len(context) - since.n == hi_m
+            nested = since.m > 0 and grown == hi_m
             a, b = self._range(tail[4 * (max_match - hi_m) :], *(since.range if nested else ()))
             if b > a:
                 return hi_m, a, b

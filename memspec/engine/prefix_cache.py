@@ -187,13 +187,15 @@ def share_slot_prefix(
     if not slot.supports_kv_snapshot:
         return 0
     live = common_prefix(slot.tokens, prompt)
-    shares = {
-        id(s): common_prefix(s.tokens, prompt)
-        for s in others
-        if s is not slot and s.kv_partition == slot.kv_partition
-    }
-    donor = max((s for s in others if id(s) in shares), key=lambda s: shares[id(s)], default=None)
-    shared = shares[id(donor)] if donor is not None else 0
+    shared, donor = max(
+        (
+            (common_prefix(s.tokens, prompt), s)
+            for s in others
+            if s is not slot and s.kv_partition == slot.kv_partition
+        ),
+        key=lambda pair: pair[0],
+        default=(0, None),
+    )
     borrow = donor is not None and shared >= live + MIN_GAIN_TOKENS
     if park and len(slot.tokens) - live >= MIN_SAVE_TOKENS:
         spots = [s for s in free if s is not slot and not (borrow and s is donor)]
