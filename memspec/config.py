@@ -37,8 +37,8 @@ class Settings(BaseSettings):
     target: str = Field("smollm2-135m-f32.gguf", description="GGUF file in models dir, or a path")
     model_name: str | None = Field(
         None,
-        description="id served at /v1/models (default: the target GGUF's general.name as an id, "
-        "else the file stem)",
+        description="name served at /v1/models and /api/tags (default: Ollama's library name "
+        "for the target, e.g. qwen2.5-coder:1.5b, else the file stem as an id)",
     )
     chat_template: str | None = Field(
         None,

@@ -53,7 +53,7 @@ from memspec.errors import (
 from memspec.memory.footprint import Footprint, split_footprint, target_footprint
 from memspec.memory.gguf_info import read_shape
 from memspec.memory.plan import draft_fits, slots_that_fit
-from memspec.model_id import served_model_id
+from memspec.model_id import model_aliases, served_model_id
 from memspec.paths import data_dir, models_dir, resolve_model_path
 from memspec.predictor.artifacts import predictor_path
 from memspec.predictor.model import load_or_fallback
@@ -221,8 +221,9 @@ class Runtime:
             self.options = replace(self.options, features=True)
         self.target: Backend = target or load_backend(target_path, self.options, settings.backend)
         # What the target is served as and how its chats are rendered, from its own metadata.
-        self.model_id = served_model_id(
-            settings.model_name, self.target.metadata.get("general.name"), target_path
+        self.model_id = served_model_id(settings.model_name, target_path)
+        self.model_aliases = model_aliases(
+            self.model_id, self.target.metadata.get("general.name"), target_path
         )
         try:  # resolved now: a chat_template that cannot work fails the start, not each chat
             self.chat_template = self.target.chat_template

@@ -39,14 +39,14 @@ from typing import Any
 import httpx
 import pytest
 
-from memspec.model_id import gguf_general_name, served_model_id
+from memspec.model_id import served_model_id
 from memspec.paths import models_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULT_DAEMON = ROOT / "tests" / "fault_daemon.py"
 TARGET_FILE = "smollm2-135m-f32.gguf"
 # The id a test daemon serves its target as: worked out as the daemon does, from the file.
-MODEL = served_model_id(None, gguf_general_name(models_dir() / TARGET_FILE), TARGET_FILE)
+MODEL = served_model_id(None, TARGET_FILE)
 API_KEY = os.environ.get("MEMSPEC_TEST_API_KEY", "sk-test-api-key")
 ADMIN_KEY = os.environ.get("MEMSPEC_TEST_ADMIN_KEY", "test-admin-key")
 EXTERNAL_URL = os.environ.get("MEMSPEC_TEST_URL", "").rstrip("/")

@@ -23,7 +23,7 @@ from launcher import GEMMA_DRAFTS, ROOT, require_gemma, running
 
 SECTION = "## Your own target and drafts"
 README_URL = "http://127.0.0.1:8000"  # where the README's client expects `memspec serve`
-GEMMA_MODEL = "gemma-3-270m"
+GEMMA_MODEL = "gemma3:270m"
 
 
 def section() -> str:

@@ -1,4 +1,4 @@
-"""`memspec bench reuse|engine|cold|policies|load|soak|batch|rpc|kernels|runtime|structured`:
+"""`memspec bench reuse|engine|cold|policies|load|soak|batch|ollama|rpc|kernels|runtime|structured`:
 benchmarks writing JSON/PNG."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 from memspec.bench import batch as batch_bench  # concurrent streams against a daemon
 from memspec.bench import kernels as kernels_bench  # the price of bit-exactness
 from memspec.bench import load as load_bench  # load and soak runs against a daemon
+from memspec.bench import ollama_route  # /api/chat against /v1 on one daemon
 from memspec.cli.flags import load_settings, model_flags, workload_flags
 from memspec.config import Settings
 
@@ -171,6 +172,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     load_bench.register_bench(bsub)
     batch_bench.register(bsub)
+    ollama_route.register(bsub)
     kernels_bench.register(bsub)
     _register_rpc(bsub)
     _register_runtime(bsub)

@@ -260,8 +260,34 @@ async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+def body_for_path(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI error body as the route's API shapes it: Ollama's routes (/api/*) answer
+    {"error": "message"}, the only field its clients read; every other route OpenAI's."""
+    if not path.startswith("/api/"):
+        return body
+    err = body.get("error")
+    return {"error": err.get("message", "") if isinstance(err, dict) else str(err or body)}
+
+
+def ollama_shaped(response: JSONResponse) -> JSONResponse:
+    """The same error in Ollama's body."""
+    body = body_for_path("/api/", json.loads(bytes(response.body)))
+    headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+    return JSONResponse(body, status_code=response.status_code, headers=headers)
+
+
+def _shaped(handler: Any) -> Any:
+    """A handler whose answers to Ollama's routes (/api/*) take Ollama's error body."""
+
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        response = await handler(request, exc)
+        return ollama_shaped(response) if request.url.path.startswith("/api/") else response
+
+    return handle
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(MemSpecError, _memspec_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unhandled)
+    app.add_exception_handler(MemSpecError, _shaped(_memspec_error))
+    app.add_exception_handler(RequestValidationError, _shaped(_validation_error))
+    app.add_exception_handler(StarletteHTTPException, _shaped(_http_error))
+    app.add_exception_handler(Exception, _shaped(_unhandled))

@@ -16,14 +16,22 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from memspec.server.errors import Forbidden, PayloadTooLarge, RequestTimeout, error_json
+from memspec.server.errors import (
+    Forbidden,
+    PayloadTooLarge,
+    RequestTimeout,
+    body_for_path,
+    error_json,
+)
 from memspec.server.metrics import Metrics
 
 DRAIN_MAX = 16 << 20  # bytes of an oversize body read and dropped so the 413 gets through
 
 
-async def _send_error(send: Send, status: int, body: dict[str, Any], close: bool = True) -> None:
-    raw = json.dumps(body).encode()
+async def _send_error(
+    scope: Scope, send: Send, status: int, body: dict[str, Any], close: bool = True
+) -> None:
+    raw = json.dumps(body_for_path(scope.get("path", ""), body)).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(raw)).encode()),
@@ -37,7 +45,7 @@ async def _send_error(send: Send, status: int, body: dict[str, Any], close: bool
 # --- Host and Origin -------------------------------------------------------------------------
 
 WILDCARD_BINDS = ("", "0.0.0.0", "::", "[::]")
-CORS_METHODS = b"GET, POST, OPTIONS"
+CORS_METHODS = b"GET, HEAD, POST, DELETE, OPTIONS"  # DELETE: Ollama's /api/delete
 CORS_HEADERS = b"Authorization, Content-Type"
 
 
@@ -122,18 +130,20 @@ class HostGuard:
         if not self.keyed:
             host = host_name(headers.get(b"host", b"").decode("latin-1"))
             if host and not self.host_allowed(host):  # HTTP/1.0 without Host: the socket's
-                await self._refuse(send, f"Host {host!r} is not served here", "host_not_allowed")
+                await self._refuse(
+                    scope, send, f"Host {host!r} is not served here", "host_not_allowed"
+                )
                 return
             if origin is not None and not self.origin_allowed(origin):
                 await self._refuse(
-                    send, f"Origin {origin[:200]!r} is not allowed", "origin_not_allowed"
+                    scope, send, f"Origin {origin[:200]!r} is not allowed", "origin_not_allowed"
                 )
                 return
         allowed = origin is not None and self.origin_allowed(origin)
         if scope["method"] == "OPTIONS" and origin and b"access-control-request-method" in headers:
             if not allowed:
                 await self._refuse(
-                    send, f"Origin {origin[:200]!r} is not allowed", "origin_not_allowed"
+                    scope, send, f"Origin {origin[:200]!r} is not allowed", "origin_not_allowed"
                 )
                 return
             await send(
@@ -167,13 +177,13 @@ class HostGuard:
         return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
 
     @staticmethod
-    async def _refuse(send: Send, message: str, code: str) -> None:
+    async def _refuse(scope: Scope, send: Send, message: str, code: str) -> None:
         exc = Forbidden(
             message + "; a key-less daemon answers only loopback names, `host`, "
             "`allowed_hosts` and `cors_origins`",
             code=code,
         )
-        await _send_error(send, 403, error_json(exc))
+        await _send_error(scope, send, 403, error_json(exc))
 
 
 class BodyLimit:
@@ -197,7 +207,7 @@ class BodyLimit:
         except ValueError:
             declared = 0
         if declared > self.limit + DRAIN_MAX:  # not worth reading: answer and hang up
-            await _send_error(send, 413, error_json(too_large))
+            await _send_error(scope, send, 413, error_json(too_large))
             return
         # Read the whole (bounded) body first; then replay it and pass the rest through. An
         # oversize body is read to its end (and dropped) before the 413, up to DRAIN_MAX, so
@@ -232,10 +242,10 @@ class BodyLimit:
             timeout = RequestTimeout(
                 f"request body not received within {self.timeout_s:g} s", param=None
             )
-            await _send_error(send, 408, error_json(timeout))  # connection: close
+            await _send_error(scope, send, 408, error_json(timeout))  # connection: close
             return
         if size > self.limit:
-            await _send_error(send, 413, error_json(too_large))
+            await _send_error(scope, send, 413, error_json(too_large))
             return
         replayed = False
 

@@ -172,11 +172,16 @@ def chat_template(ctx: ServerContext) -> ChatTemplate:
     return rt.chat_template
 
 
-def check_model(ctx: ServerContext, model: str) -> str:
-    """The served id, if `model` names it (or the target file, by name or as configured)."""
+def check_model(ctx: ServerContext, model: str | None) -> str:
+    """The served id, if `model` names it (an alias of it, the target file as configured), or
+    when the request names none (as llama-server and Ollama's clients expect)."""
     served = served_model(ctx)
+    if model is None or model == served:
+        return served
+    rt = ctx.worker.runtime
+    aliases = rt.model_aliases if rt is not None else frozenset()
     target = ctx.settings.target
-    if model not in (served, target, Path(target).name):
+    if model not in aliases and model not in (target, Path(target).name):
         raise UnknownModel(
             f"The model {model!r} does not exist; this server serves {served!r} (see /v1/models)",
             param="model",
@@ -236,11 +241,15 @@ async def run_request(
     preamble: dict[str, Any] | None = None,
     last: Callable[[Generation], dict[str, Any]] | None = None,
     done_marker: bool = True,
+    frame: Callable[[dict[str, Any] | str], str] = sse,
+    error_event: Callable[[Any], dict[str, Any]] = error_json,
+    media_type: str = "text/event-stream",
 ) -> Response | dict[str, Any]:
     """Queue the generation; answer JSON (final(gen)) or an SSE stream of chunk(...)s: text,
     finish reason, and the logprob entries of the tokens the text completes (None: not asked).
     `last(gen)`: the stream's last event instead of the finish chunk (llama-server's shape);
-    `done_marker`: end with [DONE] (OpenAI's streams; llama-server's own routes do not)."""
+    `done_marker`: end with [DONE] (OpenAI's streams; llama-server's own routes do not);
+    `frame`, `error_event`, `media_type`: the stream's wire format (SSE; Ollama's NDJSON)."""
     job = GenerateJob(asyncio.get_running_loop(), req, stream)
     ctx.worker.submit(job)
     try:
@@ -258,30 +267,30 @@ async def run_request(
         sent = 0  # logprob entries streamed so far
         try:
             if preamble is not None:
-                yield sse(preamble)
+                yield frame(preamble)
             while True:
                 if isinstance(ev, Token):
                     sent += len(ev.logprobs or ())
-                    yield sse(chunk(ev.text, None, ev.logprobs))
+                    yield frame(chunk(ev.text, None, ev.logprobs))
                 elif isinstance(ev, Done):
                     gen: Generation = ev.result
                     # Tokens whose text never went out (cut by a stop string) keep their entries.
                     rest = gen.logprobs[sent:] if gen.logprobs is not None else None
                     end = last(gen) if last is not None else chunk(None, gen.finish_reason, rest)
                     end["memspec"] = memspec_stats(gen)
-                    yield sse(end)
+                    yield frame(end)
                     if include_usage:
                         tail = chunk(None, None, None)
                         tail["choices"] = []
                         tail["usage"] = usage(gen)
-                        yield sse(tail)
+                        yield frame(tail)
                     if done_marker:
-                        yield sse("[DONE]")
+                        yield frame("[DONE]")
                     return
                 else:  # Failed mid-stream: an OpenAI error event, then the end
-                    yield sse(error_json(as_memspec_error(ev.error)))
+                    yield frame(error_event(as_memspec_error(ev.error)))
                     if done_marker:
-                        yield sse("[DONE]")
+                        yield frame("[DONE]")
                     return
                 ev = await job.next_event()
         finally:
@@ -289,7 +298,7 @@ async def run_request(
 
     return StreamingResponse(
         events(),
-        media_type="text/event-stream",
+        media_type=media_type,
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
@@ -363,8 +372,11 @@ async def get_model(model_id: str, ctx: Ctx) -> ModelCard:
     return ModelCard(id=check_model(ctx, model_id), created=int(ctx.started_at))
 
 
-@router.post("/chat/completions", response_model=ChatCompletion, responses=STREAM_RESPONSES)
-async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: Ctx) -> Any:
+def plan_chat(
+    request: Request, ctx: ServerContext, body: ChatCompletionRequest
+) -> tuple[str, tools.ChatPlan, ClientRequest]:
+    """A chat request checked and made ready for the engine: (model, its plan, the request).
+    Ollama's /api/chat comes through here too (memspec/server/ollama_api.py)."""
     model = check_model(ctx, body.model)
     body.check_supported()
     # Tools, tool calls in the history, and structured output, as the target's template takes
@@ -391,6 +403,12 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
         **_sampling(body),
     )
     req.cache_partition = request_partition(request, body.cache_salt)
+    return model, chat, req
+
+
+@router.post("/chat/completions", response_model=ChatCompletion, responses=STREAM_RESPONSES)
+async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: Ctx) -> Any:
+    model, chat, req = plan_chat(request, ctx, body)
     tool_stream = chat.stream() if body.stream else None
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -450,8 +468,10 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
     )
 
 
-@router.post("/completions", response_model=Completion, responses=STREAM_RESPONSES)
-async def completions(request: Request, body: CompletionRequest, ctx: Ctx) -> Any:
+def plan_completion(
+    request: Request, ctx: ServerContext, body: CompletionRequest
+) -> tuple[str, ClientRequest]:
+    """A completion request checked and made ready for the engine: (model, the request)."""
     model = check_model(ctx, body.model)
     body.check_supported()
     prompt = body.prompt_value()
@@ -473,6 +493,12 @@ async def completions(request: Request, body: CompletionRequest, ctx: Ctx) -> An
         **_sampling(body),
     )
     req.cache_partition = request_partition(request, body.cache_salt)
+    return model, req
+
+
+@router.post("/completions", response_model=Completion, responses=STREAM_RESPONSES)
+async def completions(request: Request, body: CompletionRequest, ctx: Ctx) -> Any:
+    model, req = plan_completion(request, ctx, body)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     offset = 0  # characters streamed so far (logprobs' text_offset)
 

@@ -135,7 +135,7 @@ class _SamplingRequest(_Strict):
     # Unknown fields are kept (not validated) so check_supported can refuse or name them.
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
-    model: Annotated[str, Field(max_length=256)]
+    model: Annotated[str | None, Field(max_length=256)] = None  # None: the served model
     # Capped to the context at run time; beyond llama-server's int32 n_predict is a 400.
     max_tokens: Annotated[int | None, Field(ge=1, le=UNLIMITED)] = None
     temperature: Annotated[float | None, Field(ge=0.0, le=2.0)] = None

@@ -162,7 +162,7 @@ def test_gemma_runtime_serves_its_own_id_and_builtin_template():
     settings = Settings.load(target=str(require_gemma()), drafts=[], n_ctx=512, n_threads=1)
     rt = Runtime(settings, calibrate_costs=False)
     try:
-        assert rt.model_id == "gemma-3-270m"
+        assert rt.model_id == "gemma3:270m"
         assert rt.chat_template.status() == {"source": "builtin:gemma", "warning": None}
         tokens = rt.prompt_tokens(messages=QUESTION)
         assert tokens.count(rt.target.bos_token_id) == 1 and tokens[0] == rt.target.bos_token_id
@@ -264,9 +264,10 @@ def test_builtin_refuses_a_nul_it_could_not_carry():
 
 
 def test_gemma_served_id(gemma_default):
-    from memspec.model_id import gguf_general_name, served_model_id
+    from memspec.model_id import gguf_general_name, model_aliases, served_model_id
 
     path = Path(gemma_default.path)
     name = gemma_default.metadata["general.name"]
     assert name == gguf_general_name(path) == "Gemma 3 270m"
-    assert served_model_id(None, name, path) == "gemma-3-270m"
+    assert served_model_id(None, path) == "gemma3:270m"  # Ollama's library name
+    assert "gemma-3-270m" in model_aliases("gemma3:270m", name, path)  # the id before it

@@ -32,15 +32,16 @@ def test_models(client):
 
 
 def test_one_model_id_everywhere(client, http, admin_http):
-    """The id made from the target's general.name: listed, in /health and status, and in every
-    answer, also to a request that names the target by its file."""
-    assert MODEL == "smollm2-135m-8k-lc100k-mix1-ep2"  # general.name "Smollm2 135M 8k Lc100K ..."
+    """Ollama's library name for the target: listed, in /health and status, and in every
+    answer, also to a request that names the target by its file or by the id of its
+    general.name (what wave 3 served)."""
+    assert MODEL == "smollm2:135m"
     assert http.get("/health").json()["model"] == MODEL
     status = admin_http.get("/admin/status").json()
     assert status["model"] == MODEL
     assert status["chat_template"] == {"source": "gguf", "warning": None}
     assert client.models.retrieve(TARGET_FILE).id == MODEL
-    for asked in (MODEL, TARGET_FILE):
+    for asked in (MODEL, TARGET_FILE, "smollm2-135m-8k-lc100k-mix1-ep2"):
         r = client.completions.create(model=asked, prompt="Hi", max_tokens=1, temperature=0)
         assert r.model == MODEL, asked
         chat = client.chat.completions.create(

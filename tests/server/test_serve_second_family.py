@@ -9,11 +9,11 @@ import openai
 import pytest
 from launcher import GEMMA_DRAFTS, require_gemma, running
 
-from memspec.model_id import gguf_general_name, served_model_id
+from memspec.model_id import served_model_id
 
 MAX_TOKENS = 24
 QUESTION = "Name three primary colours."
-GEMMA_MODEL = "gemma-3-270m"
+GEMMA_MODEL = "gemma3:270m"
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def plain(client):
 def test_models_lists_gemma(client):
     assert [m.id for m in client.models.list().data] == [GEMMA_MODEL]
     target = require_gemma()
-    assert served_model_id(None, gguf_general_name(target), target) == GEMMA_MODEL
+    assert served_model_id(None, target) == GEMMA_MODEL
 
 
 # (draft, policy): the decision rule may decline a draft that does not pay (q2_k of a 4-bit

@@ -1,0 +1,562 @@
+"""Ollama's API on the same port as /v1: what Open WebUI, LiteLLM, editors and the `ollama`
+client speak (docs/ollama.md has the route table).
+
+Each request is translated into the OpenAI body it means and planned by the same code
+(openai_api.plan_chat / plan_completion), so tools, structured output, limits and the lossless
+engine are the same; only the wire differs: NDJSON streams (Ollama's default), `{"error": ...}`
+bodies (server/errors.py shapes them for /api/*), counters in nanoseconds. An Ollama option
+this daemon cannot honour is a 400 naming it, never ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+import memspec
+from memspec.engine.speculative import Generation
+from memspec.errors import InvalidRequest, MemSpecError
+from memspec.memory.gguf_info import read_shape
+from memspec.paths import resolve_model_path
+from memspec.server.auth import require_api_key
+from memspec.server.context import Ctx, ServerContext
+from memspec.server.errors import NotReady
+from memspec.server.openai_api import (
+    check_model,
+    memspec_stats,
+    plan_chat,
+    plan_completion,
+    run_request,
+    served_model,
+)
+from memspec.server.openai_schema import ChatCompletionRequest, CompletionRequest
+
+# Ollama's routes need the same key as /v1 when keys are set; `/` and /api/version do not
+# (Ollama's clients probe them before anything else).
+router = APIRouter(tags=["ollama"], dependencies=[Depends(require_api_key)])
+open_router = APIRouter(tags=["ollama"])
+
+OLLAMA_VERSION = "0.6.8"  # the API level these routes follow (what clients feature-check)
+
+# Ollama's documented defaults when a request sets no option (docs/ollama.md).
+DEFAULT_OPTIONS: dict[str, Any] = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+
+# Ollama option -> the OpenAI-body field it becomes. Every other option is a 400 naming it.
+OPTION_FIELDS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "seed": "seed",
+    "stop": "stop",
+    "num_predict": "max_tokens",
+    "repeat_penalty": "repeat_penalty",
+    "repeat_last_n": "repeat_last_n",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Annotated[str | None, Field(max_length=256)] = None
+    stream: bool = True
+    format: str | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+    think: bool | str | None = None
+    draft: str | None = None  # MemSpec's extension, as on /v1: a draft id, "none" or "auto"
+
+
+class OllamaMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: str
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None
+
+
+class ChatBody(_Body):
+    messages: Annotated[list[OllamaMessage], Field(max_length=4096)] = []
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateBody(_Body):
+    prompt: str = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    raw: bool = False
+    images: list[str] | None = None
+    context: list[int] | None = None
+
+
+class ShowBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    name: str | None = None  # the older field name
+    verbose: bool = False
+
+
+# --- translation ---------------------------------------------------------------------------
+
+
+def _parse(cls: type[BaseModel], raw: Any) -> Any:
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        if first.get("type") == "extra_forbidden":
+            raise InvalidRequest(f"{where} is not supported by this server", param=where) from None
+        raise InvalidRequest(
+            f"invalid value for {where}: {first.get('msg')}", param=where
+        ) from None
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body() or b"{}")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def _keep_alive_s(value: str | int | float | None) -> float | None:
+    """Ollama's keep_alive in seconds: a number, or a duration "5m", "1h30m", "-1"."""
+    if value is None:
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = re.fullmatch(r"(-?)((?:\d+(?:\.\d+)?(?:h|m|s|ms))+)", text)
+    if parts is None:
+        raise InvalidRequest(f"keep_alive {value!r} is not a duration", param="keep_alive")
+    scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3}
+    total = sum(float(n) * scale[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", parts[2]))
+    return -total if parts[1] else total
+
+
+def _check_common(body: _Body) -> None:
+    if body.think:
+        raise InvalidRequest(
+            "think is not supported: the served model has no thinking mode", param="think"
+        )
+    if (keep := _keep_alive_s(body.keep_alive)) is not None and keep == 0:
+        raise InvalidRequest(
+            "keep_alive 0 would unload the model; this daemon keeps its one target resident "
+            "for as long as it runs",
+            param="keep_alive",
+        )
+
+
+def _sampling(body: _Body, n_ctx: int) -> dict[str, Any]:
+    """The OpenAI-body fields Ollama's options and format mean (and MemSpec's `draft`)."""
+    options = {**DEFAULT_OPTIONS, **(body.options or {})}
+    out: dict[str, Any] = {} if body.draft is None else {"draft": body.draft}
+    for name, value in options.items():
+        if name == "num_ctx":
+            if not isinstance(value, int) or isinstance(value, bool) or value > n_ctx:
+                raise InvalidRequest(
+                    f"options.num_ctx {value!r}: this daemon runs a {n_ctx}-token context "
+                    "(set n_ctx when starting it); a request may ask for it or less",
+                    param="options.num_ctx",
+                )
+            continue
+        field = OPTION_FIELDS.get(name)
+        if field is None:
+            raise InvalidRequest(
+                f"options.{name} is not supported by this server (docs/ollama.md lists the "
+                "options it honours)",
+                param=f"options.{name}",
+            )
+        if name == "num_predict" and isinstance(value, int) and value in (-1, -2):
+            continue  # Ollama's "until the end" / "fill the context": our default
+        if name == "stop" and isinstance(value, str):
+            value = [value]
+        out[field] = value
+    if body.format == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(body.format, dict):
+        out["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "format", "schema": body.format},
+        }
+    elif body.format not in (None, ""):
+        raise InvalidRequest(
+            f'format {body.format!r}: use "json" or a JSON schema object', param="format"
+        )
+    return out
+
+
+def _openai_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    call_ids: list[str] = []  # Ollama's tool results answer the calls before them, in order
+    for i, m in enumerate(messages):
+        if m.images:
+            raise InvalidRequest(
+                "images are not supported: the served model reads text only",
+                param=f"messages.{i}.images",
+            )
+        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            msg["tool_calls"] = []
+            for j, call in enumerate(m.tool_calls):
+                fn = call.get("function") or {}
+                args = fn.get("arguments", {})
+                call_id = f"call_{i}_{j}"
+                call_ids.append(call_id)
+                msg["tool_calls"].append(
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {
+                            "name": fn.get("name", ""),
+                            "arguments": args if isinstance(args, str) else json.dumps(args),
+                        },
+                    }
+                )
+        if m.role == "tool":
+            msg["tool_call_id"] = call_ids.pop(0) if call_ids else f"call_{i}"
+            if m.tool_name:
+                msg["name"] = m.tool_name
+        out.append(msg)
+    return out
+
+
+def _ollama_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI tool calls (arguments as JSON text) as Ollama's (arguments as an object)."""
+    out = []
+    for c in calls:
+        fn = c["function"]
+        try:
+            args = json.loads(fn["arguments"])
+        except (TypeError, ValueError):
+            args = fn["arguments"]
+        out.append({"function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+# --- answers -------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _ndjson(obj: dict[str, Any] | str) -> str:
+    return (obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)) + "\n"
+
+
+def _error_event(exc: MemSpecError) -> dict[str, Any]:
+    return {"error": exc.message}
+
+
+def counters(gen: Generation, done_reason: str) -> dict[str, Any]:
+    """The last object's fields: why it ended, Ollama's counters (ns), and `memspec`."""
+    ns = 1_000_000_000
+    return {
+        "done": True,
+        "done_reason": done_reason,
+        "total_duration": int(gen.elapsed_s * ns),
+        "load_duration": int(gen.stall_s * ns),  # waiting for a model to load
+        "prompt_eval_count": gen.prompt_tokens,
+        "prompt_eval_duration": int(gen.ttft_s * ns),
+        "eval_count": gen.completion_tokens,
+        "eval_duration": int(max(0.0, gen.elapsed_s - gen.ttft_s) * ns),
+        "memspec": memspec_stats(gen),
+    }
+
+
+def _reason(finish: str) -> str:
+    return "length" if finish == "length" else "stop"
+
+
+def _loaded(model: str, key: str, empty: Any) -> dict[str, Any]:
+    """Ollama's answer to a request with nothing to generate: the model is loaded."""
+    return {"model": model, "created_at": _now(), key: empty, "done": True, "done_reason": "load"}
+
+
+@router.post("/api/chat")
+async def chat(request: Request, ctx: Ctx) -> Any:
+    body: ChatBody = _parse(ChatBody, await _json(request))
+    _check_common(body)
+    if not body.messages:
+        return _loaded(
+            check_model(ctx, body.model), "message", {"role": "assistant", "content": ""}
+        )
+    oa = {
+        "model": body.model,
+        "messages": _openai_messages(body.messages),
+        "stream": body.stream,
+        **_sampling(body, ctx.settings.n_ctx),
+    }
+    if body.tools:
+        oa["tools"] = body.tools
+    model, plan, req = plan_chat(request, ctx, _parse(ChatCompletionRequest, oa))
+    holds_tools = plan.tools is not None  # tool calls are read from the whole answer
+
+    def chunk(text: str | None, finish: str | None, _lps: Any = None) -> dict[str, Any]:
+        shown = "" if holds_tools else (text or "")
+        return {
+            "model": model,
+            "created_at": _now(),
+            "message": {"role": "assistant", "content": shown},
+            "done": False,
+        }
+
+    def final(gen: Generation) -> dict[str, Any]:
+        message, _ = plan.answer(gen.text, gen.finish_reason)
+        out_msg: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+        if message.get("tool_calls"):
+            out_msg["tool_calls"] = _ollama_tool_calls(message["tool_calls"])
+        out = {"model": model, "created_at": _now(), "message": out_msg}
+        return out | counters(gen, _reason(gen.finish_reason))
+
+    def last(gen: Generation) -> dict[str, Any]:
+        out = final(gen)
+        if not holds_tools:  # the text went out in the chunks
+            out["message"]["content"] = ""
+        return out
+
+    return await _run(request, ctx, req, body.stream, chunk, final, last)
+
+
+@router.post("/api/generate")
+async def generate(request: Request, ctx: Ctx) -> Any:
+    body: GenerateBody = _parse(GenerateBody, await _json(request))
+    _check_common(body)
+    if body.images:
+        raise InvalidRequest(
+            "images are not supported: the served model reads text only", param="images"
+        )
+    if body.context:
+        raise InvalidRequest(
+            "context is not supported (deprecated in Ollama): send the conversation to /api/chat",
+            param="context",
+        )
+    if body.template is not None:
+        raise InvalidRequest(
+            "template is not supported: the target's own chat template is used (or raw: true)",
+            param="template",
+        )
+    if not body.prompt and body.suffix is None:
+        return _loaded(check_model(ctx, body.model), "response", "")
+    sampling = _sampling(body, ctx.settings.n_ctx)
+    if body.raw or body.suffix is not None:  # the prompt as it is, or the text before a hole
+        if body.system is not None:
+            raise InvalidRequest(
+                "system needs the chat template: drop raw or suffix", param="system"
+            )
+        oa = {"model": body.model, "prompt": body.prompt, "stream": body.stream, **sampling}
+        oa["max_tokens"] = sampling.get("max_tokens")
+        if body.suffix is not None:
+            oa["suffix"] = body.suffix
+        model, req = plan_completion(request, ctx, _parse(CompletionRequest, oa))
+    else:
+        messages = [{"role": "system", "content": body.system}] if body.system else []
+        messages.append({"role": "user", "content": body.prompt})
+        oa = {"model": body.model, "messages": messages, "stream": body.stream, **sampling}
+        model, _, req = plan_chat(request, ctx, _parse(ChatCompletionRequest, oa))
+
+    def chunk(text: str | None, finish: str | None, _lps: Any = None) -> dict[str, Any]:
+        return {"model": model, "created_at": _now(), "response": text or "", "done": False}
+
+    def final(gen: Generation) -> dict[str, Any]:
+        out = {"model": model, "created_at": _now(), "response": gen.text}
+        return out | counters(gen, _reason(gen.finish_reason))
+
+    def last(gen: Generation) -> dict[str, Any]:
+        return final(gen) | {"response": ""}
+
+    return await _run(request, ctx, req, body.stream, chunk, final, last)
+
+
+async def _run(
+    request: Request, ctx: ServerContext, req: Any, stream: bool, chunk: Any, final: Any, last: Any
+) -> Any:
+    return await run_request(
+        request,
+        ctx,
+        req,
+        stream,
+        False,
+        chunk,
+        final,
+        last=last,
+        done_marker=False,
+        frame=_ndjson,
+        error_event=_error_event,
+        media_type="application/x-ndjson",
+    )
+
+
+# --- models ---------------------------------------------------------------------------------
+
+_digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256 hex
+
+
+def file_digest(path: Path) -> str:
+    """The file's SHA-256 (Ollama's digest), from its .sha256 file when one was written beside
+    it at fetch time for this size, else hashed once per file version."""
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    sidecar = path.with_name(path.name + ".sha256")
+    if key not in _digests and sidecar.is_file():
+        recorded = sidecar.read_text().split()  # "sha256 size mtime_ns"
+        if len(recorded) >= 2 and recorded[1] == str(st.st_size):
+            _digests[key] = recorded[0]
+    if key not in _digests:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+        _digests[key] = h.hexdigest()
+    return _digests[key]
+
+
+def _target_path(ctx: ServerContext) -> Path:
+    return resolve_model_path(ctx.settings.target)
+
+
+def _header_fields(path: Path) -> dict[str, Any]:
+    """The GGUF's metadata as Ollama's model_info: scalars as they are, arrays left out
+    (Ollama sends them only with verbose)."""
+    from gguf import GGUFValueType
+
+    from memspec.drafts.gguf_header import open_header, scalar
+
+    reader = open_header(path)
+    out: dict[str, Any] = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or (f.types and f.types[0] == GGUFValueType.ARRAY):
+            continue
+        out[key] = scalar(reader, key)
+    return out
+
+
+def _details(path: Path, info: dict[str, Any]) -> dict[str, Any]:
+    shape = read_shape(path)
+    main_type = max(shape.bytes_by_type, key=lambda t: shape.bytes_by_type[t], default="")
+    size_label = info.get("general.size_label")
+    if not size_label:
+        n = shape.weight_bytes  # bytes, not parameters: only a fallback label
+        size_label = f"{n / 1e9:.1f}GB"
+    return {
+        "parent_model": "",
+        "format": "gguf",
+        "family": shape.arch,
+        "families": [shape.arch],
+        "parameter_size": str(size_label),
+        "quantization_level": str(main_type).upper(),
+    }
+
+
+def _modified_at(path: Path) -> str:
+    return datetime.fromtimestamp(path.stat().st_mtime, UTC).isoformat().replace("+00:00", "Z")
+
+
+async def _model_row(ctx: ServerContext) -> dict[str, Any]:
+    name = served_model(ctx)
+    path = _target_path(ctx)
+
+    def read() -> dict[str, Any]:
+        info = _header_fields(path)
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": _modified_at(path),
+            "size": path.stat().st_size,
+            "digest": file_digest(path),
+            "details": _details(path, info),
+        }
+
+    return await asyncio.to_thread(read)
+
+
+@router.get("/api/tags")
+async def tags(ctx: Ctx) -> dict[str, Any]:
+    """Every model this daemon serves: its one target (several targets are issue 38)."""
+    return {"models": [await _model_row(ctx)]}
+
+
+@router.get("/api/ps")
+async def ps(ctx: Ctx) -> dict[str, Any]:
+    row = await _model_row(ctx)
+    rt = ctx.worker.runtime
+    if rt is None:
+        return {"models": []}
+    row["size"] = rt.modelled_bytes()  # target + resident drafts + KV, as the budget counts
+    row["size_vram"] = 0 if ctx.settings.n_gpu_layers == 0 else row["size"]
+    row["expires_at"] = "2318-01-01T00:00:00Z"  # resident while the daemon runs (Ollama's -1)
+    row["context_length"] = ctx.settings.n_ctx
+    return {"models": [row]}
+
+
+def _parameters_text() -> str:
+    return "\n".join(f"{k:<15}{v}" for k, v in DEFAULT_OPTIONS.items())
+
+
+@router.post("/api/show")
+async def show(request: Request, ctx: Ctx) -> dict[str, Any]:
+    body: ShowBody = _parse(ShowBody, await _json(request))
+    asked = body.model or body.name
+    if not asked:
+        raise InvalidRequest("model is required", param="model")
+    check_model(ctx, asked)
+    rt = ctx.worker.runtime
+    if rt is None:
+        raise NotReady("models are loading; retry shortly", code="model_loading")
+    path = _target_path(ctx)
+    info = await asyncio.to_thread(_header_fields, path)
+    template = rt.chat_template
+    capabilities = ["completion"]
+    if template.takes_tools:
+        capabilities.append("tools")
+    if rt.fim_tokens is not None:
+        capabilities.append("insert")
+    return {
+        "modelfile": f"FROM {path}\n",
+        "parameters": _parameters_text(),
+        "template": template.jinja or template.builtin or "",
+        "details": _details(path, info),
+        "model_info": info,
+        "capabilities": capabilities,
+        "modified_at": _modified_at(path),
+        "license": str(info.get("general.license", "")),
+    }
+
+
+# --- liveness (no key, as Ollama's clients probe them first) --------------------------------
+
+
+@open_router.get("/", response_class=PlainTextResponse)
+async def root() -> str:
+    return "Ollama is running"
+
+
+@open_router.head("/")
+async def root_head() -> Response:
+    return Response(media_type="text/plain; charset=utf-8")
+
+
+@open_router.get("/api/version")
+async def version() -> dict[str, str]:
+    return {"version": OLLAMA_VERSION, "memspec": memspec.__version__}
