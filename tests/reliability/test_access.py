@@ -46,6 +46,29 @@ V1_ROUTES = [
 ]
 
 
+# Ollama's routes (docs/ollama.md) take the same key; `/` and /api/version are its clients' probes.
+OLLAMA_ROUTES = [
+    ("GET", "/api/tags", None),
+    ("GET", "/api/ps", None),
+    ("POST", "/api/show", {"model": MODEL}),
+    (
+        "POST",
+        "/api/chat",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": False,
+            "options": {"num_predict": 2},
+        },
+    ),
+    (
+        "POST",
+        "/api/generate",
+        {"model": MODEL, "prompt": "Hi", "stream": False, "options": {"num_predict": 2}},
+    ),
+]
+
+
 def refused_headers() -> list[dict[str, str | bytes]]:
     return [
         {},
@@ -244,3 +267,21 @@ def test_systemd_unit_review_is_current():
     measured = systemd_exposure(rpc)
     if measured is not None:
         assert measured == float(m.group(1)), f"rpc-worker exposure now {measured}"
+
+
+def test_ollama_routes_require_the_api_key(hardened):
+    """The key guards Ollama's routes as it guards /v1; refusals are in Ollama's body."""
+    admin_key = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    for method, path, body in OLLAMA_ROUTES:
+        for headers in [*refused_headers()[:8], admin_key]:
+            r = call(hardened.url, method, path, body, headers)
+            assert r.status_code == 401, (path, r.text)
+            assert set(r.json()) == {"error"} and isinstance(r.json()["error"], str), r.text
+            assert r.headers["www-authenticate"] == "Bearer"
+            for secret in (API_KEY, ADMIN_KEY, WRONG):
+                assert secret not in r.text
+        r = call(hardened.url, method, path, body, hardened.api)
+        assert r.status_code == 200, (path, r.text)
+    for path in ("/", "/api/version"):  # the probes: no key, nothing but the version
+        r = httpx.get(hardened.url + path, timeout=30)
+        assert r.status_code == 200 and API_KEY not in r.text

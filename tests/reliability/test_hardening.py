@@ -131,6 +131,36 @@ def test_foreign_host_and_origin_get_403(keyless):
     assert_openai_error(httpx.options(url + "/v1/completions", headers=pre), 403)
 
 
+def test_ollama_routes_keep_the_host_and_origin_guard(keyless):
+    """DNS rebinding was CVE-2024-28224 on Ollama: here its routes, the open probes included,
+    refuse a foreign Host or Origin as /v1 does, in Ollama's error body."""
+    url = keyless.url
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "stream": False}
+    rebind = {"Host": "rebind.attacker.test"}
+    for method, path, body in (
+        ("POST", "/api/chat", chat),
+        ("POST", "/api/generate", {"prompt": "Hi", "stream": False}),
+        ("GET", "/api/tags", None),
+        ("GET", "/api/version", None),
+        ("GET", "/", None),
+    ):
+        r = httpx.request(method, url + path, json=body, headers=rebind, timeout=30)
+        assert r.status_code == 403, (path, r.text)
+        if path.startswith("/api/"):
+            assert "rebind.attacker.test" in r.json()["error"], r.text
+    r = post(url, "/api/chat", chat, headers={"Origin": "http://evil.test"})
+    assert r.status_code == 403 and "evil.test" in r.json()["error"]
+    pre = {"Origin": "http://evil.test", "Access-Control-Request-Method": "POST"}
+    assert httpx.options(url + "/api/chat", headers=pre).status_code == 403
+    pre["Origin"] = "http://my.app"  # a configured origin gets its preflight, DELETE included
+    r = httpx.options(
+        url + "/api/delete", headers=pre | {"Access-Control-Request-Method": "DELETE"}
+    )
+    assert r.status_code == 204 and "DELETE" in r.headers["access-control-allow-methods"]
+    ok = post(url, "/api/chat", chat | {"options": {"num_predict": 2}})
+    assert ok.status_code == 200 and ok.json()["done"]
+
+
 def test_cors_wildcard_is_refused_with_a_key():
     with pytest.raises(ValueError, match="cors_origins"):
         Settings(api_key="k", cors_origins=["*"])

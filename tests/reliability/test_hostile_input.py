@@ -78,6 +78,9 @@ def test_oversize_body_413(hardened, budget):
         timeout=60,
     )
     assert_openai_error(r, 413, "request_too_large")
+    # Ollama's routes: the same limit, in Ollama's body.
+    r = post(hardened, "/api/generate", body={"prompt": "x" * (MAX_BODY + 10)})
+    assert r.status_code == 413 and str(MAX_BODY) in r.json()["error"]
 
 
 def test_declared_huge_body_is_refused_without_reading_it(hardened, budget):

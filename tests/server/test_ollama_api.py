@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from typing import Literal
+
 import ollama
 import pytest
 from launcher import API_KEY, MODEL, TARGET_FILE
+from pydantic import BaseModel
 
 from memspec.engine.sampling import SamplingParams
+from memspec.server.ollama_api import OllamaMessage
 
 QUESTION = "Name three primary colors."
 GREEDY = {"temperature": 0, "num_predict": 12}
@@ -69,8 +74,6 @@ def test_generate_raw_and_aliases(oc):
 
 
 def test_format_json(oc):
-    import json
-
     r = oc.chat(
         model=MODEL,
         messages=[{"role": "user", "content": "Give a JSON object."}],
@@ -111,3 +114,122 @@ def test_v1_without_model_serves_the_target(client, http):
         json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
     )
     assert r.status_code == 200 and r.json()["model"] == MODEL
+
+
+@pytest.mark.parametrize("draft", ["none", "auto", "prompt-lookup", "q4_0"])
+def test_api_chat_equals_v1_and_plain_with_each_draft(http, plain_answer, draft):
+    """Greedy through Ollama's wire, with any draft, is the target's own output, as on /v1."""
+    messages = [{"role": "user", "content": QUESTION}]
+    r = http.post(
+        "/api/chat",
+        json={"model": MODEL, "messages": messages, "options": GREEDY, "stream": False}
+        | {"draft": draft},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["message"]["content"] == plain_answer
+    v1 = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
+        | {"draft": draft},
+    )
+    assert v1.json()["choices"][0]["message"]["content"] == plain_answer
+
+
+def test_generate_streams_ndjson(http):
+    body = {"model": MODEL, "prompt": "The sky is", "raw": True, "options": GREEDY}
+    with http.stream("POST", "/api/generate", json=body) as r:
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in r.iter_lines() if line.strip()]
+    assert len(lines) > 2 and lines[-1]["done"] and lines[-1]["eval_count"] == 12
+    assert {"total_duration", "prompt_eval_count", "eval_duration", "memspec"} <= set(lines[-1])
+    whole = http.post("/api/generate", json=body | {"stream": False}).json()
+    assert "".join(line["response"] for line in lines) == whole["response"]
+
+
+def test_tool_history_means_what_it_means_on_v1(oc, client):
+    """A tool call and its result in Ollama's shapes (arguments as an object, tool_name)
+    render as the same conversation in OpenAI's: the same greedy answer."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    ask = {"role": "user", "content": "Weather in Paris?"}
+    r = oc.chat(
+        model=MODEL,
+        messages=[
+            ask,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+                ],
+            },
+            {"role": "tool", "content": "18 C, sunny", "tool_name": "get_weather"},
+        ],
+        tools=[tool],
+        options=GREEDY,
+    )
+    v1 = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            ask,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "call_1_0",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1_0", "content": "18 C, sunny"},
+        ],
+        tools=[tool],
+        max_tokens=12,
+        temperature=0,
+    )
+    answer = v1.choices[0].message
+    assert (r.message.content or "") == (answer.content or "")
+    ours = [(c.function.name, dict(c.function.arguments)) for c in r.message.tool_calls or []]
+    theirs = [(c.function.name, json.loads(c.function.arguments)) for c in answer.tool_calls or []]
+    assert ours == theirs
+
+
+def test_ollama_tool_calls_carry_arguments_as_objects():
+    from memspec.server.ollama_api import _ollama_tool_calls, _openai_messages
+
+    calls = [{"function": {"name": "f", "arguments": {"x": 1}}}]
+    oa = _openai_messages(
+        [
+            OllamaMessage(role="assistant", content="", tool_calls=calls),
+            OllamaMessage(role="tool", content="2", tool_name="f"),
+        ]
+    )
+    assert oa[1]["tool_call_id"] == oa[0]["tool_calls"][0]["id"]
+    assert _ollama_tool_calls(oa[0]["tool_calls"]) == calls
+
+
+def test_format_from_a_pydantic_model(oc):
+    class Colour(BaseModel):
+        name: Literal["red", "yellow", "blue"]
+        primary: bool
+
+    r = oc.chat(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a primary colour as JSON."}],
+        format=Colour.model_json_schema(),
+        options={"temperature": 0, "num_predict": 64},
+    )
+    assert r.done_reason == "stop"
+    assert Colour.model_validate_json(r.message.content).name in ("red", "yellow", "blue")
