@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
@@ -20,6 +20,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from memspec.kv_cache import KVCache, KVType, resolve_flash_attn
 from memspec.units import parse_size  # noqa: E402
 
 DEFAULT_CONFIG_FILE = Path("/etc/memspec/config.toml")
@@ -45,6 +46,12 @@ class Settings(BaseSettings):
         description="chat template: a Jinja file, or a llama.cpp built-in name such as gemma, "
         "llama3, chatml (default: the GGUF's own, else the built-in for its family, else ChatML)",
     )
+    embedding_model: str | None = Field(
+        None,
+        description="GGUF (models dir, or a path) that serves /api/embed and /v1/embeddings "
+        "(default: the target, on its loaded weights); its context loads on the first "
+        "embedding request and is charged to the budget",
+    )
     drafts: list[str] | None = Field(
         None,
         description="draft ids to preload, in order (default: the target's whole family, every "
@@ -55,6 +62,23 @@ class Settings(BaseSettings):
     backend: str = Field("llama_cpp", description="model backend")
     device: str = Field("cpu", description="torch backend device")
     n_ctx: int = Field(2048, ge=16, le=1 << 20, description="context length in tokens")
+    kv_type_k: KVType = Field(
+        "f16", description="the target's K cache type: f16, q8_0 (half the bytes) or q4_0"
+    )
+    kv_type_v: KVType = Field(
+        "f16", description="the target's V cache type: f16, q8_0 or q4_0 (needs flash_attn)"
+    )
+    draft_kv_type_k: KVType | None = Field(
+        None, description="model drafts' K cache type (default: the target's)"
+    )
+    draft_kv_type_v: KVType | None = Field(
+        None, description="model drafts' V cache type (default: the target's)"
+    )
+    flash_attn: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="flash attention: auto is on where a V cache is quantized (llama.cpp needs "
+        "it) or layers are on a GPU, else off",
+    )
     n_threads: int | None = Field(
         None, ge=1, le=1024, description="CPU threads (default: all cores)"
     )
@@ -158,6 +182,28 @@ class Settings(BaseSettings):
         if keyed and "*" in self.cors_origins:  # any page could then drive a keyed API
             raise ValueError("cors_origins '*' is refused while an API or admin key is set")
         return self
+
+    @model_validator(mode="after")
+    def _kv_types(self) -> Settings:
+        self.kv_cache  # noqa: B018 - a quantized V with flash_attn off fails at load
+        self.draft_kv_cache  # noqa: B018
+        return self
+
+    @property
+    def kv_cache(self) -> KVCache:
+        """The target's KV cache types, flash attention resolved."""
+        quantized_v = {self.kv_type_v, self.draft_kv_type_v or self.kv_type_v} != {"f16"}
+        fa = resolve_flash_attn(self.flash_attn, quantized_v, self.n_gpu_layers)
+        return KVCache(self.kv_type_k, self.kv_type_v, fa)
+
+    @property
+    def draft_kv_cache(self) -> KVCache:
+        """Model drafts' KV cache types (the target's unless set), with the same attention."""
+        return KVCache(
+            self.draft_kv_type_k or self.kv_type_k,
+            self.draft_kv_type_v or self.kv_type_v,
+            self.kv_cache.flash_attn,
+        )
 
     @field_validator("exactness")
     @classmethod

@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import logging
 import math
+import os
 import threading
 from collections import Counter
 from collections.abc import Collection, Iterable
@@ -25,6 +26,7 @@ from typing import Any
 import jinja2
 
 from memspec.backends.base import Backend, BackendOptions, common_prefix, load_backend
+from memspec.backends.embedding import LlamaEmbedder, plan_embedding
 from memspec.config import Settings
 from memspec.drafts.compat import check_draft, fingerprint_of, incompatible_error
 from memspec.drafts.datastore import DatastoreDraft
@@ -50,7 +52,12 @@ from memspec.errors import (
     ModelLoadError,
     UnknownDraft,
 )
-from memspec.memory.footprint import Footprint, split_footprint, target_footprint
+from memspec.memory.footprint import (
+    Footprint,
+    embedding_footprint,
+    split_footprint,
+    target_footprint,
+)
 from memspec.memory.gguf_info import read_shape
 from memspec.memory.plan import draft_fits, slots_that_fit
 from memspec.model_id import model_aliases, served_model_id
@@ -183,6 +190,7 @@ class Runtime:
             # unless exactness is numeric; not over RPC, whose workers load their layers.
             weight_repack=settings.weight_repack and not settings.rpc,
             batch_invariant=settings.exactness == "bitwise",
+            kv_cache=settings.kv_cache,
             **rpc,  # type: ignore[arg-type]
         )
         # Recipes a target's family skipped (e.g. a Q4 self-draft of a Q4 target): named in
@@ -195,9 +203,18 @@ class Runtime:
         self.requests_per_draft: Counter[str] = Counter()
         self.estimator = self.new_estimator()
         self.lock = threading.Lock()  # one decode loop at a time owns the models
+        # The embedding context (embedder()): loaded on the first embedding request.
+        self._embedder: LlamaEmbedder | None = None
+        self._embedder_lock = threading.Lock()
+        self.embedding_footprint: Footprint | None = None
         # The target and its KV caches (one per slot) and buffers are charged first.
         self.target_footprint: Footprint = target_footprint(
-            target_path, settings.n_ctx, settings.k_max, settings.n_gpu_layers, self.slots
+            target_path,
+            settings.n_ctx,
+            settings.k_max,
+            settings.n_gpu_layers,
+            self.slots,
+            settings.kv_cache,
         )
         # Split over workers: this device's budget pays its share, each worker the rest.
         self.remote_bytes: dict[str, int] = {}
@@ -209,7 +226,8 @@ class Runtime:
             slots = f" and {self.slots} parallel slots" if self.slots > 1 else ""
             raise BudgetExceeded(
                 f"budget {format_size(settings.budget_bytes)} is below what the target needs "
-                f"at n_ctx {settings.n_ctx}{slots} ({format_size(self.target_footprint.total)}); "
+                f"at n_ctx {settings.n_ctx}{slots}, KV {settings.kv_cache.describe()} "
+                f"({format_size(self.target_footprint.total)}); "
                 "see `memspec plan --budget SIZE`",
                 param="budget",
             )
@@ -231,7 +249,9 @@ class Runtime:
             self.target.close()
             raise
         # Drafts run here, on this device's own GPU layers (not the target's remote count).
-        draft_options = replace(self.options, n_gpu_layers=settings.n_gpu_layers)
+        draft_options = replace(
+            self.options, n_gpu_layers=settings.n_gpu_layers, kv_cache=settings.draft_kv_cache
+        )
         self.draft_source = ManifestSource(
             self.manifests, draft_options, settings.backend, self.target_tokenizer, self.target
         )
@@ -283,7 +303,13 @@ class Runtime:
         if settings.parallel > 0:
             return settings.parallel
         preload = {i: m for i, m in self.manifests.items() if i in self.preload_ids}
-        fits = draft_fits(preload, models_dir(), settings.n_ctx, n_gpu_layers=settings.n_gpu_layers)
+        fits = draft_fits(
+            preload,
+            models_dir(),
+            settings.n_ctx,
+            n_gpu_layers=settings.n_gpu_layers,
+            kv_cache=settings.draft_kv_cache,
+        )
         return slots_that_fit(
             settings.budget_bytes,
             target_path,
@@ -291,6 +317,7 @@ class Runtime:
             settings.k_max,
             sum(d.bytes for d in fits),
             settings.n_gpu_layers,
+            kv_cache=settings.kv_cache,
         )
 
     def _whole_family(self) -> list[str]:
@@ -502,6 +529,7 @@ class Runtime:
         ws = self.working_set
         out = ws.summary() if ws is not None else {"budget_bytes": self.budget_bytes}
         out["target"] = self.target_footprint.to_dict()
+        out["embedding"] = self.embedding_status()
         rows = self.draft_status()
         absent = [r["id"] for r in rows if r["state"] in ("absent", "failed") and r["bytes"] > 0]
         resident_models = [r for r in rows if r["resident"] and r["bytes"] > 0]
@@ -789,7 +817,79 @@ class Runtime:
             self.memory.request_done()
         return gen
 
+    # --- embeddings ---------------------------------------------------------------------
+    def embedder(self) -> LlamaEmbedder:
+        """The embedding context (memspec.backends.embedding), set up on first use on
+        settings.embedding_model, else on the target's loaded weights. Its footprint is
+        charged to the budget before it is allocated (drafts evicted to make room):
+        BudgetExceeded if the target and the pinned drafts leave too little."""
+        with self._embedder_lock:
+            if self._embedder is None:
+                self._embedder = self._load_embedder()
+            return self._embedder
+
+    def _load_embedder(self) -> LlamaEmbedder:
+        from memspec.drafts.gguf_header import open_header, scalar
+
+        s = self.settings
+        target_path = resolve_model_path(s.target)
+        path = resolve_model_path(s.embedding_model) if s.embedding_model else target_path
+        if not path.is_file():
+            raise ModelLoadError(f"embedding model not found: {path}", param="model")
+        header = open_header(path)
+        arch = scalar(header, "general.architecture") or "llama"
+        keys = ("pooling_type", "context_length", "attention.causal")
+        meta = {f"{arch}.{k}": scalar(header, f"{arch}.{k}") for k in keys}
+        plan = plan_embedding({"general.architecture": arch, **meta}, s.n_ctx)
+        # The target's own llama_model, when it is loaded in this process by llama.cpp.
+        llm = getattr(self.target, "_llm", None) if path == target_path else None
+        shared = getattr(llm, "_model", None)
+        fp = embedding_footprint(
+            read_shape(path), plan.n_ctx, plan.n_batch, shared is not None, s.n_gpu_layers
+        )
+        self._ws.reserve(fp.total, f"the embedding context ({path.name}, n_ctx {plan.n_ctx})")
+        try:
+            emb = LlamaEmbedder(
+                path,
+                plan,
+                shared,
+                n_threads=self.options.n_threads or os.cpu_count() or 1,
+                n_gpu_layers=s.n_gpu_layers,
+                use_mmap=self.options.use_mmap,
+            )
+        except BaseException:
+            self._ws.reserve(-fp.total, "")
+            raise
+        self.embedding_footprint = fp
+        log.info(
+            "embeddings: %s, %s pooling, n_ctx %d, %s", path.name, plan.pooling_name,
+            emb.n_ctx, format_size(fp.total),
+        )  # fmt: skip
+        return emb
+
+    def release_embedder(self) -> bool:
+        """Free the embedding context and give its bytes back (waits for an input being
+        embedded). False if none was loaded."""
+        with self._embedder_lock:
+            emb, self._embedder = self._embedder, None
+            if emb is None:
+                return False
+            emb.close()
+            fp, self.embedding_footprint = self.embedding_footprint, None
+            if fp is not None and self.working_set is not None:
+                self.working_set.reserve(-fp.total, "")
+            return True
+
+    def embedding_status(self) -> dict[str, Any]:
+        """What status reports: loaded or not, and, loaded, its bytes by part and its setup."""
+        emb, fp = self._embedder, self.embedding_footprint
+        model = self.settings.embedding_model or self.settings.target
+        if emb is None or fp is None:
+            return {"loaded": False, "model": Path(model).name}
+        return {"loaded": True, **emb.describe(), "bytes": fp.to_dict()}
+
     def close(self) -> None:
+        self.release_embedder()  # before the target: it may sit on the target's model
         if self.working_set is not None and hasattr(self, "scheduler"):
             self.memory.save()
         ws, self.working_set = self.working_set, None

@@ -19,6 +19,7 @@ import numpy as np
 
 from memspec.backends.chat import ChatTemplate, resolve_chat_template
 from memspec.errors import ModelLoadError
+from memspec.kv_cache import F16, KVCache
 
 GGUF_MAGIC = b"GGUF"
 T = TypeVar("T")
@@ -54,6 +55,9 @@ class BackendOptions:
     rpc: tuple[str, ...] = ()
     tensor_split: tuple[float, ...] = ()
     rpc_timeout_s: float = 30.0  # a forward pass that takes longer means a lost worker
+    # What the KV cache stores K and V as, and flash attention (memspec.kv_cache): llama.cpp
+    # only; the torch backend keeps its cache in the model's dtype.
+    kv_cache: KVCache = F16
 
 
 class FeaturesDisabled(RuntimeError):
@@ -449,11 +453,16 @@ class SequenceSlot(Backend):
 
 
 def llama_kv_layout(
-    arch: str, n_layers: int, n_kv_heads: int, head_dim_k: int, head_dim_v: int
+    arch: str,
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim_k: int,
+    head_dim_v: int,
+    kv: KVCache = F16,
 ) -> tuple[object, ...]:
     """A llama.cpp model's Backend.kv_layout, from its GGUF hyper-parameters (which a header
-    read gives before any load)."""
-    return ("llama.cpp", arch, n_layers, n_kv_heads, head_dim_k, head_dim_v)
+    read gives before any load) and its cache types (a q8_0 cache cannot take f16 rows)."""
+    return ("llama.cpp", arch, n_layers, n_kv_heads, head_dim_k, head_dim_v, kv.type_k, kv.type_v)
 
 
 def argmax_rows(logits: np.ndarray, drafted: list[int] | None = None) -> list[int]:

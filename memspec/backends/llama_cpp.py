@@ -49,6 +49,7 @@ from memspec.backends.base import (
     llama_kv_layout,
 )
 from memspec.errors import ModelLoadError
+from memspec.kv_cache import ggml_type
 
 
 def batch_invariant() -> bool:
@@ -165,6 +166,9 @@ class LlamaCppBackend(SequenceContext):
                     use_mmap=options.use_mmap,
                     logits_all=False,
                     seed=options.seed,
+                    type_k=ggml_type(options.kv_cache.type_k),
+                    type_v=ggml_type(options.kv_cache.type_v),
+                    flash_attn=options.kv_cache.flash_attn,
                     verbose=options.weight_repack,
                     **extra,
                 )
@@ -532,14 +536,21 @@ class LlamaCppBackend(SequenceContext):
             return None
         arch = self.metadata.get("general.architecture", "llama")
         return llama_kv_layout(
-            arch, self.n_layers, self.n_kv_heads, self.head_dim_k, self.head_dim_v
+            arch,
+            self.n_layers,
+            self.n_kv_heads,
+            self.head_dim_k,
+            self.head_dim_v,
+            self.options.kv_cache,
         )
 
     # --- memory -------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        # K and V in f16, every layer: llama.cpp's default (swa_full) gives sliding-window
-        # layers a full-size cache too.
-        return self.n_layers * self.n_kv_heads * (self.head_dim_k + self.head_dim_v) * 2
+        # K and V as the cache types store them, every layer: llama.cpp's default (swa_full)
+        # gives sliding-window layers a full-size cache too.
+        return self.options.kv_cache.bytes_per_token(
+            self.n_layers, self.n_kv_heads, self.head_dim_k, self.head_dim_v
+        )
 
 
 def _end_of_generation_ids(vocab: object, n_vocab: int) -> frozenset[int]:

@@ -146,6 +146,12 @@ class TorchBackend(Backend):
             ) from e
 
     def _load(self, path: Path, options: BackendOptions) -> None:
+        if options.kv_cache.quantized:
+            raise ModelLoadError(
+                f"KV cache types ({options.kv_cache.describe()}) are llama.cpp's: the torch "
+                "backend keeps its cache in the model's dtype; set kv_type_k/kv_type_v to f16",
+                param="kv_type_k",
+            )
         try:
             import torch
 

@@ -130,6 +130,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         n_ctx=settings.n_ctx,
         k_max=settings.k_max,
         n_gpu_layers=settings.n_gpu_layers,
+        kv_cache=settings.kv_cache,
+        draft_kv_cache=settings.draft_kv_cache,
     )
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     return 0 if plan.fits else 1

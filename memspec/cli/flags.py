@@ -10,21 +10,28 @@ from typing import Any, get_args, get_origin
 from pydantic.fields import FieldInfo
 
 from memspec.config import DEFAULT_CONFIG_FILE, EXACTNESS, Settings
+from memspec.kv_cache import KV_TYPES
 from memspec.paths import use_data_dir
 
 # The settings every command that loads the models takes, and those only the daemon takes.
 MODEL_SETTINGS = (
     "target", "drafts", "backend", "device", "n_ctx", "n_threads", "n_gpu_layers",
     "weight_repack", "exactness", "k_max", "chat_template", "rpc", "tensor_split", "rpc_timeout_s",
+    "kv_type_k", "kv_type_v", "draft_kv_type_k", "draft_kv_type_v", "flash_attn",
 )  # fmt: skip
 SERVE_SETTINGS = (
     "host", "port", "budget", "policy", "max_queue", "parallel", "state_dir", "log_level",
-    "allow_insecure_bind", "model_name",
+    "allow_insecure_bind", "model_name", "embedding_model",
 )  # fmt: skip
 # Checked on the command line only: the model takes any string (a TOML "INFO" stays valid).
 CHOICES = {
     "backend": ["llama_cpp", "torch"],
     "exactness": list(EXACTNESS),
+    "kv_type_k": list(KV_TYPES),
+    "kv_type_v": list(KV_TYPES),
+    "draft_kv_type_k": list(KV_TYPES),
+    "draft_kv_type_v": list(KV_TYPES),
+    "flash_attn": ["auto", "on", "off"],
     "device": ["cpu", "cuda"],
     "log_level": ["debug", "info", "warning", "error"],
 }

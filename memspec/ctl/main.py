@@ -40,6 +40,7 @@ from memspec.ctl.client import (
     one_line,
     run_bench,
 )
+from memspec.kv_cache import KV_TYPES
 from memspec.net import is_loopback
 from memspec.units import parse_size
 
@@ -195,6 +196,16 @@ def _bounded(kind: type, lo: float, hi: float | None = None):
     return parse
 
 
+def _choice(names: tuple[str, ...]):
+    def parse(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(names)}: {text!r}")
+        return text
+
+    parse.__name__ = "choice"
+    return parse
+
+
 def _size_arg(text: str) -> int | str:
     """Validated here (nothing is sent on a typo); sent as the user wrote it so the daemon
     persists '1.5GiB' rather than 1610612736."""
@@ -277,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("k-max", "k_max", _bounded(int, 0, 64), "longest draft per round (0: no drafting)"),
         ("n-ctx", "n_ctx", _bounded(int, 16), "context length in tokens"),
         ("parallel", "parallel", _bounded(int, 0, 64), "sequence slots (0: what the budget fits)"),
+        ("kv-type-k", "kv_type_k", _choice(KV_TYPES), "the target's K cache type"),
+        ("kv-type-v", "kv_type_v", _choice(KV_TYPES), "the target's V cache type"),
+        ("draft-kv-type-k", "draft_kv_type_k", _choice(KV_TYPES), "model drafts' K cache type"),
+        ("draft-kv-type-v", "draft_kv_type_v", _choice(KV_TYPES), "model drafts' V cache type"),
+        ("flash-attn", "flash_attn", _choice(("auto", "on", "off")), "flash attention"),
     ):
         a = tsub.add_parser(name, help=help_)
         a.add_argument("value", type=kind, metavar=name.upper().replace("-", "_"))

@@ -144,7 +144,7 @@ def status(st: dict[str, Any], url: str, prev: dict[str, Any] | None = None) -> 
         ("target", f"{st.get('model') or '-'}{backend}"),
         ("chat", str((st.get("chat_template") or {}).get("source") or "-")),
         ("policy", f"{st.get('policy', '-')}   k_max {st.get('k_max', '-')}"),
-        ("n_ctx", str(st.get("n_ctx", "-"))),
+        ("n_ctx", f"{st.get('n_ctx', '-')}{_kv_text(st.get('kv_cache'))}"),
         ("budget", _size(budget)),
         (
             "used",
@@ -220,3 +220,15 @@ def bench(rep: dict[str, Any]) -> str:
     if rep["ok"] and not rep["tokens"]:
         out += "\nnote: no tokens generated (the model stopped at once); try another --prompt"
     return out
+
+
+def _kv_text(kv: dict[str, Any] | None) -> str:
+    """The KV cache types beside n_ctx: "   KV q8_0/q8_0, flash attention (drafts f16/f16)"."""
+    if not kv:
+        return ""
+    text = f"   KV {kv['type_k']}/{kv['type_v']}"
+    if kv.get("flash_attn"):
+        text += ", flash attention"
+    if (kv.get("draft_type_k"), kv.get("draft_type_v")) != (kv["type_k"], kv["type_v"]):
+        text += f" (drafts {kv.get('draft_type_k')}/{kv.get('draft_type_v')})"
+    return text

@@ -12,7 +12,8 @@ the numbers are what its verbose log prints and what USS grew by, SmolLM2-135M, 
 - weights: Σ tensor bytes. "CPU model buffer" + "CPU_REPACK model buffer" (Q4_0 weights are
   repacked to 8x8 blocks, same size) = 513.13 MiB for F32, 136.40 MiB for Q8_0,
   28.82 + 56.95 MiB for Q4_0: exactly the GGUF's tensor bytes.
-- KV cache: n_ctx × layers × (K + V) × kv_heads × head_dim × 2 bytes (f16): "CPU KV buffer
+- KV cache: n_ctx × layers × (K + V) × kv_heads × head_dim × 2 bytes (f16; q8_0 and q4_0 store
+  blocks of 32 in 34 and 18 bytes: memspec.kv_cache): "CPU KV buffer
   size = 45.00 MiB". llama.cpp zero-fills it at load, so it is resident from the start.
 - candidate/logit buffers: llama.cpp's output buffer holds n_outputs × vocab floats (0.19 MiB
   for one row; +1.77 MiB after a k = 8 verification); the engine copies those rows into numpy
@@ -41,6 +42,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from memspec.errors import ModelLoadError
+from memspec.kv_cache import F16, KVCache
 from memspec.memory.gguf_info import ModelShape, read_shape
 from memspec.rpc.endpoints import LayerSplit
 
@@ -119,9 +121,10 @@ def model_footprint(
     n_outputs: int = 1,
     n_batch: int | None = None,
     n_gpu_layers: int = 0,
-    flash_attn: bool = False,
+    kv_cache: KVCache = F16,
 ) -> Footprint:
-    """Footprint of one llama.cpp model + context, asking for up to n_outputs logit rows."""
+    """Footprint of one llama.cpp model + context, asking for up to n_outputs logit rows,
+    its KV cache stored as `kv_cache`'s types."""
     n_batch = min(n_batch or DEFAULT_N_BATCH, n_ctx)
     row = shape.n_vocab * 4
     weights = shape.weight_bytes
@@ -131,16 +134,24 @@ def model_footprint(
         weights += shape.token_embd_bytes
     return Footprint(
         weights=weights,
-        kv=pad(n_ctx) * shape.kv_bytes_per_token,
+        kv=pad(n_ctx)
+        * kv_cache.bytes_per_token(
+            shape.n_layers, shape.n_head_kv, shape.head_dim_k, shape.head_dim_v
+        ),
         candidates=2 * max(n_outputs, 1) * row,
-        scratch=scratch_bytes(shape, n_ctx, n_batch, n_outputs, flash_attn),
+        scratch=scratch_bytes(shape, n_ctx, n_batch, n_outputs, kv_cache.flash_attn),
         overhead=shape.n_vocab * OVERHEAD_PER_VOCAB_BYTES + n_batch * n_ctx * BATCH_SEQ_BYTES,
         _row=row,
     )
 
 
 def target_footprint(
-    path: str | os.PathLike[str], n_ctx: int, k: int, n_gpu_layers: int = 0, slots: int = 1
+    path: str | os.PathLike[str],
+    n_ctx: int,
+    k: int,
+    n_gpu_layers: int = 0,
+    slots: int = 1,
+    kv_cache: KVCache = F16,
 ) -> Footprint:
     """The target verifies k drafted tokens + 1 per round: k + 1 logit rows. Loaded first.
     With `slots` sequences decoded together: a KV cache of n_ctx per slot (per-sequence
@@ -150,7 +161,7 @@ def target_footprint(
     2048 add 332 MiB to SmolLM2's RSS, 7 more KV caches of 45 MiB and the rows)."""
     rows = k + 1 if slots <= 1 else min(slots * (k + 1), DEFAULT_N_BATCH)
     shape = read_shape(path)
-    fp = model_footprint(shape, n_ctx, rows, n_gpu_layers=n_gpu_layers)
+    fp = model_footprint(shape, n_ctx, rows, n_gpu_layers=n_gpu_layers, kv_cache=kv_cache)
     if slots > 1:
         n_batch = min(DEFAULT_N_BATCH, n_ctx)
         fp = replace(
@@ -167,6 +178,7 @@ def draft_footprint(
     n_ctx: int,
     params: dict | None = None,
     n_gpu_layers: int = 0,
+    kv_cache: KVCache = F16,
 ) -> Footprint:
     """A draft's footprint, as its kind is sized (memspec.drafts.registry: DraftKind.sizing).
 
@@ -184,7 +196,9 @@ def draft_footprint(
     if sizing == "gguf":
         if path is None:
             raise ValueError(f"a {kind} draft needs a file")
-        return model_footprint(read_shape(path), n_ctx, 1, n_gpu_layers=n_gpu_layers)
+        return model_footprint(
+            read_shape(path), n_ctx, 1, n_gpu_layers=n_gpu_layers, kv_cache=kv_cache
+        )
     if sizing == "none" or path is None:
         return Footprint()
     if not path.is_file():
@@ -227,3 +241,21 @@ def split_footprint(
     if last < 0:  # nothing offloaded: the output layer stays too
         weights += out_bytes
     return replace(fp, weights=weights, kv=round(local_layers * kv_per_layer)), remote
+
+
+def embedding_footprint(
+    shape: ModelShape,
+    n_ctx: int,
+    n_batch: int,
+    shares_weights: bool,
+    n_gpu_layers: int = 0,
+) -> Footprint:
+    """An embedding context (memspec.backends.embedding): its KV cache of n_ctx, an output
+    buffer of n_batch rows of logits *and* features (embeddings mode outputs every token of a
+    batch), and the scratch of a batch with every row out. On the target's model
+    (`shares_weights`) it adds no weights and no vocabulary; its own model adds both."""
+    fp = model_footprint(shape, n_ctx, n_batch, n_batch=n_batch, n_gpu_layers=n_gpu_layers)
+    rows = n_batch * (shape.n_vocab + shape.n_embd) * 4  # llama.cpp's output buffer, no copy
+    if shares_weights:
+        return replace(fp, weights=0, candidates=rows, overhead=0, _row=0)
+    return replace(fp, candidates=rows, overhead=shape.n_vocab * OVERHEAD_PER_VOCAB_BYTES)

@@ -18,6 +18,7 @@ from typing import Any
 
 from memspec.drafts.manifest import DraftManifest
 from memspec.errors import ModelLoadError
+from memspec.kv_cache import F16, KVCache
 from memspec.memory.fill import density, fill_by_value
 from memspec.memory.footprint import KV_PAD, Footprint, draft_footprint, target_footprint
 from memspec.units import format_size
@@ -37,12 +38,13 @@ def slots_that_fit(
     reserved_bytes: int = 0,
     n_gpu_layers: int = 0,
     cap: int = AUTO_MAX_SLOTS,
+    kv_cache: KVCache = F16,
 ) -> int:
     """The most sequence slots (1..cap) whose target footprint, with `reserved_bytes` beside
     it (resident drafts), fits the budget; 1 when even two do not."""
     best = 1
     for slots in range(2, cap + 1):
-        fp = target_footprint(target_path, n_ctx, k, n_gpu_layers, slots)
+        fp = target_footprint(target_path, n_ctx, k, n_gpu_layers, slots, kv_cache)
         if fp.total + reserved_bytes > budget_bytes:
             break
         best = slots
@@ -71,6 +73,7 @@ class Plan:
     budget_bytes: int
     n_ctx: int  # requested
     k_max: int  # requested
+    kv_cache: KVCache  # the target's cache types (drafts' footprints carry their own)
     target: Footprint
     drafts: list[DraftFit]
     everything_bytes: int  # target + every available draft at (n_ctx, k_max)
@@ -93,6 +96,11 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "n_ctx": self.n_ctx,
             "k_max": self.k_max,
+            "kv_cache": {
+                "type_k": self.kv_cache.type_k,
+                "type_v": self.kv_cache.type_v,
+                "flash_attn": self.kv_cache.flash_attn,
+            },
             "fits": self.fits,
             "shed": self.shed or ["none"],
             "resident": self.resident,
@@ -129,6 +137,7 @@ def draft_fits(
     n_ctx: int,
     values: dict[str, float] | None = None,
     n_gpu_layers: int = 0,
+    kv_cache: KVCache = F16,
 ) -> list[DraftFit]:
     from memspec.drafts.registry import PRIOR_ALPHA
 
@@ -137,7 +146,7 @@ def draft_fits(
         value = (values or {}).get(m.id, PRIOR_ALPHA.get(m.kind, 0.5))
         try:
             path = m.model_path(models_dir) if m.file else None
-            fp = draft_footprint(m.kind, path, n_ctx, dict(m.params), n_gpu_layers)
+            fp = draft_footprint(m.kind, path, n_ctx, dict(m.params), n_gpu_layers, kv_cache)
             out.append(DraftFit(m.id, m.kind, fp, value))
         except (ModelLoadError, OSError, ValueError) as e:
             out.append(DraftFit(m.id, m.kind, None, value, str(e)))
@@ -153,12 +162,18 @@ def make_plan(
     k_max: int = 8,
     values: dict[str, float] | None = None,
     n_gpu_layers: int = 0,
+    kv_cache: KVCache = F16,
+    draft_kv_cache: KVCache | None = None,
 ) -> Plan:
+    """`kv_cache`: the target's cache types; `draft_kv_cache`: model drafts' (the target's)."""
+
     def target(n: int, k: int) -> Footprint:
-        return target_footprint(target_path, n, k, n_gpu_layers)
+        return target_footprint(target_path, n, k, n_gpu_layers, 1, kv_cache)
 
     def fits_at(n: int) -> list[DraftFit]:
-        return draft_fits(manifests, models_dir, n, values, n_gpu_layers)
+        return draft_fits(
+            manifests, models_dir, n, values, n_gpu_layers, draft_kv_cache or kv_cache
+        )
 
     drafts = fits_at(n_ctx)
     avail = [d for d in drafts if d.footprint is not None]
@@ -169,6 +184,7 @@ def make_plan(
         budget_bytes=budget_bytes,
         n_ctx=n_ctx,
         k_max=k_max,
+        kv_cache=kv_cache,
         target=t_full,
         drafts=drafts,
         everything_bytes=t_full.total + sum(d.bytes for d in avail),
@@ -183,9 +199,11 @@ def make_plan(
         plan.resident, plan.used_bytes = resident, used
         drafts_bytes = used - target(n, k).total
         plan.slots = slots_that_fit(
-            budget_bytes, target_path, n, k, drafts_bytes, n_gpu_layers, AUTO_MAX_SLOTS
+            budget_bytes, target_path, n, k, drafts_bytes, n_gpu_layers, AUTO_MAX_SLOTS, kv_cache
         )
-        one, two = (target_footprint(target_path, n, k, n_gpu_layers, s).total for s in (1, 2))
+        one, two = (
+            target_footprint(target_path, n, k, n_gpu_layers, s, kv_cache).total for s in (1, 2)
+        )
         plan.slot_bytes = two - one
         return plan
 
@@ -229,7 +247,8 @@ def format_plan(p: Plan) -> str:
     """A human explanation of a plan: the parts, what fits, eviction order, the lower bound."""
     mb = format_size
     lines = [
-        f"budget {mb(p.budget_bytes)}; n_ctx {p.n_ctx}, k_max {p.k_max}",
+        f"budget {mb(p.budget_bytes)}; n_ctx {p.n_ctx}, k_max {p.k_max}; "
+        f"KV cache {p.kv_cache.describe()}",
         "",
         f"{'part':12s} {'weights':>11s} {'KV':>11s} {'logits':>11s} {'scratch':>11s}"
         f" {'overhead':>11s} {'total':>11s}",

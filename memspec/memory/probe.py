@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from memspec.kv_cache import F16, KV_TYPES, KVCache
 from memspec.memory.measure import MemorySample, sample
 
 
@@ -28,6 +29,7 @@ def measure_model(
     n_threads: int = 1,
     resident: Path | None = None,
     slots: int = 1,
+    kv_cache: KVCache = F16,
 ) -> dict[str, Any]:
     """Memory deltas of loading and running `path`; `resident` is loaded first and kept.
     With `slots`, every sequence slot is filled, then one pass verifies `outputs` rows in each.
@@ -46,7 +48,9 @@ def measure_model(
         from memspec.backends.llama_cpp import LlamaCppBackend  # noqa: F401 - map libllama now
     gc.collect()
     before = sample()
-    options = BackendOptions(n_ctx=n_ctx, n_threads=n_threads, use_mmap=False, n_seq=slots)
+    options = BackendOptions(
+        n_ctx=n_ctx, n_threads=n_threads, use_mmap=False, n_seq=slots, kv_cache=kv_cache
+    )
     be = load_backend(path, options)
     loaded = sample()
     # Prefill to the end of the context (the largest attention the engine can ask for), leaving
@@ -68,6 +72,11 @@ def measure_model(
         "n_ctx": n_ctx,
         "outputs": outputs,
         "slots": slots,
+        "kv_cache": {
+            "type_k": kv_cache.type_k,
+            "type_v": kv_cache.type_v,
+            "fa": kv_cache.flash_attn,
+        },
         "resident": resident.name if resident else None,
         "at_load": loaded.delta(before),
         "steady": ran.delta(before),
@@ -150,12 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-threads", type=int, default=1)
     ap.add_argument("--resident", type=Path, help="model loaded first and kept (the target)")
     ap.add_argument("--slots", type=int, default=1, help="sequence slots (batched decoding)")
+    ap.add_argument("--kv-type-k", choices=KV_TYPES, default="f16")
+    ap.add_argument("--kv-type-v", choices=KV_TYPES, default="f16")
+    ap.add_argument("--flash-attn", action="store_true")
     args = ap.parse_args(argv)
     if args.draft:
         r = measure_draft(args.file, args.n_ctx, args.resident, n_threads=args.n_threads)
     else:
+        kv = KVCache(args.kv_type_k, args.kv_type_v, args.flash_attn)
         r = measure_model(
-            Path(args.file), args.n_ctx, args.outputs, args.n_threads, args.resident, args.slots
+            Path(args.file), args.n_ctx, args.outputs, args.n_threads, args.resident, args.slots, kv
         )
     print(json.dumps(r))
     return 0

@@ -64,7 +64,12 @@ class ManifestSource:
         m = self.manifests[draft_id]
         path = m.model_path(models_dir()) if m.file else None
         return draft_footprint(
-            m.kind, path, self.options.n_ctx, dict(m.params), self.options.n_gpu_layers
+            m.kind,
+            path,
+            self.options.n_ctx,
+            dict(m.params),
+            self.options.n_gpu_layers,
+            self.options.kv_cache,
         )
 
     def draft_bytes(self, draft_id: str) -> int:
@@ -85,7 +90,10 @@ class ManifestSource:
         except ModelLoadError:
             return False  # the load will say why
         return (
-            layout == llama_kv_layout(s.arch, s.n_layers, s.n_head_kv, s.head_dim_k, s.head_dim_v)
+            layout
+            == llama_kv_layout(
+                s.arch, s.n_layers, s.n_head_kv, s.head_dim_k, s.head_dim_v, self.options.kv_cache
+            )
             and self.options.n_ctx >= target.n_ctx
         )
 

@@ -212,6 +212,29 @@ class WorkingSet:
     def drafts_bytes(self) -> int:
         return self.used_bytes() - self.reserved_bytes
 
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Charge `nbytes` more beside the target (`what` is for the error: e.g. the embedding
+        context), evicting unpinned drafts until they fit; returns once they do, before the
+        caller allocates. BudgetExceeded if the target and pinned drafts leave too little.
+        A negative `nbytes` gives bytes back."""
+        self.release_leases()
+        with self._cond:
+            if nbytes > 0:
+                pinned = sum(self._bytes_or0(s) for s in self._slots.values() if s.pinned)
+                free = self._budget - self.reserved_bytes - pinned
+                if nbytes > free:
+                    raise BudgetExceeded(
+                        f"{what} needs {format_size(nbytes)}; the budget "
+                        f"{format_size(self._budget)} leaves {format_size(max(free, 0))} beside "
+                        "the target and the pinned drafts",
+                        param="budget",
+                    )
+            self.reserved_bytes += int(nbytes)
+            self._kick()
+            while self._used() > self._budget and not self._closed:
+                self._cond.wait(0.5)
+            self.peak_bytes = max(self.peak_bytes, self._used())  # allocated from here on
+
     # --- residency ----------------------------------------------------------------------
     def resident_ids(self) -> set[str]:
         with self._cond:

@@ -28,6 +28,7 @@ from memspec import telemetry
 from memspec.config import Settings
 from memspec.doctor import kernel_report
 from memspec.errors import InvalidRequest
+from memspec.kv_cache import KVType
 from memspec.memory.huge_pages import huge_page_bytes
 from memspec.server.auth import require_admin_key
 from memspec.server.context import Ctx, ServerContext
@@ -79,6 +80,11 @@ class TuneRequest(BaseModel):
     k_max: Annotated[int | None, Field(ge=0, le=64)] = None
     n_ctx: Annotated[int | None, Field(ge=16, le=1 << 20)] = None
     parallel: Annotated[int | None, Field(ge=0, le=64)] = None
+    kv_type_k: KVType | None = None
+    kv_type_v: KVType | None = None
+    draft_kv_type_k: KVType | None = None
+    draft_kv_type_v: KVType | None = None
+    flash_attn: Literal["auto", "on", "off"] | None = None
 
     @field_validator("budget")
     @classmethod
@@ -119,6 +125,11 @@ def tuned_settings(ctx: ServerContext) -> dict[str, Any]:
         "k_max": values["k_max"],
         "n_ctx": values["n_ctx"],
         "parallel": values["parallel"],
+        "kv_type_k": values["kv_type_k"],
+        "kv_type_v": values["kv_type_v"],
+        "draft_kv_type_k": values["draft_kv_type_k"],
+        "draft_kv_type_v": values["draft_kv_type_v"],
+        "flash_attn": values["flash_attn"],
     }
 
 
@@ -169,6 +180,13 @@ def status(ctx: ServerContext) -> dict[str, Any]:
         "policy": s.policy,
         "k_max": s.k_max,
         "n_ctx": n_ctx,
+        "kv_cache": {  # what the contexts store K and V as (memspec.kv_cache)
+            "type_k": s.kv_cache.type_k,
+            "type_v": s.kv_cache.type_v,
+            "draft_type_k": s.draft_kv_cache.type_k,
+            "draft_type_v": s.draft_kv_cache.type_v,
+            "flash_attn": s.kv_cache.flash_attn,
+        },
         "budget_bytes": w.budget_bytes,
         "used_bytes": {"measured": measured, "modelled": modelled},
         "memory": snap,

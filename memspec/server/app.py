@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 import memspec
 from memspec.config import Settings
-from memspec.server import admin, ollama_api, openai_api
+from memspec.server import admin, embeddings_api, ollama_api, ollama_pull, openai_api
 from memspec.server.auth import fully_keyed
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.engine_state import EngineState
@@ -167,6 +167,9 @@ def create_app(
     app.include_router(admin.router)
     app.include_router(ollama_api.router)
     app.include_router(ollama_api.open_router)
+    app.include_router(embeddings_api.router)
+    app.include_router(embeddings_api.ollama_router)
+    app.include_router(ollama_pull.router)
 
     @app.get("/health", tags=["daemon"])
     async def health(ctx: Ctx) -> JSONResponse:

@@ -212,8 +212,6 @@ _HTTP_CODES = {
 
 # OpenAI endpoints this daemon knows it does not serve: a 404 that says so, not "no route".
 UNSERVED = {
-    "/v1/embeddings": "embeddings need an embedding model; the target here is generative "
-    "(serve one with llama-server --embeddings beside this daemon)",
     "/v1/responses": "the Responses API is not served; use /v1/chat/completions",
     "/v1/moderations": "moderation is not served",
 }

@@ -27,6 +27,7 @@ from memspec.engine.speculative import Generation
 from memspec.errors import InvalidRequest, MemSpecError
 from memspec.memory.gguf_info import read_shape
 from memspec.paths import resolve_model_path
+from memspec.server import tools
 from memspec.server.auth import require_api_key
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.errors import NotReady
@@ -311,14 +312,17 @@ async def chat(request: Request, ctx: Ctx) -> Any:
     if body.tools:
         oa["tools"] = body.tools
     model, plan, req = plan_chat(request, ctx, _parse(ChatCompletionRequest, oa))
-    holds_tools = plan.tools is not None  # tool calls are read from the whole answer
+    # With tools, text that may open a call is held back until it does or cannot (the same
+    # splitter as /v1's streams); the rest streams as it comes, as Ollama streams it. Calls
+    # go out whole, parsed from the answer, in the last object.
+    tool_stream = plan.stream() if body.stream else None
 
     def chunk(text: str | None, finish: str | None, _lps: Any = None) -> dict[str, Any]:
-        shown = "" if holds_tools else (text or "")
+        delta, _ = tools.stream_delta(tool_stream, text, finish)
         return {
             "model": model,
             "created_at": _now(),
-            "message": {"role": "assistant", "content": shown},
+            "message": {"role": "assistant", "content": delta.get("content", "")},
             "done": False,
         }
 
@@ -332,8 +336,9 @@ async def chat(request: Request, ctx: Ctx) -> Any:
 
     def last(gen: Generation) -> dict[str, Any]:
         out = final(gen)
-        if not holds_tools:  # the text went out in the chunks
-            out["message"]["content"] = ""
+        # The streamed text went out in the chunks; what the splitter still holds goes here.
+        held, _ = tools.stream_delta(tool_stream, None, gen.finish_reason)
+        out["message"]["content"] = held.get("content", "")
         return out
 
     return await _run(request, ctx, req, body.stream, chunk, final, last)
@@ -527,11 +532,14 @@ async def show(request: Request, ctx: Ctx) -> dict[str, Any]:
     path = _target_path(ctx)
     info = await asyncio.to_thread(_header_fields, path)
     template = rt.chat_template
-    capabilities = ["completion"]
-    if template.takes_tools:
-        capabilities.append("tools")
+    # Tools work on every target: a template without a place for them gets them described in
+    # a system message (server/tools.py), so Open WebUI's and editors' tools are not refused.
+    # Embeddings too: the target serves them unless embedding_model names another model.
+    capabilities = ["completion", "tools"]
     if rt.fim_tokens is not None:
         capabilities.append("insert")
+    if not ctx.settings.embedding_model:
+        capabilities.append("embedding")
     return {
         "modelfile": f"FROM {path}\n",
         "parameters": _parameters_text(),

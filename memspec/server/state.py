@@ -22,7 +22,12 @@ from memspec.paths import data_dir
 
 log = logging.getLogger("memspec.server")
 
-TUNABLE = ("budget", "policy", "k_max", "n_ctx", "parallel")
+# Tunables whose change rebuilds the runtime (a new context: its length, slots, cache types).
+RELOAD_KEYS = (
+    "n_ctx", "parallel", "kv_type_k", "kv_type_v", "draft_kv_type_k", "draft_kv_type_v",
+    "flash_attn",
+)  # fmt: skip
+TUNABLE = ("budget", "policy", "k_max", *RELOAD_KEYS)
 STATE_FILE = "tuned.json"
 REJECTED_FILE = "tuned.rejected.json"
 

@@ -2,13 +2,14 @@
 
 Settings are frozen once loaded (memspec.config). What `memspec-ctl tune` (POST /admin/tune)
 and `memspec-ctl reset` (POST /admin/reset) change, the TUNABLE keys (budget, policy, k_max,
-n_ctx, parallel), is held here: `current` is the Settings the engine runs with now (a new frozen
-copy per change), `configured` what flags, env, TOML and defaults say (what a reset restores).
+n_ctx, parallel, the KV cache types and flash_attn), is held here: `current` is the Settings
+the engine runs with now (a new frozen copy per change), `configured` what flags, env, TOML
+and defaults say (what a reset restores).
 
 A tune is checked, persisted to tuned.json (memspec.server.state) before it is applied, and
 rolled back (values, budget and file) if applying it fails. The budget in bytes is held by the
 runtime's working set alone: a budget tune hands it there (Runtime.set_budget). Policy and
-k_max reach the runtime as its settings, replaced; n_ctx and parallel rebuild the runtime.
+k_max reach the runtime as its settings, replaced; the RELOAD_KEYS rebuild the runtime.
 Engine thread only, except the reads (`current`, `values`).
 """
 
@@ -23,7 +24,14 @@ import psutil
 from memspec.config import Settings
 from memspec.errors import BudgetExceeded, InvalidRequest
 from memspec.memory.limits import budget_ceiling
-from memspec.server.state import TUNABLE, clear_state, load_state, reject_state, save_state
+from memspec.server.state import (
+    RELOAD_KEYS,
+    TUNABLE,
+    clear_state,
+    load_state,
+    reject_state,
+    save_state,
+)
 from memspec.server.state import state_path as _state_path
 from memspec.units import format_size, parse_size
 
@@ -32,7 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("memspec.server")
 
-RUNTIME_KEYS = ("policy", "k_max")  # read by the runtime per request: handed to it on a tune
+RUNTIME_KEYS = ("policy", "k_max")
+# read by the runtime per request: handed to it on a tune
 
 
 class Tuning:
@@ -84,6 +93,12 @@ class Tuning:
         budget below what the target needs or above the machine's memory. Persisting such a
         value would break every request, or keep the daemon from starting after a restart."""
         rt = worker.runtime
+        kv_keys = [k for k in changes if k.startswith(("kv_", "draft_kv_", "flash_attn"))]
+        if kv_keys:
+            try:  # a quantized V cache with flash_attn off is a context llama.cpp refuses
+                self.current.model_copy(update=changes).draft_kv_cache  # noqa: B018
+            except ValueError as e:
+                raise InvalidRequest(str(e), param=kv_keys[0], code="invalid_value") from None
         if "policy" in changes:
             if rt is not None and changes["policy"] not in rt.policies:
                 raise InvalidRequest(
@@ -104,7 +119,7 @@ class Tuning:
                     code="invalid_value",
                 )
             reserved = rt.reserved_bytes if rt is not None else 0
-            if "n_ctx" not in changes and "parallel" not in changes and budget < reserved:
+            if not any(k in changes for k in RELOAD_KEYS) and budget < reserved:
                 raise InvalidRequest(
                     f"budget {format_size(budget)} is below what the target needs at n_ctx "
                     f"{self.current.n_ctx} ({format_size(reserved)}); see `memspec plan`",
@@ -145,9 +160,9 @@ class Tuning:
             if rt is not None:
                 self.hand_to_runtime(rt)
             s = self.current
-            n_ctx, parallel = changes.get("n_ctx", s.n_ctx), changes.get("parallel", s.parallel)
-            if (n_ctx, parallel) != (s.n_ctx, s.parallel):
-                worker.reload_runtime(n_ctx, parallel)
+            shape = {k: changes[k] for k in RELOAD_KEYS if k in changes}
+            if any(getattr(s, k) != v for k, v in shape.items()):
+                worker.reload_runtime(shape)
             worker.prefix_cache.shrink()
         except BaseException as e:
             self.current = before
@@ -167,9 +182,13 @@ class Tuning:
                 raise _as_tune_error(e, changes) from e
             raise
 
-    def set_shape(self, n_ctx: int, parallel: int | None) -> None:
-        """A runtime reload's context and slots (worker.reload_runtime)."""
-        self._replace(n_ctx=n_ctx, **({} if parallel is None else {"parallel": parallel}))
+    def shape(self) -> dict[str, Any]:
+        """What a runtime reload changes, as it is now."""
+        return {k: getattr(self.current, k) for k in RELOAD_KEYS}
+
+    def set_shape(self, shape: dict[str, Any]) -> None:
+        """A runtime reload's context, slots and cache types (worker.reload_runtime)."""
+        self._replace(**shape)
 
     def hand_to_runtime(self, rt: Any) -> None:
         """The runtime reads policy and k_max per request from its own settings: give it the
@@ -181,5 +200,5 @@ class Tuning:
 
 def _as_tune_error(e: BudgetExceeded, changes: dict[str, Any]) -> InvalidRequest:
     """A tune that does not fit is the caller's request to fix (400), not a server fault."""
-    param = next((k for k in ("budget", "n_ctx", "parallel") if k in changes), e.param)
+    param = next((k for k in ("budget", *RELOAD_KEYS) if k in changes), e.param)
     return InvalidRequest(e.message, param=param, code="budget_too_small")

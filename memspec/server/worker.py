@@ -550,9 +550,9 @@ class EngineWorker:
         except Exception:  # noqa: BLE001
             log.exception("recording draft residency failed")
 
-    def reload_runtime(self, n_ctx: int, parallel: int | None = None) -> None:
-        """Rebuild the Runtime with a new n_ctx (and slots), keeping resident and pinned
-        drafts.
+    def reload_runtime(self, shape: dict[str, Any]) -> None:
+        """Rebuild the Runtime with a new context (`shape`: n_ctx, parallel, KV cache types,
+        flash_attn: tuning.RELOAD_KEYS), keeping resident and pinned drafts.
 
         Engine thread only (a control job). If the new context cannot load, the old one is
         loaded again and the error raised; if even that fails the daemon reports it and exits.
@@ -562,16 +562,16 @@ class EngineWorker:
         rows = rt.draft_status()
         resident = [r["id"] for r in rows if r["resident"]]
         pinned = [r["id"] for r in rows if r["pinned"]]
-        old, old_parallel = self.settings.n_ctx, self.settings.parallel
+        old = self.tuning.shape()
         self.state = EngineState.RELOADING
         self.prefix_cache.clear()
         self.runtime = None
         rt.close()
         try:
-            self.tuning.set_shape(n_ctx, parallel)
+            self.tuning.set_shape(shape)
             self._load(pinned, resident)
         except BaseException:
-            self.tuning.set_shape(old, old_parallel)
+            self.tuning.set_shape(old)
             try:
                 self._load_waiting_for_devices(pinned, resident)
             except BaseException as e:

@@ -286,12 +286,16 @@ def footprints(rt, draft_ids: list[str]) -> tuple[int, dict[str, int]]:
     from memspec.paths import models_dir
 
     s = rt.settings
-    target = target_footprint(rt.target.path, s.n_ctx, s.k_max, s.n_gpu_layers).total
+    target = target_footprint(
+        rt.target.path, s.n_ctx, s.k_max, s.n_gpu_layers, kv_cache=s.kv_cache
+    ).total
     sizes = {}
     for d in draft_ids:
         m = rt.manifest(d)
         path = m.model_path(models_dir()) if m.file else None
-        sizes[d] = draft_footprint(m.kind, path, s.n_ctx, m.params, s.n_gpu_layers).total
+        sizes[d] = draft_footprint(
+            m.kind, path, s.n_ctx, m.params, s.n_gpu_layers, s.draft_kv_cache
+        ).total
     return target, sizes
 
 

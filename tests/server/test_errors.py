@@ -176,11 +176,11 @@ def test_api_key_required(server):
 def test_unknown_route_and_method(http):
     assert_openai_error(http.get("/v1/nope"), 404)
     assert_openai_error(http.delete("/v1/models"), 405)
-    # An OpenAI endpoint that is not served says so (embeddings need an embedding model).
+    # An OpenAI endpoint that is not served says so.
     err = assert_openai_error(
-        http.post("/v1/embeddings", json={"model": "x", "input": "hi"}), 404, "unsupported_endpoint"
+        http.post("/v1/moderations", json={"input": "hi"}), 404, "unsupported_endpoint"
     )
-    assert "embedding model" in err["message"]
+    assert "moderation" in err["message"]
 
 
 def test_openapi_schema(http):

@@ -136,6 +136,28 @@ def test_tune_n_ctx_live(restarted):
     assert httpx.post(srv.url + "/v1/completions", json=ok, timeout=60).status_code == 200
 
 
+def test_tune_kv_cache_types_live(restarted):
+    """A quantized cache, live: the context is rebuilt with it (its bytes in status drop),
+    the answer is still served; a quantized V with flash attention off is refused."""
+    srv, _ = restarted
+    before = httpx.get(srv.url + "/admin/status").json()["memory"]["target"]["kv"]
+    bad = httpx.post(
+        srv.url + "/admin/tune", json={"kv_type_v": "q8_0", "flash_attn": "off"}, timeout=60
+    )
+    assert bad.status_code == 400 and "flash attention" in bad.json()["error"]["message"]
+    r = httpx.post(
+        srv.url + "/admin/tune", json={"kv_type_k": "q8_0", "kv_type_v": "q8_0"}, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["settings"]["kv_type_v"] == "q8_0"
+    st = httpx.get(srv.url + "/admin/status").json()
+    assert st["state"] == "ready" and st["memory"]["target"]["kv"] < 0.6 * before
+    ok = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    assert httpx.post(srv.url + "/v1/completions", json=ok, timeout=60).status_code == 200
+    back = {"kv_type_k": "f16", "kv_type_v": "f16"}
+    assert httpx.post(srv.url + "/admin/tune", json=back, timeout=120).status_code == 200
+
+
 def test_stuck_engine_stops_watchdog_pings(restarted):
     srv, notify = restarted
     notify.wait_for("READY=1", timeout=5)

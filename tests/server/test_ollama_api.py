@@ -233,3 +233,33 @@ def test_format_from_a_pydantic_model(oc):
     )
     assert r.done_reason == "stop"
     assert Colour.model_validate_json(r.message.content).name in ("red", "yellow", "blue")
+
+
+def test_chat_with_tools_streams_its_text(http):
+    """Open WebUI sends its built-in tools with every chat: the answer must still stream (the
+    splitter holds back only what may open a call), and add up to the whole answer."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The current time",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "tools": [tool],
+        "options": {"temperature": 0, "num_predict": 24},
+    }
+    with http.stream("POST", "/api/chat", json=body) as r:
+        lines = [json.loads(line) for line in r.iter_lines() if line.strip()]
+    whole = http.post("/api/chat", json=body | {"stream": False}).json()["message"]
+    assert not whole.get("tool_calls")  # this question calls nothing (greedy: always so)
+    with_text = [x for x in lines[:-1] if x["message"]["content"]]
+    assert len(with_text) > 3, lines
+    assert "".join(x["message"]["content"] for x in lines) == whole["content"]
+    assert http.post("/api/show", json={"model": MODEL}).json()["capabilities"][:2] == [
+        "completion",
+        "tools",
+    ]
