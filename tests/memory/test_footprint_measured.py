@@ -125,8 +125,9 @@ KV_N_CTX = 4096
 KV_ARGS = ["--n-ctx", str(KV_N_CTX), "--outputs", str(K_MAX + 1), "--flash-attn"]
 
 
-@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
-@pytest.mark.parametrize("family", ["smollm2", "gemma3"])
+@pytest.mark.parametrize(
+    ("family", "kv_type"), [("smollm2", "q8_0"), ("smollm2", "q4_0"), ("gemma3", "q8_0")]
+)
 def test_kv_cache_type_saves_what_the_model_says(target_path, family, kv_type):
     """What a quantized cache saves against f16, measured on each family (Gemma 3's model
     as a whole is another matter: its sliding-window layers and 262k vocabulary)."""
