@@ -12,13 +12,14 @@ The lower bound that still speculates is target + the smallest model draft at k 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from memspec.drafts.manifest import DraftManifest
 from memspec.errors import ModelLoadError
-from memspec.kv_cache import F16, KVCache
+from memspec.kv_cache import F16, KV_TYPES, KVCache
 from memspec.memory.fill import density, fill_by_value
 from memspec.memory.footprint import KV_PAD, Footprint, draft_footprint, target_footprint
 from memspec.units import format_size
@@ -49,6 +50,34 @@ def slots_that_fit(
             break
         best = slots
     return best
+
+
+def longest_context(
+    budget_bytes: int,
+    target_path: Path,
+    k: int,
+    reserved_at: Callable[[int], int] = lambda n: 0,
+    n_gpu_layers: int = 0,
+    slots: int = 1,
+    kv_cache: KVCache = F16,
+    limit: int = 1 << 20,
+) -> int:
+    """The longest context per slot (in llama.cpp's 256-cell steps, up to `limit`) whose target
+    footprint, beside `reserved_at(n_ctx)` (the drafts kept resident, whose own contexts grow
+    with it), fits the budget; 0 when not even MIN_N_CTX does. SpecMemo's order: the drafts
+    that pay are kept, and context is what is left."""
+
+    def fits(n: int) -> bool:
+        fp = target_footprint(target_path, n, k, n_gpu_layers, slots, kv_cache)
+        return fp.total + reserved_at(n) <= budget_bytes
+
+    if not fits(MIN_N_CTX):
+        return 0
+    lo, hi = MIN_N_CTX // KV_PAD, max(limit // KV_PAD, MIN_N_CTX // KV_PAD)
+    while lo < hi:  # the footprint grows with n_ctx: bisect on 256-cell steps
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * KV_PAD) else (lo, mid - 1)
+    return lo * KV_PAD
 
 
 @dataclass
@@ -90,6 +119,9 @@ class Plan:
     used_bytes: int = 0
     slots: int = 1  # sequence slots (batched decoding) that fit beside the plan's residents
     slot_bytes: int = 0  # what one more slot adds (its KV cache and logit rows)
+    # The trade (`memspec plan`): the longest context per slot beside the plan's residents,
+    # by KV cache type and slot count: {"f16": {1: 30720, 2: 15104}, ...}.
+    context_by_kv: dict[str, dict[int, int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -110,6 +142,7 @@ class Plan:
             "used_bytes": self.used_bytes,
             "slots": self.slots,
             "slot_bytes": self.slot_bytes,
+            "context_by_kv_type": self.context_by_kv,
             "everything_bytes": self.everything_bytes,
             "lower_bound_bytes": self.lower_bound_bytes,
             "lower_bound_draft": self.lower_bound_draft,
@@ -205,6 +238,18 @@ def make_plan(
             target_footprint(target_path, n, k, n_gpu_layers, s, kv_cache).total for s in (1, 2)
         )
         plan.slot_bytes = two - one
+        # Each type with the flash attention a quantized V needs; f16 both ways, as without
+        # it the attention scratch grows with the context too.
+        for kv in [KVCache("f16", "f16", False), *(KVCache(t, t, True) for t in KV_TYPES)]:
+
+            def residents_at(n: int, kv: KVCache = kv) -> int:  # the drafts' caches alike
+                fits = draft_fits(manifests, models_dir, n, values, n_gpu_layers, kv)
+                return sum(d.bytes for d in fits if d.id in resident)
+
+            plan.context_by_kv[kv.describe()] = {
+                s: longest_context(budget_bytes, target_path, k, residents_at, n_gpu_layers, s, kv)
+                for s in sorted({1, plan.slots})
+            }
         return plan
 
     weightless = [d.id for d in avail if d.bytes == 0 and d.value > 0]
@@ -284,6 +329,12 @@ def format_plan(p: Plan) -> str:
             f" (and more than the budget even at n_ctx {MIN_N_CTX})"
         )
         return "\n".join(lines)
+    if p.context_by_kv:
+        lines.append("longest context per slot beside the residents, by KV cache:")
+        for name, row in p.context_by_kv.items():
+            cells = "   ".join(f"{s} slot{'s' if s > 1 else ''} {n:>9,}" for s, n in row.items())
+            lines.append(f"  {name:34s} {cells}")
+        lines.append("")
     shed = ", then ".join(p.shed) if p.shed else "none (everything fits)"
     lines += [
         f"slots: {p.slots} sequences decode together within the budget "

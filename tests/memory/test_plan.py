@@ -144,3 +144,31 @@ def test_plan_cli_json_and_text(target_path):
         main(["plan", "--budget", "900MB"])
     text = out.getvalue()
     assert "lower bound that still speculates" in text and "eviction order" in text
+
+
+def test_longest_context_is_the_last_that_fits(target_path, manifests):
+    """The trade `memspec plan` shows: per KV cache type, the longest context (256-cell steps)
+    whose footprint fits beside the residents; one step more does not. A quantized cache or
+    flash attention (no attention scores that grow with the context) holds more."""
+    from memspec.kv_cache import KVCache
+    from memspec.memory.plan import longest_context
+
+    budget = 1 << 30
+    got = {}
+    for kv in (KVCache(), KVCache("f16", "f16", True), KVCache("q8_0", "q8_0", True)):
+        n = longest_context(budget, target_path, 8, lambda n: 100 << 20, kv_cache=kv)
+        fp = target_footprint(target_path, n, 8, kv_cache=kv).total + (100 << 20)
+        over = target_footprint(target_path, n + 256, 8, kv_cache=kv).total + (100 << 20)
+        assert n % 256 == 0 and fp <= budget < over, kv
+        got[kv.describe()] = n
+    assert list(got.values()) == sorted(got.values()) and len(set(got.values())) == 3, got
+    assert longest_context(1 << 20, target_path, 8) == 0  # not even the shortest fits
+    plan = make_plan(budget, target_path, manifests, models_dir(), n_ctx=1024, k_max=8)
+    table = plan.context_by_kv
+    assert set(table) == {
+        "K f16, V f16",
+        "K f16, V f16, flash attention",
+        "K q8_0, V q8_0, flash attention",
+        "K q4_0, V q4_0, flash attention",
+    }
+    assert all(row[1] >= 1024 for row in table.values())  # the plan's own n_ctx fits
