@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from memspec.drafts.gguf_header import open_header, scalar
 from memspec.drafts.manifest import DraftManifest
 from memspec.errors import ModelLoadError
 from memspec.kv_cache import F16, KV_TYPES, KVCache
@@ -78,6 +79,14 @@ def longest_context(
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid * KV_PAD) else (lo, mid - 1)
     return lo * KV_PAD
+
+
+def trained_context(path: Path) -> int:
+    """The context the model was trained for (`<arch>.context_length`): no plan goes beyond
+    it, whatever the budget would hold."""
+    reader = open_header(path)
+    arch = scalar(reader, "general.architecture") or "llama"
+    return int(scalar(reader, f"{arch}.context_length") or 1 << 20)
 
 
 @dataclass
@@ -247,11 +256,14 @@ def make_plan(
                 return sum(d.bytes for d in fits if d.id in resident)
 
             plan.context_by_kv[kv.describe()] = {
-                s: longest_context(budget_bytes, target_path, k, residents_at, n_gpu_layers, s, kv)
+                s: longest_context(
+                    budget_bytes, target_path, k, residents_at, n_gpu_layers, s, kv, trained
+                )
                 for s in sorted({1, plan.slots})
             }
         return plan
 
+    trained = trained_context(target_path)
     weightless = [d.id for d in avail if d.bytes == 0 and d.value > 0]
     if plan.everything_bytes <= budget_bytes:
         return settle([], n_ctx, k_max, [d.id for d in avail], plan.everything_bytes)
@@ -330,7 +342,10 @@ def format_plan(p: Plan) -> str:
         )
         return "\n".join(lines)
     if p.context_by_kv:
-        lines.append("longest context per slot beside the residents, by KV cache:")
+        lines.append(
+            "longest context per slot beside the residents, by KV cache (at most the trained "
+            "context):"
+        )
         for name, row in p.context_by_kv.items():
             cells = "   ".join(f"{s} slot{'s' if s > 1 else ''} {n:>9,}" for s, n in row.items())
             lines.append(f"  {name:34s} {cells}")
