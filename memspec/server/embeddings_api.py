@@ -35,7 +35,7 @@ from memspec.runtime import Runtime
 from memspec.server.auth import require_api_key
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.engine_state import state_error
-from memspec.server.errors import EngineError, NotReady
+from memspec.server.errors import EmbeddingsUnavailable, EngineError, NotReady
 from memspec.server.openai_api import check_model, check_prompt_size, check_text
 from memspec.server.openai_schema import ERROR_RESPONSES
 
@@ -57,15 +57,6 @@ SAMPLING_OPTIONS = frozenset(
     }
 )  # fmt: skip
 TOO_LONG = "the input length exceeds the context length"  # Ollama's words
-
-
-class EmbeddingsUnavailable(NotReady):
-    """The budget cannot hold the embedding context: a 503 with the reason, no Retry-After
-    (it frees only when drafts are unpinned or the budget is raised)."""
-
-    def __init__(self, message: str):
-        super().__init__(message, code="memory_budget_exceeded")
-        self.retry_after_s = None  # type: ignore[assignment]
 
 
 @dataclass

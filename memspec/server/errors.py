@@ -28,6 +28,7 @@ from memspec.errors import (
     UnknownDraft,
 )
 from memspec.predictor.model import PredictorError
+from memspec.pull import ModelNotFound, PullCancelled, PullError
 from memspec.server.state import StateWriteError
 
 log = logging.getLogger("memspec.server")
@@ -72,6 +73,15 @@ class NotReady(MemSpecError):
         self.retry_after_s = retry_after_s
 
 
+class EmbeddingsUnavailable(NotReady):
+    """The budget cannot hold the embedding context: a 503 with the reason, no Retry-After
+    (it frees only when drafts are unpinned or the budget is raised)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code="memory_budget_exceeded")
+        self.retry_after_s = None  # type: ignore[assignment]
+
+
 class EngineError(MemSpecError):
     """The engine raised something that is not a MemSpecError: a clean 500, no traceback."""
 
@@ -103,6 +113,11 @@ HTTP_ERRORS: dict[type[MemSpecError], HttpError] = {
     PredictorError: HttpError(500, _SERVER, "predictor_unavailable"),
     EngineError: HttpError(500, _SERVER, "engine_error"),
     NotReady: HttpError(503, _SERVER, "not_ready"),
+    EmbeddingsUnavailable: HttpError(503, _SERVER, "memory_budget_exceeded"),
+    # Ollama's pull (memspec.pull): its routes shape these as {"error": ...}
+    PullError: HttpError(500, _SERVER, "pull_failed"),
+    ModelNotFound: HttpError(404, _CLIENT, "model_not_found"),
+    PullCancelled: HttpError(400, _CLIENT, "pull_cancelled"),
     DeviceUnavailable: HttpError(503, _SERVER, "device_unavailable"),
     BudgetExceeded: HttpError(507, _SERVER, "memory_budget_exceeded"),
     StateWriteError: HttpError(507, _SERVER, "state_not_persisted"),

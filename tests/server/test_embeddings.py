@@ -150,8 +150,7 @@ def test_a_budget_without_room_is_a_503_with_the_reason():
     from memspec.memory.footprint import target_footprint
     from memspec.paths import resolve_model_path
     from memspec.runtime import Runtime
-    from memspec.server.embeddings_api import EmbeddingsUnavailable
-    from memspec.server.errors import http_error
+    from memspec.server.errors import EmbeddingsUnavailable, http_error
 
     require_testbed()
     settings = Settings.load(drafts=[], n_ctx=N_CTX, n_threads=1)

@@ -46,7 +46,7 @@ def test_malformed_json(http, raw):
         ({"model": MODEL, "messages": MSG, "stop": [1, 2]}, "stop"),
         ({"model": MODEL, "messages": MSG, "stop": ["x"] * 1000}, "stop"),
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-        ({"messages": MSG}, "model"),
+        ({"model": 5, "messages": MSG}, "model"),  # left out, it is the served model
         ({"model": MODEL, "messages": MSG, "stream": "yes"}, "stream"),
     ],
 )
