@@ -140,7 +140,7 @@ def test_tune_kv_cache_types_live(restarted):
     """A quantized cache, live: the context is rebuilt with it (its bytes in status drop),
     the answer is still served; a quantized V with flash attention off is refused."""
     srv, _ = restarted
-    before = httpx.get(srv.url + "/admin/status").json()["memory"]["target"]["kv"]
+    before = httpx.get(srv.url + "/admin/status").json()["working_set"]["target"]["kv"]
     bad = httpx.post(
         srv.url + "/admin/tune", json={"kv_type_v": "q8_0", "flash_attn": "off"}, timeout=60
     )
@@ -151,7 +151,8 @@ def test_tune_kv_cache_types_live(restarted):
     assert r.status_code == 200, r.text
     assert r.json()["settings"]["kv_type_v"] == "q8_0"
     st = httpx.get(srv.url + "/admin/status").json()
-    assert st["state"] == "ready" and st["memory"]["target"]["kv"] < 0.6 * before
+    assert st["state"] == "ready" and st["working_set"]["target"]["kv"] < 0.6 * before
+    assert st["kv_cache"]["type_v"] == "q8_0" and st["kv_cache"]["flash_attn"]
     ok = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
     assert httpx.post(srv.url + "/v1/completions", json=ok, timeout=60).status_code == 200
     back = {"kv_type_k": "f16", "kv_type_v": "f16"}
