@@ -17,7 +17,7 @@ from sampling_check import exact_joint, null_threshold, speculative_samples, tv
 from memspec.config import Settings
 from memspec.engine.sampling import SamplingParams
 
-MAX_TOKENS = 32
+MAX_TOKENS = 24
 NEAR_TIE = 1e-3  # logit units: what a different summation order can move a logit by
 CASES = {  # id -> the settings that make it
     "q8_0": {"kv_type_k": "q8_0", "kv_type_v": "q8_0"},
@@ -79,7 +79,7 @@ def test_cache_types_reach_llama_cpp(kv_runtime):
 def test_greedy_equals_plain_with_the_same_cache_types(kv_runtime, draft):
     rt = kv_runtime
     params = SamplingParams(max_tokens=MAX_TOKENS)
-    for text in PROMPTS:
+    for text in PROMPTS[:2]:  # extraction (lookup pays) and code
         prompt = rt.prompt_tokens(messages=[{"role": "user", "content": text}])
         ref = rt.generate(prompt, params, draft="none").token_ids
         assert ref
