@@ -280,6 +280,18 @@ def stamp_path(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
+def recorded_sha256(path: Path) -> str | None:
+    """The SHA-256 a fetch checked and remembered beside `path`, if the stamp is for the file
+    as it is now (same size and mtime); None otherwise."""
+    stamp = stamp_path(path)
+    if not stamp.is_file():
+        return None
+    recorded = stamp.read_text().split()
+    if len(recorded) == 3 and _stamp(path, recorded[0])[1] == " ".join(recorded):
+        return recorded[0]
+    return None
+
+
 def _stamp(path: Path, sha256: str) -> tuple[Path, str]:
     """Where a file's check is remembered, and what it must say for the file as it is now."""
     st = path.stat()

@@ -11,7 +11,6 @@ this daemon cannot honour is a 400 naming it, never ignored.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import re
 from datetime import UTC, datetime
@@ -40,6 +39,7 @@ from memspec.server.openai_api import (
     served_model,
 )
 from memspec.server.openai_schema import ChatCompletionRequest, CompletionRequest
+from memspec.testbed import recorded_sha256, sha256_file
 
 # Ollama's routes need the same key as /v1 when keys are set; `/` and /api/version do not
 # (Ollama's clients probe them before anything else).
@@ -106,7 +106,7 @@ class GenerateBody(_Body):
 
 
 class ShowBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     name: str | None = None  # the older field name
@@ -419,21 +419,12 @@ _digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256 
 
 
 def file_digest(path: Path) -> str:
-    """The file's SHA-256 (Ollama's digest), from its .sha256 file when one was written beside
-    it at fetch time for this size, else hashed once per file version."""
+    """The file's SHA-256 (Ollama's digest): the fetch's check remembered beside it when it
+    is for the file as it is now, else hashed once per file version."""
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
-    sidecar = path.with_name(path.name + ".sha256")
-    if key not in _digests and sidecar.is_file():
-        recorded = sidecar.read_text().split()  # "sha256 size mtime_ns"
-        if len(recorded) >= 2 and recorded[1] == str(st.st_size):
-            _digests[key] = recorded[0]
     if key not in _digests:
-        h = hashlib.sha256()
-        with path.open("rb") as f:
-            while block := f.read(1 << 22):
-                h.update(block)
-        _digests[key] = h.hexdigest()
+        _digests[key] = recorded_sha256(path) or sha256_file(path)
     return _digests[key]
 
 
@@ -522,6 +513,11 @@ def _parameters_text() -> str:
 @router.post("/api/show")
 async def show(request: Request, ctx: Ctx) -> dict[str, Any]:
     body: ShowBody = _parse(ShowBody, await _json(request))
+    if body.verbose:  # Ollama then adds the GGUF's arrays (150k-token vocabularies): not sent
+        raise InvalidRequest(
+            "verbose is not supported: model_info holds the GGUF's scalar metadata only",
+            param="verbose",
+        )
     asked = body.model or body.name
     if not asked:
         raise InvalidRequest("model is required", param="model")

@@ -43,6 +43,10 @@ def test_tags_ps_show(oc):
     assert listed[0].details.format == "gguf" and listed[0].details.family == "llama"
     (running,) = oc.ps().models
     assert running.model == MODEL and running.size > listed[0].size  # + KV and drafts
+    from memspec.paths import models_dir
+    from memspec.testbed import sha256_file
+
+    assert listed[0].digest == sha256_file(models_dir() / TARGET_FILE)
     shown = oc.show(MODEL)
     assert "completion" in shown.capabilities
     assert shown.modelinfo["general.architecture"] == "llama"
@@ -106,6 +110,9 @@ def test_ollama_errors(oc, kwargs, status, word):
 def test_error_body_is_ollamas(http):
     r = http.post("/api/chat", content=b"{not json")
     assert r.status_code == 400 and isinstance(r.json()["error"], str)
+    for body in ({"model": MODEL, "verbose": True}, {"model": MODEL, "colour": "red"}):
+        r = http.post("/api/show", json=body)  # a field not honoured is named, never ignored
+        assert r.status_code == 400 and list(body)[1] in r.json()["error"], r.text
 
 
 def test_v1_without_model_serves_the_target(client, http):
