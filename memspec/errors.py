@@ -27,6 +27,10 @@ class UnknownDraft(MemSpecError):
     """No draft by that id in the pool."""
 
 
+class UnknownModel(MemSpecError):
+    """The request names a model this daemon does not serve."""
+
+
 class ModelLoadError(MemSpecError):
     """A model file is missing, corrupt, not a GGUF, or could not be loaded."""
 

@@ -63,3 +63,31 @@ def format_size(n: int) -> str:
         if abs(n) >= div:
             return f"{n / div:.2f} {unit}"
     return f"{n} B"
+
+
+_DURATION = re.compile(r"(-?)((?:\d+(?:\.\d+)?(?:h|m|s|ms))+)")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_DURATION_SCALE = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3}
+
+
+def parse_duration_s(value: int | float | str) -> float:
+    """Seconds in a duration as Ollama's keep_alive writes it: a number of seconds, or Go's
+    "5m", "1h30m", "250ms", "-1m"; ValueError otherwise. A negative one means forever."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration")
+    if isinstance(value, int | float):
+        if not math.isfinite(value):
+            raise ValueError(f"{value!r} is not a duration")
+        return float(value)
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        parts = _DURATION.fullmatch(text)
+        if parts is None:
+            raise ValueError(f"{value!r} is not a duration") from None
+        total = sum(float(n) * _DURATION_SCALE[u] for n, u in _DURATION_PART.findall(parts[2]))
+        return -total if parts[1] else total
+    if not math.isfinite(seconds):
+        raise ValueError(f"{value!r} is not a duration")
+    return seconds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from memspec.units import format_size
@@ -145,6 +146,7 @@ def status(st: dict[str, Any], url: str, prev: dict[str, Any] | None = None) -> 
         ("chat", str((st.get("chat_template") or {}).get("source") or "-")),
         ("policy", f"{st.get('policy', '-')}   k_max {st.get('k_max', '-')}"),
         ("n_ctx", f"{st.get('n_ctx', '-')}{_kv_text(st.get('kv_cache'))}"),
+        *_context_lines((st.get("working_set") or {}).get("context")),
         ("budget", _size(budget)),
         (
             "used",
@@ -157,8 +159,45 @@ def status(st: dict[str, Any], url: str, prev: dict[str, Any] | None = None) -> 
         *_device_lines(st.get("devices") or []),
         ("requests", f"{served if served is not None else '-'}{delta}"),
         ("tok/s", f"{_num(st.get('tokens_per_s_recent'), '.1f')} (recent)"),
+        *_model_lines(st.get("models") or [], st.get("residency")),
     ]
     return kv_table(pairs) + "\n\n" + drafts_table(st.get("drafts") or [])
+
+
+def _model_lines(models: list[dict[str, Any]], residency: str | None) -> list[tuple[str, str]]:
+    """Every servable model: resident ones with their bytes and keep_alive expiry."""
+    lines = []
+    for m in models:
+        mark = " (default)" if m.get("default") else ""
+        if m.get("resident"):
+            exp = m.get("expires_at")
+            until = "no expiry" if exp is None else f"expires in {_duration(exp - time.time())}"
+            state = f"resident {_size(m.get('bytes'))}, {until}"
+        else:
+            state = "not loaded"
+        counts = f"loads {m.get('loads', 0)}, evictions {m.get('evictions', 0)}"
+        lines.append(("model", f"{m.get('name')}{mark}: {state}; {counts}"))
+    if lines and residency:
+        lines.insert(0, ("residency", residency))
+    return lines
+
+
+def _context_lines(ctx: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The trade beside n_ctx: context per slot against the drafts resident and the slots."""
+    if not ctx or not ctx.get("n_ctx"):
+        return []
+    slots = ctx.get("slots", 1)
+    drafts = ", ".join(ctx.get("drafts") or []) or "no draft"
+    how = "auto" if ctx.get("auto") else f"auto would give {ctx.get('longest', 0):,}"
+    return [
+        (
+            "context",
+            f"{ctx['n_ctx']:,} per slot x {slots} slot{'s' if slots != 1 else ''} beside "
+            f"{drafts} ({_size(ctx.get('drafts_bytes'))}); {how}, "
+            f"limit {ctx.get('limited_by', '-')} (trained {ctx.get('trained_context', 0):,}); "
+            f"{ctx.get('without_drafts', 0):,} with no draft",
+        )
+    ]
 
 
 def _device_lines(devices: list[dict[str, Any]]) -> list[tuple[str, str]]:

@@ -73,6 +73,13 @@ class PrefixCache:
         with self._lock:
             self._entries.clear()
 
+    def drop_partition(self, head: str) -> None:
+        """Drop the snapshots of partitions headed `head` + NUL (an unloaded model's: the
+        daemon heads a request's partition with its model's name)."""
+        prefix = head + "\x00"
+        with self._lock:
+            self._entries = [e for e in self._entries if not e.partition.startswith(prefix)]
+
     def forget(self, keep: list[Backend]) -> None:
         """Drop snapshots of backends no longer loaded (an evicted draft, a reloaded target)."""
         with self._lock:

@@ -78,13 +78,15 @@ class TuneRequest(BaseModel):
     budget: Annotated[int | str | None, Field(description='bytes or a size: "1.5GiB"')] = None
     policy: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = None
     k_max: Annotated[int | None, Field(ge=0, le=64)] = None
-    n_ctx: Annotated[int | None, Field(ge=16, le=1 << 20)] = None
+    n_ctx: Annotated[int, Field(ge=16, le=1 << 20)] | Literal["auto"] | None = None
     parallel: Annotated[int | None, Field(ge=0, le=64)] = None
     kv_type_k: KVType | None = None
     kv_type_v: KVType | None = None
     draft_kv_type_k: KVType | None = None
     draft_kv_type_v: KVType | None = None
     flash_attn: Literal["auto", "on", "off"] | None = None
+    prefill_chunk: Annotated[int | None, Field(ge=16, le=1 << 16)] = None
+    context_overflow: Literal["error", "shift"] | None = None
 
     @field_validator("budget")
     @classmethod
@@ -130,6 +132,8 @@ def tuned_settings(ctx: ServerContext) -> dict[str, Any]:
         "draft_kv_type_k": values["draft_kv_type_k"],
         "draft_kv_type_v": values["draft_kv_type_v"],
         "flash_attn": values["flash_attn"],
+        "prefill_chunk": values["prefill_chunk"],
+        "context_overflow": values["context_overflow"],
     }
 
 
@@ -166,7 +170,7 @@ def status(ctx: ServerContext) -> dict[str, Any]:
     if snap.get("jetson") and snap.get("nvmap_used_bytes"):
         measured += snap["nvmap_used_bytes"]  # GPU allocations in the shared DRAM
     cache = w.prefix_cache
-    modelled = (_retry(rt.modelled_bytes, 0) if rt is not None else 0) + cache.nbytes
+    modelled = _retry(w.targets.used_bytes, 0) + cache.nbytes  # every resident model
     n_ctx = rt.target.n_ctx if rt is not None and rt.target is not None else s.n_ctx
     chat = rt.chat_template.status() if rt is not None else None  # where its template came from
     return {
@@ -213,6 +217,10 @@ def status(ctx: ServerContext) -> dict[str, Any]:
         },
         "working_set": _retry(rt.memory_status, None) if rt is not None else None,
         "drafts": draft_rows(ctx),
+        # Several models under the budget (memspec.targets): every servable one, resident or
+        # not, its bytes and share, keep_alive expiry, loads and evictions.
+        "residency": s.residency,
+        "models": _retry(w.models_status, []),
     }
 
 

@@ -26,6 +26,7 @@ from memspec.errors import (
     MemSpecError,
     ModelLoadError,
     UnknownDraft,
+    UnknownModel,
 )
 from memspec.predictor.model import PredictorError
 from memspec.pull import ModelNotFound, PullCancelled, PullError
@@ -37,10 +38,6 @@ log = logging.getLogger("memspec.server")
 class Unauthorized(MemSpecError):
     def __init__(self, message: str = "missing or invalid API key (Authorization: Bearer ...)"):
         super().__init__(message)
-
-
-class UnknownModel(MemSpecError):
-    """The request names a model this daemon does not serve."""
 
 
 class PayloadTooLarge(MemSpecError):

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import psutil
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -128,6 +128,35 @@ class Metrics:
         self.stall = Counter(
             "memspec_stall_seconds", "Seconds generation waited on draft loads", registry=r
         )
+        # Several models under one budget (memspec.targets): per model.
+        self.model_bytes = Gauge(
+            "memspec_model_resident_bytes",
+            "Bytes a model holds (target, KV, its drafts; modelled), 0 when not resident",
+            ["model"],
+            registry=r,
+        )
+        self.model_loads = Counter(
+            "memspec_model_loads", "Times a model was loaded", ["model"], registry=r
+        )
+        self.model_evictions = Counter(
+            "memspec_model_evictions",
+            "Times a model was unloaded to make room for another",
+            ["model"],
+            registry=r,
+        )
+        self.model_unloads = Counter(
+            "memspec_model_unloads",
+            "Times a model was unloaded, by why (evict, expire: keep_alive ran out, unload)",
+            ["model", "why"],
+            registry=r,
+        )
+        self.model_stall = Counter(
+            "memspec_model_stall_seconds",
+            "Request-seconds spent waiting on a model's load (the requests waiting for it and "
+            "those paused in flight, times the load's seconds)",
+            ["model"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "memspec_time_to_first_token_seconds",
             "Arrival to first token (queue wait + prefill + first round)",
@@ -161,6 +190,24 @@ class Metrics:
             self.loads.inc(len(now - before))
         if before - now:
             self.evictions.inc(len(before - now))
+
+    def observe_model_load(self, model: str, seconds: float, stalled_requests: int) -> None:
+        """A model loaded in `seconds` while `stalled_requests` requests waited for it."""
+        self.model_stall.labels(model).inc(seconds * max(1, stalled_requests))
+
+    def observe_model_change(self, model: str, what: str) -> None:
+        """A model loaded ("load") or unloaded ("evict", "expire", "unload")."""
+        if what == "load":
+            self.model_loads.labels(model).inc()
+            return
+        self.model_unloads.labels(model, what).inc()
+        if what == "evict":
+            self.model_evictions.labels(model).inc()
+
+    def observe_models(self, rows: list[dict]) -> None:
+        """Every servable model's resident bytes (memspec.targets.Targets.status rows)."""
+        for row in rows:
+            self.model_bytes.labels(row["name"]).set(row["bytes"])
 
     def observe_round(self, sequences: int, tokens: int) -> None:
         """One forward pass of the engine: how many sequences and tokens it carried."""

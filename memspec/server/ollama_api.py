@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -23,14 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import memspec
 from memspec.engine.speculative import Generation
-from memspec.errors import InvalidRequest, MemSpecError
+from memspec.errors import InvalidRequest, MemSpecError, UnknownModel
 from memspec.memory.gguf_info import read_shape
-from memspec.paths import resolve_model_path
+from memspec.runtime import ClientRequest
 from memspec.server import tools
 from memspec.server.auth import require_api_key
 from memspec.server.context import Ctx, ServerContext
-from memspec.server.errors import NotReady
 from memspec.server.openai_api import (
+    chat_template,
     check_model,
     memspec_stats,
     plan_chat,
@@ -40,6 +39,7 @@ from memspec.server.openai_api import (
 )
 from memspec.server.openai_schema import ChatCompletionRequest, CompletionRequest
 from memspec.testbed import recorded_sha256, sha256_file
+from memspec.units import parse_duration_s
 
 # Ollama's routes need the same key as /v1 when keys are set; `/` and /api/version do not
 # (Ollama's clients probe them before anything else).
@@ -137,22 +137,15 @@ async def _json(request: Request) -> Any:
 
 
 def _keep_alive_s(value: str | int | float | None) -> float | None:
-    """Ollama's keep_alive in seconds: a number, or a duration "5m", "1h30m", "-1"."""
+    """Ollama's keep_alive in seconds (memspec.units.parse_duration_s); None if not given."""
     if value is None:
         return None
-    if isinstance(value, int | float):
-        return float(value)
-    text = value.strip()
     try:
-        return float(text)
+        return parse_duration_s(value)
     except ValueError:
-        pass
-    parts = re.fullmatch(r"(-?)((?:\d+(?:\.\d+)?(?:h|m|s|ms))+)", text)
-    if parts is None:
-        raise InvalidRequest(f"keep_alive {value!r} is not a duration", param="keep_alive")
-    scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3}
-    total = sum(float(n) * scale[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", parts[2]))
-    return -total if parts[1] else total
+        raise InvalidRequest(
+            f"keep_alive {value!r} is not a duration", param="keep_alive"
+        ) from None
 
 
 def _check_common(body: _Body) -> None:
@@ -160,12 +153,7 @@ def _check_common(body: _Body) -> None:
         raise InvalidRequest(
             "think is not supported: the served model has no thinking mode", param="think"
         )
-    if (keep := _keep_alive_s(body.keep_alive)) is not None and keep == 0:
-        raise InvalidRequest(
-            "keep_alive 0 would unload the model; this daemon keeps its one target resident "
-            "for as long as it runs",
-            param="keep_alive",
-        )
+    _keep_alive_s(body.keep_alive)  # a malformed duration is a 400 before anything runs
 
 
 def _sampling(body: _Body, n_ctx: int) -> dict[str, Any]:
@@ -290,9 +278,24 @@ def _reason(finish: str) -> str:
     return "length" if finish == "length" else "stop"
 
 
-def _loaded(model: str, key: str, empty: Any) -> dict[str, Any]:
-    """Ollama's answer to a request with nothing to generate: the model is loaded."""
-    return {"model": model, "created_at": _now(), key: empty, "done": True, "done_reason": "load"}
+async def _load_or_unload(
+    ctx: ServerContext, model: str, keep_alive: str | int | float | None, key: str, empty: Any
+) -> dict[str, Any]:
+    """Ollama's answer to a request with nothing to generate: with keep_alive 0 the model is
+    unloaded, else it is loaded (and stays for keep_alive)."""
+    keep = _keep_alive_s(keep_alive)
+    if keep == 0:
+        await ctx.control(lambda w: w.unload_model(model), f"unload {model}")
+        reason = "unload"
+    else:
+        await ctx.control(lambda w: w.load_model(model, keep), f"load {model}")
+        reason = "load"
+    return {"model": model, "created_at": _now(), key: empty, "done": True, "done_reason": reason}
+
+
+def _keep(req: ClientRequest, keep_alive: str | int | float | None) -> ClientRequest:
+    req.keep_alive_s = _keep_alive_s(keep_alive)
+    return req
 
 
 @router.post("/api/chat")
@@ -300,14 +303,15 @@ async def chat(request: Request, ctx: Ctx) -> Any:
     body: ChatBody = _parse(ChatBody, await _json(request))
     _check_common(body)
     if not body.messages:
-        return _loaded(
-            check_model(ctx, body.model), "message", {"role": "assistant", "content": ""}
+        empty = {"role": "assistant", "content": ""}
+        return await _load_or_unload(
+            ctx, check_model(ctx, body.model), body.keep_alive, "message", empty
         )
     oa = {
         "model": body.model,
         "messages": _openai_messages(body.messages),
         "stream": body.stream,
-        **_sampling(body, ctx.settings.n_ctx),
+        **_sampling(body, ctx.n_ctx),
     }
     if body.tools:
         oa["tools"] = body.tools
@@ -341,7 +345,7 @@ async def chat(request: Request, ctx: Ctx) -> Any:
         out["message"]["content"] = held.get("content", "")
         return out
 
-    return await _run(request, ctx, req, body.stream, chunk, final, last)
+    return await _run(request, ctx, _keep(req, body.keep_alive), body.stream, chunk, final, last)
 
 
 @router.post("/api/generate")
@@ -363,8 +367,9 @@ async def generate(request: Request, ctx: Ctx) -> Any:
             param="template",
         )
     if not body.prompt and body.suffix is None:
-        return _loaded(check_model(ctx, body.model), "response", "")
-    sampling = _sampling(body, ctx.settings.n_ctx)
+        model = check_model(ctx, body.model)
+        return await _load_or_unload(ctx, model, body.keep_alive, "response", "")
+    sampling = _sampling(body, ctx.n_ctx)
     if body.raw or body.suffix is not None:  # the prompt as it is, or the text before a hole
         if body.system is not None:
             raise InvalidRequest(
@@ -391,7 +396,7 @@ async def generate(request: Request, ctx: Ctx) -> Any:
     def last(gen: Generation) -> dict[str, Any]:
         return final(gen) | {"response": ""}
 
-    return await _run(request, ctx, req, body.stream, chunk, final, last)
+    return await _run(request, ctx, _keep(req, body.keep_alive), body.stream, chunk, final, last)
 
 
 async def _run(
@@ -428,8 +433,11 @@ def file_digest(path: Path) -> str:
     return _digests[key]
 
 
-def _target_path(ctx: ServerContext) -> Path:
-    return resolve_model_path(ctx.settings.target)
+def _model_path(ctx: ServerContext, name: str) -> Path:
+    found = ctx.worker.catalog.find(name)
+    if found is None:
+        raise UnknownModel(f"model {name!r} not found", param="model")
+    return found.path
 
 
 def _header_fields(path: Path) -> dict[str, Any]:
@@ -469,10 +477,7 @@ def _modified_at(path: Path) -> str:
     return datetime.fromtimestamp(path.stat().st_mtime, UTC).isoformat().replace("+00:00", "Z")
 
 
-async def _model_row(ctx: ServerContext) -> dict[str, Any]:
-    name = served_model(ctx)
-    path = _target_path(ctx)
-
+async def _model_row(ctx: ServerContext, name: str, path: Path) -> dict[str, Any]:
     def read() -> dict[str, Any]:
         info = _header_fields(path)
         return {
@@ -489,21 +494,44 @@ async def _model_row(ctx: ServerContext) -> dict[str, Any]:
 
 @router.get("/api/tags")
 async def tags(ctx: Ctx) -> dict[str, Any]:
-    """Every model this daemon serves: its one target (several targets are issue 38)."""
-    return {"models": [await _model_row(ctx)]}
+    """Every model this daemon serves (memspec.catalog), the default target first."""
+    served_model(ctx)  # NotReady while loading
+    models = await asyncio.to_thread(ctx.worker.catalog.models)
+    return {"models": [await _model_row(ctx, m.name, m.path) for m in models]}
+
+
+# Ollama's expiry for a model loaded with keep_alive -1 (no expiry).
+NEVER_EXPIRES = "2318-01-01T00:00:00Z"
 
 
 @router.get("/api/ps")
 async def ps(ctx: Ctx) -> dict[str, Any]:
-    row = await _model_row(ctx)
-    rt = ctx.worker.runtime
-    if rt is None:
-        return {"models": []}
-    row["size"] = rt.modelled_bytes()  # target + resident drafts + KV, as the budget counts
-    row["size_vram"] = 0 if ctx.settings.n_gpu_layers == 0 else row["size"]
-    row["expires_at"] = "2318-01-01T00:00:00Z"  # resident while the daemon runs (Ollama's -1)
-    row["context_length"] = ctx.settings.n_ctx
-    return {"models": [row]}
+    """The resident models: their bytes as the budget counts them, and when they expire."""
+    served_model(ctx)
+    rows = []
+    for m in await asyncio.to_thread(ctx.worker.models_status):
+        if not m["resident"]:
+            continue
+        row = await _model_row(ctx, m["name"], _model_path(ctx, m["name"]))
+        row["size"] = m["bytes"]  # target + resident drafts + KV, as the budget counts
+        row["size_vram"] = 0 if ctx.settings.n_gpu_layers == 0 else row["size"]
+        expires = m["expires_at"]
+        row["expires_at"] = (
+            NEVER_EXPIRES
+            if expires is None
+            else datetime.fromtimestamp(expires, UTC).isoformat().replace("+00:00", "Z")
+        )
+        row["context_length"] = m.get("n_ctx") or ctx.n_ctx
+        rows.append(row)
+    return {"models": rows}
+
+
+def _has_fim_tokens(path: Path) -> bool:
+    """Whether a model that is not loaded has FIM tokens (its vocabulary names them)."""
+    from memspec.drafts.gguf_header import array_bytes, open_header
+
+    raw = array_bytes(open_header(path), "tokenizer.ggml.tokens") or b""
+    return any(t in raw for t in (b"fim_prefix", b"fim_pre>", b"<PRE>"))
 
 
 def _parameters_text() -> str:
@@ -521,20 +549,19 @@ async def show(request: Request, ctx: Ctx) -> dict[str, Any]:
     asked = body.model or body.name
     if not asked:
         raise InvalidRequest("model is required", param="model")
-    check_model(ctx, asked)
-    rt = ctx.worker.runtime
-    if rt is None:
-        raise NotReady("models are loading; retry shortly", code="model_loading")
-    path = _target_path(ctx)
+    name = check_model(ctx, asked)
+    path = _model_path(ctx, name)
+    rt = ctx.worker.targets.runtime(name)
     info = await asyncio.to_thread(_header_fields, path)
-    template = rt.chat_template
+    template = chat_template(ctx, name)
     # Tools work on every target: a template without a place for them gets them described in
     # a system message (server/tools.py), so Open WebUI's and editors' tools are not refused.
     # Embeddings too: the target serves them unless embedding_model names another model.
     capabilities = ["completion", "tools"]
-    if rt.fim_tokens is not None:
+    fim = rt.fim_tokens is not None if rt is not None else _has_fim_tokens(path)
+    if fim:
         capabilities.append("insert")
-    if not ctx.settings.embedding_model:
+    if not ctx.settings.embedding_model and name == ctx.worker.default_model:
         capabilities.append("embedding")
     return {
         "modelfile": f"FROM {path}\n",

@@ -20,7 +20,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -112,6 +111,8 @@ def memspec_stats(gen: Generation) -> dict[str, Any]:
         "phases_ms": {p: round(s * 1e3, 3) for p, s in gen.phases.items()},
         "elapsed_ms": round(gen.elapsed_s * 1e3, 3),
     }
+    if gen.context_shift:  # context_overflow "shift": the oldest turns it dropped
+        out["context_shift"] = gen.context_shift
     return out
 
 
@@ -164,29 +165,33 @@ def served_model(ctx: ServerContext) -> str:
     return model_id
 
 
-def chat_template(ctx: ServerContext) -> ChatTemplate:
-    """The target's chat template (tools and structured output are planned against it)."""
-    rt = ctx.worker.runtime
-    if rt is None:  # reloading
-        raise NotReady("models are loading; retry shortly", code="model_loading")
-    return rt.chat_template
+def chat_template(ctx: ServerContext, model: str) -> ChatTemplate:
+    """The chat template of the served model `model` (tools and structured output are planned
+    against it): its runtime's when resident, else read from its file."""
+    rt = ctx.worker.targets.runtime(model)
+    if rt is not None:
+        return rt.chat_template
+    found = ctx.worker.catalog.find(model)
+    if found is None:  # removed from the models dir since check_model
+        raise UnknownModel(f"The model {model!r} does not exist (see /v1/models)", param="model")
+    return ctx.worker.catalog.chat_template(found)
 
 
 def check_model(ctx: ServerContext, model: str | None) -> str:
-    """The served id, if `model` names it (an alias of it, the target file as configured), or
-    when the request names none (as llama-server and Ollama's clients expect)."""
+    """The served name of the model `model` names (any of its names: memspec.catalog), or the
+    default target's when the request names none (as llama-server and Ollama's clients
+    expect)."""
     served = served_model(ctx)
-    if model is None or model == served:
+    if not model or model == served:
         return served
-    rt = ctx.worker.runtime
-    aliases = rt.model_aliases if rt is not None else frozenset()
-    target = ctx.settings.target
-    if model not in aliases and model not in (target, Path(target).name):
+    found = ctx.worker.catalog.find(model)
+    if found is None:
         raise UnknownModel(
-            f"The model {model!r} does not exist; this server serves {served!r} (see /v1/models)",
+            f"The model {model!r} does not exist; this server serves {served!r} and the other "
+            "models in its models dir (see /v1/models)",
             param="model",
         )
-    return served
+    return found.name
 
 
 def check_text(param: str, *texts: str) -> None:
@@ -364,7 +369,10 @@ def structured_output(body: CompletionRequest | InfillRequest) -> dict[str, Any]
 
 @router.get("/models", response_model=ModelList)
 async def list_models(ctx: Ctx) -> ModelList:
-    return ModelList(data=[ModelCard(id=served_model(ctx), created=int(ctx.started_at))])
+    """Every servable model, the default target first."""
+    served_model(ctx)  # NotReady while loading
+    models = await asyncio.to_thread(ctx.worker.catalog.models)
+    return ModelList(data=[ModelCard(id=m.name, created=int(ctx.started_at)) for m in models])
 
 
 @router.get("/models/{model_id}", response_model=ModelCard)
@@ -384,7 +392,7 @@ def plan_chat(
     choice = body.tool_choice
     chat = tools.prepare_chat(
         body.message_dicts(),
-        chat_template(ctx),
+        chat_template(ctx, model),
         body.tool_dicts(),
         choice.model_dump() if choice is not None and not isinstance(choice, str) else choice,
         body.parallel_tool_calls,
@@ -399,8 +407,10 @@ def plan_chat(
     req = ClientRequest(
         max_tokens=body.token_limit(),
         logprobs=body.logprobs_n(),
+        context_overflow=body.context_overflow,
         **chat.request_fields(),
         **_sampling(body),
+        model=model,
     )
     req.cache_partition = request_partition(request, body.cache_salt)
     return model, chat, req
@@ -491,6 +501,7 @@ def plan_completion(
         fim=fim,
         **structured_output(body),
         **_sampling(body),
+        model=model,
     )
     req.cache_partition = request_partition(request, body.cache_salt)
     return model, req
@@ -540,8 +551,12 @@ async def _with_target(ctx: ServerContext, fn: Callable[[Any], Any]) -> Any:
     process answers one caller at a time)."""
     served_model(ctx)  # NotReady while loading
     rt = ctx.worker.runtime
-    if rt is None:
-        raise NotReady("models are loading; retry shortly", code="model_loading")
+    if rt is None:  # every model unloaded (keep_alive): the default target loads again
+        w = ctx.worker
+        await ctx.control(lambda w: w.load_model(w.default_model), "load the default model")
+        rt = w.runtime
+        if rt is None:
+            raise NotReady("models are loading; retry shortly", code="model_loading")
 
     def run() -> Any:
         with rt.lock:
@@ -607,7 +622,11 @@ async def infill(request: Request, body: InfillRequest, ctx: Ctx) -> Any:
         param="input_suffix",
     )
     req = ClientRequest(
-        fim=fim, max_tokens=body.max_tokens, **structured_output(body), **_sampling(body)
+        fim=fim,
+        max_tokens=body.max_tokens,
+        **structured_output(body),
+        **_sampling(body),
+        model=model,
     )
     req.cache_partition = request_partition(request, body.cache_salt)
 

@@ -1,4 +1,4 @@
-"""The engine worker: one thread owns the Runtime; HTTP handlers talk to it through jobs.
+"""The engine worker: one thread owns the models; HTTP handlers talk to it through jobs.
 
 Generation jobs wait in a bounded FIFO (arrival order; full -> 429) until a sequence slot is
 free; then they join the batch the engine decodes round by round (Runtime.decode_round), and
@@ -7,6 +7,12 @@ leave it when they finish, fail or are cancelled, without disturbing the others.
 generations: no new sequence joins while one waits, and it runs once the running ones have
 finished; after each, the waiting generations are admitted before the next control job. Each
 job streams events back to the asyncio side: `Token` per text delta, then `Done` or `Failed`.
+
+Several models share the budget (memspec.targets): a generation names its model, and waits
+in the same queue until that model is resident. A residency policy
+(memspec.scheduler.residency) decides when a model that is not resident is loaded, which
+idle models make room, and whether the switch waits for the resident one's queued run. The
+load runs on this thread, between rounds; a model with requests in flight is never unloaded.
 
 The thread loads the Runtime itself (the HTTP server is already answering /health with 503),
 beats a heartbeat while idle and per token (the systemd watchdog pings only while it is fresh),
@@ -18,25 +24,35 @@ memspec.server.tuning), which tune and reset replace as control jobs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import functools
 import logging
 import math
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from memspec.catalog import ModelCatalog
 from memspec.config import Settings
 from memspec.engine.prefix_cache import PrefixCache
 from memspec.engine.speculative import Sequence
-from memspec.errors import DeviceUnavailable, MemSpecError
+from memspec.errors import BudgetExceeded, DeviceUnavailable, MemSpecError, ModelLoadError
 from memspec.runtime import ClientRequest, Runtime
+from memspec.scheduler.residency import (
+    DemandEstimate,
+    ModelView,
+    ResidencyPolicy,
+    residency_policy,
+)
 from memspec.server.engine_state import LIVE, EngineState, state_error
 from memspec.server.errors import NotReady, QueueFull
 from memspec.server.metrics import Metrics
 from memspec.server.tuning import Tuning
+from memspec.targets import Targets
 from memspec.units import parse_size
 
 log = logging.getLogger("memspec.server")
@@ -94,6 +110,7 @@ class GenerateJob(Job):
         super().__init__(loop)
         self.request = request
         self.stream = stream  # post a Token per text delta
+        self.model = request.model  # the served name (the worker fills in the default)
 
 
 class ControlJob(Job):
@@ -123,15 +140,27 @@ class EngineWorker:
         self._factory = runtime_factory or functools.partial(Runtime, batched=True)
         self._on_ready = on_ready
         self._on_fatal = on_fatal
-        self.runtime: Runtime | None = None
+        # The models: every servable one by name, the resident ones' runtimes, and the policy
+        # that decides which stay (memspec.targets, memspec.scheduler.residency).
+        self.catalog = ModelCatalog(settings)
+        self.targets = Targets(
+            self.catalog,
+            self._factory,
+            lambda: self.settings.budget_bytes,
+            on_change=self._model_changed,
+        )
+        self.demand = DemandEstimate()
+        self._draining: set[str] = set()  # resident models admitting nothing (a switch waits)
         self.state = EngineState.STARTING
         self.error: str | None = None
         self._cond = threading.Condition()
+        self._failed_models: dict[str, MemSpecError] = {}
         self._queue: deque[GenerateJob] = deque()
         self._control: deque[ControlJob] = deque()
         self._current: Job | None = None  # the control job running
         self._control_ran = False  # the last turn was a control job's (generations go next)
-        self._active: dict[int, tuple[GenerateJob, Sequence]] = {}  # slot -> its generation
+        # (model, slot) -> its generation
+        self._active: dict[tuple[str, int], tuple[GenerateJob, Sequence]] = {}
         self._admitting: list[GenerateJob] = []  # taken off the queue, not yet in a slot
         self._accepting = True
         self._stop = False
@@ -148,9 +177,28 @@ class EngineWorker:
 
     @property
     def budget_bytes(self) -> int:
-        """The budget now: the runtime's working set holds it once loaded."""
-        rt = self.runtime
-        return rt.budget_bytes if rt is not None else self.settings.budget_bytes
+        """The budget now (the resident models' working sets hold shares of it)."""
+        return self.settings.budget_bytes
+
+    @property
+    def default_model(self) -> str:
+        """The name a request without `model` is served by (the configured target)."""
+        return self.catalog.default_name
+
+    @property
+    def runtime(self) -> Runtime | None:
+        """The configured target's runtime when resident, else the most recently used
+        resident model's; None while none is (loading, reloading, all unloaded)."""
+        runtimes = dict(self.targets.runtimes)
+        rt = runtimes.get(self.default_model)
+        if rt is not None or not runtimes:
+            return rt
+        return runtimes[max(runtimes, key=lambda n: self.targets.stat(n).last_used)]
+
+    @property
+    def residency(self) -> ResidencyPolicy:
+        s = self.settings
+        return residency_policy(s.residency, self.demand, s.model_switch_wait_s)
 
     # --- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -196,9 +244,8 @@ class EngineWorker:
 
     @property
     def slots(self) -> int:
-        """Sequences the engine decodes together (the runtime's target slots)."""
-        rt = self.runtime
-        return rt.slots if rt is not None else 1
+        """Sequences the engine decodes together (the resident targets' slots)."""
+        return max(1, sum(rt.slots for rt in list(self.targets.runtimes.values())))
 
     @property
     def active_slots(self) -> int:
@@ -233,6 +280,9 @@ class EngineWorker:
             refused = state_error(self.state, self.error)
             if refused is not None:
                 raise refused
+            if isinstance(job, GenerateJob):
+                job.model = job.model or self.default_model
+                self.demand.arrive(job.model, time.monotonic())
             if isinstance(job, ControlJob):
                 # Bounded: each admin job holds back new generations while it waits.
                 if len(self._control) >= self.settings.admin_queue:
@@ -258,10 +308,12 @@ class EngineWorker:
     def _main(self) -> None:
         self.state = EngineState.LOADING
         try:
-            self.runtime = self._load_when_devices_answer()
-            if self.runtime is None:  # stopped while waiting
+            t0 = time.monotonic()
+            rt = self._load_when_devices_answer()
+            if rt is None:  # stopped while waiting
                 self.state = EngineState.STOPPED
                 return
+            self.targets.adopt(self.default_model, rt, time.monotonic() - t0)
         except BaseException as e:  # noqa: BLE001 - reported, then the daemon exits
             self.state, self.error = EngineState.FAILED, str(getattr(e, "message", e))
             log.error("loading models failed: %s", self.error)
@@ -270,7 +322,7 @@ class EngineWorker:
             return
         self.state, self.error = EngineState.READY, None
         self.heartbeat = time.monotonic()
-        self._beat_through_waits(self.runtime)
+        self._beat_through_waits(rt)
         self._observe_residency()
         if self._on_ready is not None:
             self._on_ready()
@@ -279,8 +331,7 @@ class EngineWorker:
         finally:
             self.state = EngineState.STOPPING
             try:
-                if self.runtime is not None:
-                    self.runtime.close()
+                self.targets.close()
             finally:
                 self.state = EngineState.STOPPED
 
@@ -377,8 +428,10 @@ class EngineWorker:
                         return
                     self._cond.wait(DEVICE_RETRY_S)
                 continue
+            self._housekeep()
             control: ControlJob | None = None
             admit: list[GenerateJob] = []
+            load: str | None = None
             with self._cond:
                 self.heartbeat = time.monotonic()
                 # Control and generation take turns: after a control job, what waited for it
@@ -388,16 +441,11 @@ class EngineWorker:
                     control = self._current = self._control.popleft()
                     self._control_ran = True
                 elif not control_turn:
-                    free = self.slots - len(self._active)
-                    while free > 0 and self._queue:
-                        job = self._queue.popleft()
-                        if not job.cancel.is_set():  # its client left while it waited
-                            admit.append(job)
-                            free -= 1
+                    admit, load = self._schedule()
                     self._admitting.extend(admit)
                     if admit or not self._queue:
                         self._control_ran = False
-                if control is None and not admit and not self._active:
+                if control is None and not admit and load is None and not self._active:
                     if self._stop:
                         return
                     self._cond.wait(IDLE_BEAT_S)
@@ -405,6 +453,8 @@ class EngineWorker:
             if control is not None:
                 self._run_control(control)
                 continue
+            if load is not None:
+                self._make_resident(load)
             for job in admit:
                 try:
                     self._admit(job, alone=len(admit) == 1 and not self._active)
@@ -415,10 +465,213 @@ class EngineWorker:
                 self._round()
             self._check_device()
 
+    # --- which model runs: admission, loads, expiry -------------------------------------------
+    def _views(self, queued: Counter[str]) -> list[ModelView]:
+        in_flight = Counter(model for model, _ in self._active)
+        return self.targets.views(self.settings, in_flight, queued)
+
+    def _schedule(self) -> tuple[list[GenerateJob], str | None]:
+        """Under the lock: the waiting generations to admit now (their model resident, a slot
+        free, the model not draining), and the model to load first, if one is due. Requests
+        for a model that cannot fit even with every other model unloaded fail with a 503."""
+        waiting = [j for j in self._queue if not j.cancel.is_set()]  # the rest: clients left
+        queued = Counter(j.model for j in waiting)
+        absent = {}  # model -> when its oldest request arrived
+        for job in waiting:
+            if job.model not in self.targets.runtimes:
+                absent.setdefault(job.model, job.enqueued_at)
+        load, self._draining = self._plan_switch(absent, queued)
+        policy = self.residency
+        free = {
+            name: rt.slots - sum(1 for m, _ in self._active if m == name)
+            for name, rt in self.targets.runtimes.items()
+        }
+        admit: list[GenerateJob] = []
+        keep: deque[GenerateJob] = deque()
+        blocked = False  # first come first served: a request that must load holds the rest
+        for job in waiting:
+            if job.model in self._failed_models:
+                continue
+            ok = not blocked and job.model not in self._draining and free.get(job.model, 0) > 0
+            if ok:
+                admit.append(job)
+                free[job.model] -= 1
+            else:
+                keep.append(job)
+                if policy.first_come_first_served and job.model not in self.targets.runtimes:
+                    blocked = True
+        self._queue = keep
+        return admit, load
+
+    def _plan_switch(
+        self, absent: dict[str, float], queued: Counter[str]
+    ) -> tuple[str | None, set[str]]:
+        """For the longest-waiting model that is not resident: load it now (None if not), or
+        stop admitting to the busy models it must displace (the draining set)."""
+        self._failed_models: dict[str, MemSpecError] = {}
+        if not absent:
+            return None, set()
+        name = min(absent, key=lambda n: absent[n])
+        now = time.monotonic()
+        views = self._views(queued)
+        want = next((v for v in views if v.name == name), None)
+        if want is None:  # gone from the models dir since it was asked for
+            self._fail_model(name, ModelLoadError(f"model {name!r} is no longer in the models dir"))
+            return None, set()
+        policy = self.residency
+        budget = self.budget_bytes
+        # What is free once every resident model hands back the share it does not use.
+        free = budget - sum(
+            max(rt.reserved_bytes, rt.modelled_bytes()) for rt in self.targets.runtimes.values()
+        )
+        if policy.victims(name, want.bytes, free, views, now) is not None:
+            if policy.hold(want, now - absent[name], views, now):
+                return None, set()
+            return name, set()
+        idle = [dataclasses.replace(v, in_flight=0) for v in views]
+        victims = policy.victims(name, want.bytes, free, idle, now)
+        if victims is None:  # pinned models, or too big for the budget: it can never fit now
+            pinned = [v.name for v in views if v.resident and v.pinned]
+            self._fail_model(
+                name,
+                BudgetExceeded(
+                    f"model {name!r} needs {want.bytes:,} bytes and the budget is {budget:,}"
+                    + (f" with {', '.join(pinned)} pinned" if pinned else ""),
+                    param="model",
+                ),
+            )
+            return None, set()
+        if policy.hold(want, now - absent[name], views, now):
+            return None, set()
+        return None, {v for v in victims if v in self.targets.runtimes}
+
+    def _fail_model(self, name: str, error: MemSpecError) -> None:
+        """Under the lock: every request waiting for `name` fails with `error`."""
+        self._failed_models[name] = error
+        for job in [j for j in self._queue if j.model == name]:
+            job.post(Failed(error))
+
+    def _make_resident(self, name: str) -> None:
+        """Load `name`, unloading the idle models the policy picks; a load that fails fails
+        the requests waiting for it, and the daemon goes on serving."""
+        with self._cond:
+            waiting = [j for j in self._queue if j.model == name]
+            views = self._views(Counter(j.model for j in self._queue))
+        want = next(v for v in views if v.name == name)
+        free = self.budget_bytes - sum(
+            max(rt.reserved_bytes, rt.modelled_bytes()) for rt in self.targets.runtimes.values()
+        )
+        victims = self.residency.victims(name, want.bytes, free, views, time.monotonic()) or []
+        stalled = len(waiting) + len(self._active)  # requests that wait while it loads
+        t0 = time.monotonic()
+        try:
+            with self._beating():
+                self.targets.load(name, self.settings, victims)
+        except Exception as e:  # noqa: BLE001 - its requests fail; the others go on
+            error = e if isinstance(e, MemSpecError) else ModelLoadError(str(e), param="model")
+            log.error("loading model %s failed: %s", name, getattr(error, "message", error))
+            with self._cond:
+                for job in [j for j in self._queue if j.model == name]:
+                    self._queue.remove(job)
+                    job.post(Failed(error))
+            return
+        if self.metrics is not None:
+            self.metrics.observe_model_load(name, time.monotonic() - t0, stalled)
+
+    @contextlib.contextmanager
+    def _beating(self) -> Iterator[None]:
+        """Beat the heartbeat while a model loads on this thread (a load is bounded work in
+        llama.cpp, not a stuck engine: the watchdog must not kill the daemon over it)."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(IDLE_BEAT_S / 2):
+                self.heartbeat = time.monotonic()
+
+        t = threading.Thread(target=beat, name="memspec-load-beat", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()
+            self.heartbeat = time.monotonic()
+
+    def _housekeep(self) -> None:
+        """Unload the models whose keep_alive ran out (none with requests in flight or
+        waiting); when nothing waits, load ahead the model the policy expects next."""
+        now = time.monotonic()
+        with self._cond:
+            busy = {m for m, _ in self._active} | {j.model for j in self._queue}
+            expired = self.targets.expired(now, busy)
+        for name in expired:
+            self.targets.unload(name, "expire")
+            self.prefix_cache.drop_partition(name)
+        if expired or self._queue or self._active or self._control:
+            return
+        free = self.budget_bytes - self.targets.shares()
+        views = self._views(Counter({n: 0 for n in self.demand.rates(now)}))
+        ahead = self.residency.prefetch(free, views, now)
+        if ahead is not None and ahead not in self.targets.runtimes:
+            log.info("loading model %s ahead of need (predicted demand)", ahead)
+            self._make_resident(ahead)
+
+    def _model_changed(self, name: str, what: str) -> None:
+        if what != "load":
+            self.prefix_cache.drop_partition(name)
+        if self.metrics is not None:
+            self.metrics.observe_model_change(name, what)
+
+    def unload_model(self, name: str) -> bool:
+        """Engine thread (a control job): unload `name` now (Ollama's keep_alive 0); False if
+        it was not resident. Its in-flight requests have finished (control jobs wait)."""
+        if name not in self.targets.runtimes:
+            return False
+        self.targets.unload(name, "unload")
+        return True
+
+    def load_model(self, name: str, keep_alive_s: float | None = None) -> None:
+        """Engine thread (a control job): make `name` resident (Ollama's empty request); it
+        stays for `keep_alive_s` (None: the setting; negative: no expiry)."""
+        if name not in self.targets.runtimes:
+            self._make_resident_or_raise(name)
+        self.targets.touch(name, self._keep_alive(keep_alive_s), time.monotonic())
+
+    def _keep_alive(self, asked: float | None) -> float | None:
+        """A request's keep_alive (None: not given) as an expiry delay (None: no expiry)."""
+        if asked is None:
+            return self.settings.keep_alive_s
+        return None if asked < 0 else asked
+
+    def _make_resident_or_raise(self, name: str) -> None:
+        views = self._views(Counter({name: 1}))
+        want = next((v for v in views if v.name == name), None)
+        if want is None:
+            raise ModelLoadError(f"model {name!r} is not in the models dir", param="model")
+        free = self.budget_bytes - sum(
+            max(rt.reserved_bytes, rt.modelled_bytes()) for rt in self.targets.runtimes.values()
+        )
+        victims = self.residency.victims(name, want.bytes, free, views, time.monotonic())
+        with self._beating():
+            self.targets.load(name, self.settings, victims or [])
+
+    def single_target(self) -> Runtime:
+        """Engine thread: only the configured target resident (a live tune applies to it)."""
+        for name in [n for n in self.targets.runtimes if n != self.default_model]:
+            self.targets.unload(name, "unload")
+        if self.default_model not in self.targets.runtimes:
+            self._make_resident_or_raise(self.default_model)
+        return self.targets.runtimes[self.default_model]
+
+    def models_status(self) -> list[dict[str, Any]]:
+        """Every servable model: resident or not, its bytes, share, expiry, loads, evictions."""
+        return self.targets.status(time.monotonic(), time.time())
+
     def _check_device(self) -> None:
         """A target whose RPC worker was lost (backends/isolated.py): its requests have failed;
         the daemon stops taking new ones until the worker is back."""
-        lost = getattr(self.runtime.target, "lost", None) if self.runtime else None
+        rt = self.runtime
+        lost = getattr(rt.target, "lost", None) if rt is not None else None
         if lost is None or self.state is EngineState.DEVICE_LOST:
             return
         with self._cond:
@@ -461,8 +714,12 @@ class EngineWorker:
             self._observe_residency()
 
     def _observe_residency(self) -> None:
-        if self.metrics is not None and self.runtime is not None:
-            self.metrics.observe_residency(self.runtime.draft_status())
+        if self.metrics is None:
+            return
+        rt = self.runtime
+        if rt is not None:
+            self.metrics.observe_residency(rt.draft_status())
+        self.metrics.observe_models(self.models_status())
 
     # --- generation -----------------------------------------------------------------------
     def _admit(self, job: GenerateJob, alone: bool = True) -> None:
@@ -470,8 +727,8 @@ class EngineWorker:
         prompt), ready the slot's KV from the prefix cache and open the sequence; a bad
         request fails here, alone."""
         job.started_at = time.monotonic()
-        rt = self.runtime
-        assert rt is not None
+        rt = self.targets.runtime(job.model)
+        assert rt is not None  # admitted only while its model is resident
 
         opened: list[Sequence] = []  # the sequence, once open: its logprobs go with the text
         sent = 0  # its logprob entries posted so far
@@ -487,11 +744,13 @@ class EngineWorker:
 
         try:
             req = rt.request(job.request)  # the one check: a clean 4xx before anything runs
-            slot = rt.pick_slot(req.prompt, set(self._active), req.cache_partition)
+            busy = {slot for model, slot in self._active if model == job.model}
+            # A model's cached prefixes are its own: its name heads the partition.
+            partition = f"{job.model}\x00{req.cache_partition}"
+            slot = rt.pick_slot(req.prompt, busy, partition)
             assert slot is not None  # admitted only into a free slot
-            busy = set(self._active)
             rt.prepare_prefix(
-                self.prefix_cache, req.prompt, req.draft != "none", slot, req.cache_partition, busy
+                self.prefix_cache, req.prompt, req.draft != "none", slot, partition, busy
             )
             seq = rt.open_sequence(req, slot, on_token, job.cancel, alone=alone)
             opened.append(seq)
@@ -503,29 +762,36 @@ class EngineWorker:
             job.post(Failed(e))
             return
         with self._cond:
-            self._active[slot] = (job, seq)
+            self._active[(job.model, slot)] = (job, seq)
 
     def _round(self) -> None:
-        """One round of every active sequence; the finished ones leave with their result."""
-        rt = self.runtime
-        assert rt is not None
+        """One round of every active sequence, model by model; the finished ones leave with
+        their result."""
         active = list(self._active.items())
-        try:
-            n_seq, n_tokens = rt.decode_round([seq for _, (_, seq) in active])
-            if self.metrics is not None and n_tokens:
-                self.metrics.observe_round(n_seq, n_tokens)
-        except Exception as e:  # noqa: BLE001 - outside any one sequence: all of them fail
-            log.exception("engine error in a decode round")
-            for _, (_, seq) in active:
-                seq.fail(e)
+        for model in dict.fromkeys(m for m, _ in self._active):
+            rt = self.targets.runtime(model)
+            assert rt is not None  # a model with sequences in flight is never unloaded
+            seqs = [seq for (m, _), (_, seq) in active if m == model]
+            try:
+                n_seq, n_tokens = rt.decode_round(seqs)
+                if self.metrics is not None and n_tokens:
+                    self.metrics.observe_round(n_seq, n_tokens)
+            except Exception as e:  # noqa: BLE001 - outside any one sequence: all of them fail
+                log.exception("engine error in a decode round")
+                for seq in seqs:
+                    seq.fail(e)
         self.heartbeat = time.monotonic()
-        finished = [(slot, job, seq) for slot, (job, seq) in active if seq.done]
+        finished = [(key, job, seq) for key, (job, seq) in active if seq.done]
         if not finished:
             return
         with self._cond:
-            for slot, _, _ in finished:
-                del self._active[slot]
-        for _, job, seq in finished:
+            for key, _, _ in finished:
+                del self._active[key]
+        now = time.monotonic()
+        for (model, _), job, seq in finished:
+            rt = self.targets.runtime(model)
+            assert rt is not None
+            self.targets.touch(model, self._keep_alive(job.request.keep_alive_s), now)
             try:
                 gen = rt.close_sequence(seq)
             except MemSpecError as e:
@@ -557,15 +823,14 @@ class EngineWorker:
         Engine thread only (a control job). If the new context cannot load, the old one is
         loaded again and the error raised; if even that fails the daemon reports it and exits.
         """
-        rt = self.runtime
-        assert rt is not None
+        rt = self.single_target()
         rows = rt.draft_status()
         resident = [r["id"] for r in rows if r["resident"]]
         pinned = [r["id"] for r in rows if r["pinned"]]
         old = self.tuning.shape()
         self.state = EngineState.RELOADING
         self.prefix_cache.clear()
-        self.runtime = None
+        self.targets.runtimes.pop(self.default_model, None)
         rt.close()
         try:
             self.tuning.set_shape(shape)
@@ -598,7 +863,9 @@ class EngineWorker:
 
     def _load(self, pinned: list[str], drafts: list[str]) -> None:
         """A new Runtime on the settings now, preloading `drafts` (those resident before)."""
-        rt = self.runtime = self._factory(self.settings.model_copy(update={"drafts": drafts}))
+        t0 = time.monotonic()
+        rt = self._factory(self.settings.model_copy(update={"drafts": drafts}))
+        self.targets.adopt(self.default_model, rt, time.monotonic() - t0)
         for draft_id in pinned:
             rt.pin(draft_id, True)
         self.state, self.error = EngineState.READY, None
@@ -623,10 +890,9 @@ class EngineWorker:
             cap = parse_size(self.settings.prefix_cache)
         except ValueError:
             return 0
-        rt = self.runtime
-        if rt is None or cap <= 0:
+        if not self.targets.runtimes or cap <= 0:
             return 0
-        return max(0, min(cap, rt.budget_bytes - rt.modelled_bytes()))
+        return max(0, min(cap, self.budget_bytes - self.targets.used_bytes()))
 
     # --- status ---------------------------------------------------------------------------
     def tokens_per_s_recent(self, window_s: float = 60.0) -> float:

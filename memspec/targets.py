@@ -1,0 +1,257 @@
+"""Several targets under one budget: one Runtime per resident model, and their budget shares.
+
+    targets = Targets(catalog, factory)
+    targets.load("gemma3:270m", settings, victims=[...])   # engine thread
+    targets.runtime("gemma3:270m")                           # None while not resident
+
+Each resident model is a Runtime (memspec.runtime): its backend, slots, drafts and costs. Its
+working set holds a *share* of the budget: its target first, then its drafts. The shares never
+add up to more than the budget. A model loads with what is free as its share, after the
+others have handed back what they do not use and the victims its residency policy picked
+(memspec.scheduler.residency) are unloaded. The policy decides; this object only does it, on
+the engine thread (memspec.server.worker), and keeps each model's counts: loads, evictions,
+seconds spent loading, last use and expiry (Ollama's keep_alive).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from memspec.catalog import ModelCatalog, ServableModel
+from memspec.config import Settings
+from memspec.errors import BudgetExceeded, UnknownModel
+from memspec.memory.footprint import target_footprint
+from memspec.runtime import Runtime
+from memspec.scheduler.residency import ModelView
+from memspec.units import format_size
+
+log = logging.getLogger(__name__)
+
+# A load's duration before one is measured (seconds): what the policies weigh a switch with.
+FIRST_LOAD_S = 2.0
+# The context a need is estimated at when n_ctx is sized by the runtime itself.
+MIN_CTX_ESTIMATE = 512
+
+
+@dataclass
+class ModelStats:
+    """One model's residency history (kept while it is not resident)."""
+
+    loads: int = 0
+    evictions: int = 0
+    load_s_total: float = 0.0
+    last_load_s: float = FIRST_LOAD_S
+    last_used: float = 0.0  # monotonic
+    expires_at: float | None = None  # monotonic; None: no expiry
+    last_evicted_why: str = ""
+
+
+class Targets:
+    def __init__(
+        self,
+        catalog: ModelCatalog,
+        factory: Callable[[Settings], Runtime],
+        budget: Callable[[], int],
+        on_change: Callable[[str, str], None] | None = None,
+    ):
+        """`factory(settings)` builds a Runtime for settings.target; `budget()` is the whole
+        budget now (a live tune changes it); `on_change(model, what)` hears of every load
+        ("load") and unload ("evict", "expire", "unload")."""
+        self.catalog = catalog
+        self._factory = factory
+        self._budget = budget
+        self._on_change = on_change
+        self.runtimes: dict[str, Runtime] = {}
+        self.stats: dict[str, ModelStats] = {}
+        self._needs: dict[tuple[Any, ...], int] = {}  # need_bytes, per file and context shape
+
+    # --- what is resident -------------------------------------------------------------------
+    def runtime(self, name: str) -> Runtime | None:
+        return self.runtimes.get(name)
+
+    def stat(self, name: str) -> ModelStats:
+        return self.stats.setdefault(name, ModelStats())
+
+    def shares(self) -> int:
+        """The budget the resident models' working sets hold, together."""
+        return sum(rt.budget_bytes for rt in list(self.runtimes.values()))
+
+    def used_bytes(self) -> int:
+        """What the resident models hold (modelled): targets, KV, drafts, embedding contexts."""
+        return sum(rt.modelled_bytes() for rt in list(self.runtimes.values()))
+
+    def need_bytes(self, model: ServableModel, settings: Settings) -> int:
+        """What loading `model` needs at least: its weights, one slot's KV and buffers."""
+        n_ctx = settings.n_ctx if isinstance(settings.n_ctx, int) else MIN_CTX_ESTIMATE
+        slots = max(1, settings.parallel)
+        kv = settings.kv_cache
+        key = (model.path, n_ctx, settings.k_max, settings.n_gpu_layers, slots, kv)
+        if key not in self._needs:  # read_shape parses the header: once per shape
+            fp = target_footprint(
+                model.path, n_ctx, settings.k_max, settings.n_gpu_layers, slots, kv
+            )
+            self._needs[key] = fp.total
+        return self._needs[key]
+
+    def views(
+        self, settings: Settings, in_flight: dict[str, int], queued: dict[str, int]
+    ) -> list[ModelView]:
+        """The residency policy's view: every resident model, and every one requests wait for."""
+        out: list[ModelView] = []
+        pinned = set(settings.pinned_models)
+        for name in dict.fromkeys([*self.runtimes, *queued]):
+            rt = self.runtimes.get(name)
+            if rt is None:
+                model = self.catalog.find(name)
+                if model is None:
+                    continue
+                size = self.need_bytes(model, settings)
+            else:
+                size = rt.budget_bytes
+            st = self.stat(name)
+            out.append(
+                ModelView(
+                    name=name,
+                    resident=rt is not None,
+                    bytes=size,
+                    in_flight=in_flight.get(name, 0),
+                    queued=queued.get(name, 0),
+                    pinned=name in pinned or bool(pinned & (rt.model_aliases if rt else set())),
+                    last_used=st.last_used,
+                    load_s=st.last_load_s,
+                )
+            )
+        return out
+
+    # --- load and unload (engine thread) ------------------------------------------------------
+    def load(self, name: str, settings: Settings, victims: list[str]) -> Runtime:
+        """Unload `victims`, take back what the others do not use, and load `name` with the
+        free budget as its share; BudgetExceeded (a 503 with the numbers) if it cannot fit."""
+        model = self.catalog.find(name)
+        if model is None:
+            raise UnknownModel(f"The model {name!r} does not exist (see /api/tags)", param="model")
+        for victim in victims:
+            self.unload(victim, "evict")
+        for rt in list(self.runtimes.values()):
+            rt.set_budget(max(rt.reserved_bytes, rt.modelled_bytes()))
+        budget = self._budget()
+        free = budget - self.shares()
+        need = self.need_bytes(model, settings)
+        if need > free:
+            held = ", ".join(
+                f"{n} {format_size(rt.modelled_bytes())}" for n, rt in self.runtimes.items()
+            )
+            raise BudgetExceeded(
+                f"model {name!r} needs {format_size(need)}; {format_size(free)} of the budget "
+                f"{format_size(budget)} is free"
+                + (f" beside {held} (in use or pinned)" if held else ""),
+                param="model",
+            )
+        t0 = time.monotonic()
+        rt = self._factory(self.model_settings(model, settings, free))
+        st = self.stat(name)
+        st.last_load_s = time.monotonic() - t0
+        st.load_s_total += st.last_load_s
+        st.loads += 1
+        st.last_used = time.monotonic()
+        self.runtimes[name] = rt
+        log.info("model %s loaded in %.2f s (share %s)", name, st.last_load_s, format_size(free))
+        if self._on_change is not None:
+            self._on_change(name, "load")
+        return rt
+
+    def adopt(self, name: str, rt: Runtime, load_s: float) -> None:
+        """A runtime loaded elsewhere (the daemon's first, with the whole budget)."""
+        self.runtimes[name] = rt
+        st = self.stat(name)
+        st.loads += 1
+        st.last_load_s = load_s
+        st.load_s_total += load_s
+        st.last_used = time.monotonic()
+        if self._on_change is not None:
+            self._on_change(name, "load")
+
+    def model_settings(self, model: ServableModel, settings: Settings, share: int) -> Settings:
+        """The settings a model's Runtime runs with: the daemon's, on its file and its share.
+        The configured drafts and chat template are the configured target's own."""
+        if model.default:
+            return settings.model_copy(update={"budget": share})
+        return settings.model_copy(
+            update={
+                "target": str(model.path),
+                "model_name": model.name,
+                "drafts": None,
+                "chat_template": None,
+                "budget": share,
+            }
+        )
+
+    def unload(self, name: str, why: str) -> None:
+        rt = self.runtimes.pop(name, None)
+        if rt is None:
+            return
+        st = self.stat(name)
+        st.expires_at = None
+        st.last_evicted_why = why
+        if why == "evict":
+            st.evictions += 1
+        try:
+            rt.close()
+        except Exception:  # noqa: BLE001 - the budget is given back either way
+            log.exception("closing model %s failed", name)
+        log.info("model %s unloaded (%s)", name, why)
+        if len(self.runtimes) == 1:  # the one left may use the whole budget again
+            (left,) = self.runtimes.values()
+            try:
+                left.set_budget(max(left.reserved_bytes, self._budget()))
+            except BudgetExceeded:
+                pass
+        if self._on_change is not None:
+            self._on_change(name, why)
+
+    def touch(self, name: str, keep_alive_s: float | None, now: float) -> None:
+        """A request for `name` ended: it stays for keep_alive from now (None: no expiry)."""
+        st = self.stat(name)
+        st.last_used = now
+        st.expires_at = None if keep_alive_s is None else now + keep_alive_s
+
+    def expired(self, now: float, busy: set[str]) -> list[str]:
+        return [
+            n
+            for n in self.runtimes
+            if n not in busy and (e := self.stat(n).expires_at) is not None and e <= now
+        ]
+
+    def close(self) -> None:
+        for name in list(self.runtimes):
+            rt = self.runtimes.pop(name)
+            rt.close()
+
+    # --- status ---------------------------------------------------------------------------
+    def status(self, now_mono: float, now_wall: float) -> list[dict[str, Any]]:
+        rows = []
+        for m in self.catalog.models():
+            rt = self.runtimes.get(m.name)
+            st = self.stats.get(m.name, ModelStats())
+            expires = None
+            if rt is not None and st.expires_at is not None:
+                expires = now_wall + (st.expires_at - now_mono)
+            rows.append(
+                {
+                    "name": m.name,
+                    "file": m.path.name,
+                    "default": m.default,
+                    "resident": rt is not None,
+                    "bytes": rt.modelled_bytes() if rt is not None else 0,
+                    "share_bytes": rt.budget_bytes if rt is not None else 0,
+                    "expires_at": expires,  # unix seconds; None: no expiry (or not resident)
+                    "loads": st.loads,
+                    "evictions": st.evictions,
+                    "load_s_total": round(st.load_s_total, 3),
+                }
+            )
+        return rows
