@@ -39,6 +39,11 @@ class BudgetExceeded(MemSpecError):
     """The memory budget cannot hold what was asked for."""
 
 
+class ModelDoesNotFit(BudgetExceeded):
+    """A model a request names cannot be loaded within the budget now (503: the models in
+    the way are pinned, or it is larger than the whole budget)."""
+
+
 class DraftIncompatible(MemSpecError):
     """The draft speaks another tokenizer than the target (its token ids mean other text)."""
 

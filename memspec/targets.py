@@ -23,7 +23,7 @@ from typing import Any
 
 from memspec.catalog import ModelCatalog, ServableModel
 from memspec.config import Settings
-from memspec.errors import BudgetExceeded, UnknownModel
+from memspec.errors import BudgetExceeded, ModelDoesNotFit, UnknownModel
 from memspec.memory.footprint import target_footprint
 from memspec.runtime import Runtime
 from memspec.scheduler.residency import ModelView
@@ -145,7 +145,7 @@ class Targets:
             held = ", ".join(
                 f"{n} {format_size(rt.modelled_bytes())}" for n, rt in self.runtimes.items()
             )
-            raise BudgetExceeded(
+            raise ModelDoesNotFit(
                 f"model {name!r} needs {format_size(need)}; {format_size(free)} of the budget "
                 f"{format_size(budget)} is free"
                 + (f" beside {held} (in use or pinned)" if held else ""),

@@ -14,6 +14,8 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from memspec.config import Settings
+from memspec.memory.plan import trained_context
+from memspec.paths import resolve_model_path
 from memspec.server.errors import as_memspec_error
 from memspec.server.metrics import Metrics
 from memspec.server.notify import Notifier
@@ -40,12 +42,25 @@ class ServerContext:
 
     @property
     def model_id(self) -> str | None:
-        """The id the target is served as (Runtime.model_id): None until it has loaded, then
-        kept through a runtime reload (same target, same id)."""
+        """The name the default target is served as: None until it has first loaded, then
+        kept while it reloads or is unloaded (the catalog names it without loading it)."""
+        if self._model_id is None and self.worker.targets.runtimes:
+            self._model_id = self.worker.default_model
+        return self._model_id
+
+    @property
+    def n_ctx(self) -> int:
+        """The context per slot the target runs: n_ctx "auto" resolved by its runtime; until
+        it has loaded, the configured one (auto: its most, the trained context)."""
         rt = self.worker.runtime
         if rt is not None:
-            self._model_id = rt.model_id
-        return self._model_id
+            return rt.target.n_ctx
+        n_ctx = self.settings.n_ctx
+        return (
+            int(n_ctx)
+            if n_ctx != "auto"
+            else trained_context(resolve_model_path(self.settings.target))
+        )
 
     @property
     def uptime_s(self) -> float:

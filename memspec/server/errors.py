@@ -24,6 +24,7 @@ from memspec.errors import (
     DraftIncompatible,
     InvalidRequest,
     MemSpecError,
+    ModelDoesNotFit,
     ModelLoadError,
     UnknownDraft,
     UnknownModel,
@@ -116,6 +117,7 @@ HTTP_ERRORS: dict[type[MemSpecError], HttpError] = {
     ModelNotFound: HttpError(404, _CLIENT, "model_not_found"),
     PullCancelled: HttpError(400, _CLIENT, "pull_cancelled"),
     DeviceUnavailable: HttpError(503, _SERVER, "device_unavailable"),
+    ModelDoesNotFit: HttpError(503, _SERVER, "model_does_not_fit"),
     BudgetExceeded: HttpError(507, _SERVER, "memory_budget_exceeded"),
     StateWriteError: HttpError(507, _SERVER, "state_not_persisted"),
 }

@@ -40,7 +40,7 @@ from memspec.catalog import ModelCatalog
 from memspec.config import Settings
 from memspec.engine.prefix_cache import PrefixCache
 from memspec.engine.speculative import Sequence
-from memspec.errors import BudgetExceeded, DeviceUnavailable, MemSpecError, ModelLoadError
+from memspec.errors import DeviceUnavailable, MemSpecError, ModelDoesNotFit, ModelLoadError
 from memspec.runtime import ClientRequest, Runtime
 from memspec.scheduler.residency import (
     DemandEstimate,
@@ -53,7 +53,7 @@ from memspec.server.errors import NotReady, QueueFull
 from memspec.server.metrics import Metrics
 from memspec.server.tuning import Tuning
 from memspec.targets import Targets
-from memspec.units import parse_size
+from memspec.units import format_size, parse_size
 
 log = logging.getLogger("memspec.server")
 
@@ -534,9 +534,11 @@ class EngineWorker:
             pinned = [v.name for v in views if v.resident and v.pinned]
             self._fail_model(
                 name,
-                BudgetExceeded(
-                    f"model {name!r} needs {want.bytes:,} bytes and the budget is {budget:,}"
-                    + (f" with {', '.join(pinned)} pinned" if pinned else ""),
+                ModelDoesNotFit(
+                    f"model {name!r} needs {format_size(want.bytes)} and cannot fit the budget "
+                    f"of {format_size(budget)}"
+                    + (f" beside the pinned {', '.join(pinned)}" if pinned else "")
+                    + "; raise the budget or lower n_ctx (see `memspec plan`)",
                     param="model",
                 ),
             )
@@ -556,17 +558,10 @@ class EngineWorker:
         the requests waiting for it, and the daemon goes on serving."""
         with self._cond:
             waiting = [j for j in self._queue if j.model == name]
-            views = self._views(Counter(j.model for j in self._queue))
-        want = next(v for v in views if v.name == name)
-        free = self.budget_bytes - sum(
-            max(rt.reserved_bytes, rt.modelled_bytes()) for rt in self.targets.runtimes.values()
-        )
-        victims = self.residency.victims(name, want.bytes, free, views, time.monotonic()) or []
         stalled = len(waiting) + len(self._active)  # requests that wait while it loads
         t0 = time.monotonic()
         try:
-            with self._beating():
-                self.targets.load(name, self.settings, victims)
+            self._make_resident_or_raise(name)
         except Exception as e:  # noqa: BLE001 - its requests fail; the others go on
             error = e if isinstance(e, MemSpecError) else ModelLoadError(str(e), param="model")
             log.error("loading model %s failed: %s", name, getattr(error, "message", error))
@@ -598,8 +593,15 @@ class EngineWorker:
             self.heartbeat = time.monotonic()
 
     def _housekeep(self) -> None:
+        try:
+            self._expire_and_prefetch()
+        except Exception:  # noqa: BLE001 - the engine must go on serving
+            log.exception("model housekeeping failed")
+
+    def _expire_and_prefetch(self) -> None:
         """Unload the models whose keep_alive ran out (none with requests in flight or
-        waiting); when nothing waits, load ahead the model the policy expects next."""
+        waiting); when nothing waits, load ahead the model the policy expects next, among
+        those the budget pushed out (never one a client unloaded or let expire)."""
         now = time.monotonic()
         with self._cond:
             busy = {m for m, _ in self._active} | {j.model for j in self._queue}
@@ -610,7 +612,10 @@ class EngineWorker:
         if expired or self._queue or self._active or self._control:
             return
         free = self.budget_bytes - self.targets.shares()
-        views = self._views(Counter({n: 0 for n in self.demand.rates(now)}))
+        pushed_out = [n for n, st in self.targets.stats.items() if st.last_evicted_why == "evict"]
+        if not pushed_out:
+            return
+        views = self._views(Counter({n: 0 for n in pushed_out}))
         ahead = self.residency.prefetch(free, views, now)
         if ahead is not None and ahead not in self.targets.runtimes:
             log.info("loading model %s ahead of need (predicted demand)", ahead)
@@ -644,7 +649,10 @@ class EngineWorker:
         return None if asked < 0 else asked
 
     def _make_resident_or_raise(self, name: str) -> None:
-        views = self._views(Counter({name: 1}))
+        with self._cond:
+            queued = Counter(j.model for j in self._queue)
+        queued[name] = max(1, queued[name])
+        views = self._views(queued)
         want = next((v for v in views if v.name == name), None)
         if want is None:
             raise ModelLoadError(f"model {name!r} is not in the models dir", param="model")
