@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
@@ -61,7 +61,24 @@ class Settings(BaseSettings):
     manifest_dir: Path | None = None  # default: drafts/ in the checkout
     backend: str = Field("llama_cpp", description="model backend")
     device: str = Field("cpu", description="torch backend device")
-    n_ctx: int = Field(2048, ge=16, le=1 << 20, description="context length in tokens")
+    n_ctx: Annotated[int, Field(ge=16, le=1 << 20)] | Literal["auto"] = Field(
+        2048,
+        description="context length per slot in tokens, or auto: the longest that fits the "
+        "budget beside the target and the drafts it preloads, at most the model's trained "
+        "context (`memspec plan` shows it)",
+    )
+    prefill_chunk: int = Field(
+        512,
+        ge=16,
+        le=1 << 16,
+        description="prompt tokens a sequence feeds per round: a long prompt is fed in chunks "
+        "between the other sequences' rounds, and a cancelled request stops between chunks",
+    )
+    context_overflow: Literal["error", "shift"] = Field(
+        "error",
+        description="a chat whose prompt and max_tokens exceed the context: error (400 "
+        "context_length_exceeded) or shift (keep the system prompt, drop the oldest turns)",
+    )
     kv_type_k: KVType = Field(
         "f16", description="the target's K cache type: f16, q8_0 (half the bytes) or q4_0"
     )

@@ -34,6 +34,7 @@ from memspec.drafts.family import settings_pool_dir, skipped_error, skipped_reci
 from memspec.drafts.manifest import DraftManifest, check_id, load_manifests
 from memspec.drafts.registry import draft_kind
 from memspec.engine.calibration import calibrate, measure_draft_cached
+from memspec.engine.context_shift import Shifted, shift_messages
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.fim import FimRequest, FimTokens, fim_prompt, find_fim_tokens
 from memspec.engine.grammar import Grammar
@@ -59,7 +60,14 @@ from memspec.memory.footprint import (
     target_footprint,
 )
 from memspec.memory.gguf_info import read_shape
-from memspec.memory.plan import draft_fits, slots_that_fit
+from memspec.memory.plan import (
+    MIN_N_CTX,
+    ContextPlan,
+    DraftFit,
+    draft_fits,
+    fit_hint,
+    plan_context,
+)
 from memspec.model_id import model_aliases, served_model_id
 from memspec.paths import data_dir, models_dir, resolve_model_path
 from memspec.predictor.artifacts import predictor_path
@@ -108,6 +116,7 @@ class ClientRequest:
     grammar: str | None = None  # GBNF the output must follow (engine/grammar.py)
     grammar_param: str = "grammar"  # the request field the grammar came from (its 400s)
     tools: list[dict[str, Any]] | None = None  # chat: the tools the chat template receives
+    context_overflow: str | None = None  # chat: "error" or "shift"; None: the setting's
 
 
 # ClientRequest's sampling fields that map one to one onto SamplingParams.
@@ -137,6 +146,8 @@ class GenerationRequest:
     policy: str | None = None  # None: settings.policy
     messages: list[dict[str, str]] | None = None  # chat: what the scheduler's predictor reads
     cache_partition: str = ""  # whose cached prefixes it may reuse (PrefixCache)
+    # A chat shifted to fit the context: {"dropped_messages": n, "dropped_tokens": m}.
+    context_shift: dict[str, int] | None = None
 
 
 class Runtime:
@@ -163,8 +174,15 @@ class Runtime:
             list(settings.drafts) if settings.drafts is not None else self._whole_family()
         )
         target_path = resolve_model_path(settings.target)
-        # Sequence slots decoded together (settings.parallel; 0: what the budget fits).
-        self.slots = self._plan_slots(settings, target_path) if batched else 1
+        # Sequence slots decoded together (settings.parallel; 0: what the budget fits) and the
+        # context per slot (settings.n_ctx; "auto": the longest the budget fits beside the
+        # drafts it preloads). The runtime's settings carry the resolved n_ctx.
+        self.context: ContextPlan = self._plan_slots(settings, target_path, batched)
+        self.slots = self.context.slots
+        if settings.n_ctx == "auto":
+            log.info("n_ctx auto: %s", self.context.describe())
+            n_ctx = self.context.n_ctx or MIN_N_CTX  # 0: refused below, with the numbers
+            settings = self.settings = settings.model_copy(update={"n_ctx": n_ctx})
         # A target split over RPC workers: how many of its layers each device holds.
         self.layer_split: LayerSplit | None = None
         rpc: dict[str, object] = {}
@@ -224,10 +242,14 @@ class Runtime:
             )
         if self.target_footprint.total > settings.budget_bytes:
             slots = f" and {self.slots} parallel slots" if self.slots > 1 else ""
+            hint = fit_hint(
+                settings.budget_bytes, target_path, settings.k_max, settings.n_gpu_layers,
+                self.slots, settings.kv_cache,
+            )  # fmt: skip
             raise BudgetExceeded(
                 f"budget {format_size(settings.budget_bytes)} is below what the target needs "
                 f"at n_ctx {settings.n_ctx}{slots}, KV {settings.kv_cache.describe()} "
-                f"({format_size(self.target_footprint.total)}); "
+                f"({format_size(self.target_footprint.total)}); {hint}; "
                 "see `memspec plan --budget SIZE`",
                 param="budget",
             )
@@ -288,10 +310,13 @@ class Runtime:
             self.close()
             raise
 
-    def _plan_slots(self, settings: Settings, target_path: Path) -> int:
-        """settings.parallel, or (0) as many slots as fit the budget beside the target and
-        the drafts it preloads (memspec.memory.plan.slots_that_fit). The torch backend
-        decodes one sequence."""
+    def _plan_slots(self, settings: Settings, target_path: Path, batched: bool) -> ContextPlan:
+        """The slots (settings.parallel; 0: as many as fit the budget beside the target and
+        the drafts it preloads) and the context per slot (settings.n_ctx; "auto": the longest
+        that fits beside those drafts, at most the trained context), with the trade status
+        shows (memspec.memory.plan.plan_context). The torch backend decodes one sequence;
+        tools that decode one at a time (not `batched`) get one slot."""
+        parallel = settings.parallel if batched else 1
         if settings.backend != "llama_cpp":
             if settings.parallel > 1:
                 log.warning(
@@ -299,25 +324,34 @@ class Runtime:
                     settings.parallel,
                     settings.backend,
                 )
-            return 1
-        if settings.parallel > 0:
-            return settings.parallel
-        preload = {i: m for i, m in self.manifests.items() if i in self.preload_ids}
-        fits = draft_fits(
-            preload,
-            models_dir(),
-            settings.n_ctx,
-            n_gpu_layers=settings.n_gpu_layers,
-            kv_cache=settings.draft_kv_cache,
-        )
-        return slots_that_fit(
+            parallel = 1
+        # The drafts it preloads, in order, as far as they speak the target's tokenizer.
+        tokenizer = fingerprint_of(target_path)
+        preload = {
+            i: self.manifests[i]
+            for i in self.preload_ids
+            if i in self.manifests
+            and check_draft(tokenizer, self.manifests[i], models_dir()) is None
+        }
+
+        def drafts_at(n_ctx: int) -> list[DraftFit]:
+            return draft_fits(
+                preload,
+                models_dir(),
+                n_ctx,
+                n_gpu_layers=settings.n_gpu_layers,
+                kv_cache=settings.draft_kv_cache,
+            )
+
+        return plan_context(
             settings.budget_bytes,
             target_path,
-            settings.n_ctx,
             settings.k_max,
-            sum(d.bytes for d in fits),
+            drafts_at,
+            settings.n_ctx,
+            parallel,
             settings.n_gpu_layers,
-            kv_cache=settings.kv_cache,
+            settings.kv_cache,
         )
 
     def _whole_family(self) -> list[str]:
@@ -530,6 +564,7 @@ class Runtime:
         out = ws.summary() if ws is not None else {"budget_bytes": self.budget_bytes}
         out["target"] = self.target_footprint.to_dict()
         out["embedding"] = self.embedding_status()
+        out["context"] = self.context.to_dict()  # context per slot against drafts and slots
         rows = self.draft_status()
         absent = [r["id"] for r in rows if r["state"] in ("absent", "failed") and r["bytes"] > 0]
         resident_models = [r for r in rows if r["resident"] and r["bytes"] > 0]
@@ -575,10 +610,13 @@ class Runtime:
     def request(self, ask: ClientRequest) -> GenerationRequest:
         """Check a client's request against this runtime, once: its tokens, the context,
         the draft and the policy it names. Raises the error the client gets."""
+        messages, shift = ask.messages, None
         if ask.fim is not None:
             prompt = fim_prompt(self.target, ask.fim, self.fim_tokens)
         elif ask.messages is not None:
             prompt = self.prompt_tokens(messages=ask.messages, tools=ask.tools)
+            messages, shift = self._shift_context(ask, prompt)
+            prompt = shift.prompt if shift is not None else prompt
         elif isinstance(ask.prompt, list):
             self._check_token_ids(ask.prompt, "prompt")
             prompt = list(ask.prompt)
@@ -588,9 +626,15 @@ class Runtime:
         if not prompt:
             raise InvalidRequest("prompt is empty", param="prompt")
         if len(prompt) >= n_ctx:
+            if self._shifts(ask):
+                tail = ", and dropping its older turns would not make it fit. Shorten it."
+            elif ask.messages is not None:
+                tail = '. Shorten the conversation, or send context_overflow: "shift".'
+            else:
+                tail = ". Shorten the prompt."
             raise ContextOverflow(
                 f"This model's maximum context length is {n_ctx} tokens; the prompt has "
-                f"{len(prompt)}. Shorten the prompt or the conversation.",
+                f"{len(prompt)}{tail}",
                 param="messages" if ask.messages is not None else "prompt",
             )
         if ask.draft not in ("auto", "none"):
@@ -625,8 +669,47 @@ class Runtime:
         if ask.grammar is not None:  # parsed against the target's vocabulary: a bad one is a 400
             params.grammar = Grammar(ask.grammar, self.target.path, param=ask.grammar_param)
         return GenerationRequest(
-            prompt, params, ask.draft, ask.policy, ask.messages, ask.cache_partition
+            prompt,
+            params,
+            ask.draft,
+            ask.policy,
+            messages,
+            ask.cache_partition,
+            shift.report() if shift is not None else None,
         )
+
+    def _shifts(self, ask: ClientRequest) -> bool:
+        """A chat whose overflow shifts the context (the request's choice, else the setting)."""
+        overflow = ask.context_overflow or self.settings.context_overflow
+        if overflow not in ("error", "shift"):
+            raise InvalidRequest(
+                f'context_overflow must be "error" or "shift", not {overflow!r}',
+                param="context_overflow",
+            )
+        return ask.messages is not None and overflow == "shift"
+
+    def _shift_context(
+        self, ask: ClientRequest, prompt: list[int]
+    ) -> tuple[list[dict[str, str]] | None, Shifted | None]:
+        """context_overflow "shift": a chat whose prompt and max_tokens exceed the context
+        keeps its system prompt and drops its oldest turns (memspec.engine.context_shift).
+        Returns the messages kept and the shift (None: none needed, or none possible)."""
+        max_tokens = ask.max_tokens or self.settings.default_max_tokens
+        n_ctx = self.target.n_ctx
+        if not self._shifts(ask) or ask.messages is None or len(prompt) + max_tokens <= n_ctx:
+            return ask.messages, None
+
+        def render(messages: list[dict[str, Any]]) -> list[int]:
+            return self.prompt_tokens(messages=messages, tools=ask.tools)
+
+        shift = shift_messages(ask.messages, len(prompt), render, n_ctx, max_tokens)
+        if shift is None:
+            return ask.messages, None
+        log.info(
+            "context shift: %d messages (%d tokens) dropped to fit n_ctx %d",
+            shift.dropped_messages, shift.dropped_tokens, n_ctx,
+        )  # fmt: skip
+        return shift.messages, shift
 
     def _logit_bias(self, ask: ClientRequest) -> dict[int, float]:
         """The request's logit_bias checked against the vocabulary, with ignore_eos's ban on
@@ -785,6 +868,7 @@ class Runtime:
                 self.scheduler.abort()
             raise
         seq.gen.policy, seq.gen.lead = ran, lead
+        seq.gen.context_shift = req.context_shift
         return seq
 
     def decode_round(self, sequences: list[Sequence]) -> tuple[int, int]:
@@ -793,7 +877,7 @@ class Runtime:
         self._ws.release_leases()  # the last round's proposals are verified by now
         ordered = sorted(sequences, key=lambda s: s.target.seq_id)  # the lead chooses first
         with self.lock:
-            return decode_round(self.target, ordered, self.costs)
+            return decode_round(self.target, ordered, self.costs, self.settings.prefill_chunk)
 
     def close_sequence(self, seq: Sequence) -> Generation:
         """End a finished sequence: its Generation, or the error it failed with (raised)."""

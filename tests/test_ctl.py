@@ -504,3 +504,32 @@ def test_status_lists_the_devices_of_a_split_target():
     assert "local: 11 layers, 200.00 MiB" in out
     assert "10.0.0.2:50052: 10 layers, 170.00 MiB   lost" in out
     assert "device" not in render.status({"devices": devices[:1]}, "http://x")  # one device
+
+
+def test_status_shows_the_context_trade_and_tune_takes_auto():
+    """The context per slot against the drafts resident and the slots (n_ctx auto's trade);
+    `tune n-ctx auto`, `tune prefill-chunk`, `tune context-overflow` parse as the daemon
+    takes them."""
+    from memspec.ctl import render
+    from memspec.ctl.main import build_parser
+
+    context = {
+        "n_ctx": 5888, "auto": True, "slots": 1, "drafts": ["prompt-lookup", "q2_k"],
+        "drafts_bytes": 213 * 2**20, "trained_context": 8192, "longest": 5888,
+        "limited_by": "budget", "without_drafts": 8192,
+    }  # fmt: skip
+    out = render.status({"n_ctx": 5888, "working_set": {"context": context}}, "http://x")
+    assert (
+        "5,888 per slot x 1 slot beside prompt-lookup, q2_k (213.00 MiB); auto, limit budget "
+        "(trained 8,192); 8,192 with no draft"
+    ) in out
+    fixed = {**context, "auto": False, "n_ctx": 2048}
+    assert "auto would give 5,888" in render.status({"working_set": {"context": fixed}}, "x")
+    parse = build_parser().parse_args
+    assert parse(["tune", "n-ctx", "auto"]).value == "auto"
+    assert parse(["tune", "n-ctx", "4096"]).value == 4096
+    assert parse(["tune", "prefill-chunk", "128"]).value == 128
+    assert parse(["tune", "context-overflow", "shift"]).field == "context_overflow"
+    for bad in (["tune", "n-ctx", "8"], ["tune", "context-overflow", "cut"]):
+        with pytest.raises(SystemExit):
+            parse(bad)

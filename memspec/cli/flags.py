@@ -18,10 +18,11 @@ MODEL_SETTINGS = (
     "target", "drafts", "backend", "device", "n_ctx", "n_threads", "n_gpu_layers",
     "weight_repack", "exactness", "k_max", "chat_template", "rpc", "tensor_split", "rpc_timeout_s",
     "kv_type_k", "kv_type_v", "draft_kv_type_k", "draft_kv_type_v", "flash_attn",
+    "prefill_chunk",
 )  # fmt: skip
 SERVE_SETTINGS = (
     "host", "port", "budget", "policy", "max_queue", "parallel", "state_dir", "log_level",
-    "allow_insecure_bind", "model_name", "embedding_model",
+    "allow_insecure_bind", "model_name", "embedding_model", "context_overflow",
 )  # fmt: skip
 # Checked on the command line only: the model takes any string (a TOML "INFO" stays valid).
 CHOICES = {
@@ -32,6 +33,7 @@ CHOICES = {
     "draft_kv_type_k": list(KV_TYPES),
     "draft_kv_type_v": list(KV_TYPES),
     "flash_attn": ["auto", "on", "off"],
+    "context_overflow": ["error", "shift"],
     "device": ["cpu", "cuda"],
     "log_level": ["debug", "info", "warning", "error"],
 }

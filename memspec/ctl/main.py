@@ -206,6 +206,11 @@ def _choice(names: tuple[str, ...]):
     return parse
 
 
+def _n_ctx_arg(text: str) -> int | str:
+    """auto, or a context length of at least 16 tokens."""
+    return "auto" if text == "auto" else _bounded(int, 16, 1 << 20)(text)
+
+
 def _size_arg(text: str) -> int | str:
     """Validated here (nothing is sent on a typo); sent as the user wrote it so the daemon
     persists '1.5GiB' rather than 1610612736."""
@@ -286,7 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
         ("budget", "budget", _size_arg, "memory budget, e.g. 1.5GiB, 800MB, 123456"),
         ("policy", "policy", str, "policy name"),
         ("k-max", "k_max", _bounded(int, 0, 64), "longest draft per round (0: no drafting)"),
-        ("n-ctx", "n_ctx", _bounded(int, 16), "context length in tokens"),
+        ("n-ctx", "n_ctx", _n_ctx_arg, "context per slot in tokens, or auto (the budget's)"),
+        ("prefill-chunk", "prefill_chunk", _bounded(int, 16, 1 << 16), "prompt tokens a round"),
+        (
+            "context-overflow",
+            "context_overflow",
+            _choice(("error", "shift")),
+            "a chat over the context: error (400) or shift (drop its oldest turns)",
+        ),
         ("parallel", "parallel", _bounded(int, 0, 64), "sequence slots (0: what the budget fits)"),
         ("kv-type-k", "kv_type_k", _choice(KV_TYPES), "the target's K cache type"),
         ("kv-type-v", "kv_type_v", _choice(KV_TYPES), "the target's V cache type"),

@@ -49,9 +49,10 @@ from memspec.errors import ContextOverflow, InvalidRequest
 TokenCallback = Callable[[str, int | None], None]
 
 
-# A joining sequence's prompt is fed in chunks of at most this many tokens per round while
-# other sequences decode (about 0.3 s here), so a long prompt never stalls them for long.
-PREFILL_CHUNK = 128
+# A sequence's prompt is fed in chunks of at most this many tokens per round (the default of
+# settings.prefill_chunk, llama.cpp's n_batch here): other sequences decode between the
+# chunks, a new request joins at the next round, and a cancelled one stops there.
+PREFILL_CHUNK = 512
 
 # A sequence whose drafts the batch-level rule turned down this many rounds in a row stops
 # asking its policy for up to this many rounds (doubling per refusal): peeking a datastore
@@ -124,6 +125,8 @@ class Generation:
     # The policy it ran under ("auto", "memspec", "none"...; "": not told); on the lead slot?
     policy: str = ""
     lead: bool = True
+    # The chat's context shift (context_overflow "shift"): what was dropped; None: nothing.
+    context_shift: dict[str, int] | None = None
     # Where the rounds' time went (seconds): see ROUND_PHASES.
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUND_PHASES, 0.0))
 
@@ -510,8 +513,10 @@ def decode_round(
     prefill_chunk: int = PREFILL_CHUNK,
 ) -> tuple[int, int]:
     """One round of every sequence in `sequences` (slots of `target`, which is their context's
-    root). Sequences still feeding their prompt get a chunk of it; the others choose, draft
-    and are verified, all in one forward pass. A sequence whose draft raises fails alone.
+    root). Sequences still feeding their prompt get a chunk of it (`prefill_chunk` tokens
+    at most, all joiners together); the others choose, draft and are verified, all in one
+    forward pass. A sequence whose draft raises fails alone. A sequence alone feeds one chunk
+    a round, so a cancel, or a request joining, waits for one chunk, not the whole prompt.
     With one sequence and no prompt to feed, this is the single-sequence round exactly.
     Returns (sequences, tokens) the target's forward pass carried."""
     for s in sequences:  # a client gone while its prompt is still being fed
@@ -534,7 +539,7 @@ def decode_round(
     ending: list[tuple[Sequence, list[int]]] = []  # a prompt's last chunk + its pending token
     if batched:
         # A pass holds at most max_batch tokens: every verification (pending + drafted, no
-        # deeper than any sequence asked), then prompt chunks in the room PREFILL_CHUNK and
+        # deeper than any sequence asked), then prompt chunks in the room prefill_chunk and
         # the verifications leave. (Sizing the depth by the batch alone left the prompts
         # n_batch mod n tokens a round: a request joining three others waited seconds.)
         asked = max((s._choice.k for s in deciding), default=0)
@@ -579,10 +584,10 @@ def decode_round(
         s.propose(0)  # no draft: only the bookkeeping of a round
     decode0 = target.decode_s
     if not batched:
-        if feeding:  # one sequence joining alone: its whole prompt, in n_batch chunks
+        if feeding:  # one sequence joining alone: a chunk of its prompt
             s = feeding[0]
             t = time.perf_counter()
-            chunk = s.prefill()
+            chunk = s.prefill(max(prefill_chunk, 1))
             s.target.eval(chunk, all_logits=False)
             s.gen.phases["prefill"] += time.perf_counter() - t
             return 1, len(chunk)

@@ -8,6 +8,10 @@ shedding applies, cheapest loss first:
   3. shorten n_ctx    (smaller KV caches and attention scratch, for target and draft)
   4. plain decoding   (no model draft; weightless drafts such as prompt lookup still run)
 The lower bound that still speculates is target + the smallest model draft at k = 1.
+
+`n_ctx = "auto"` (plan_context) turns the order round for the context: the drafts that fit
+beside a context of AUTO_FLOOR_N_CTX are kept, and the context per slot is what is left, up to
+the model's trained context.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ MIN_N_CTX = 256
 # Sequence slots `parallel = 0` (auto) gives at most: past about 8 on a small CPU a batch
 # costs nearly its tokens' worth of single steps, and each slot holds a KV cache.
 AUTO_MAX_SLOTS = 8
+# n_ctx = "auto" keeps the drafts that fit beside a context this long (or the trained context,
+# if shorter); the context per slot then takes everything they leave.
+AUTO_FLOOR_N_CTX = 2048
 
 
 def slots_that_fit(
@@ -90,6 +97,179 @@ def trained_context(path: Path) -> int:
 
 
 @dataclass
+class ContextPlan:
+    """The context per slot against the drafts resident and the slots: `n_ctx = "auto"`
+    resolved (or a fixed n_ctx, with what auto would give beside it), for `memspec plan`, the
+    runtime and its status."""
+
+    n_ctx: int  # per slot; 0: not even MIN_N_CTX fits beside the target
+    auto: bool  # resolved from "auto" (else the configured n_ctx)
+    slots: int
+    drafts: list[str]  # planned resident beside it (those that fit, in preload order)
+    drafts_bytes: int  # their footprint at n_ctx
+    target_bytes: int  # the target's at n_ctx with its slots (KV, rows, scratch)
+    budget_bytes: int
+    trained: int  # the model's trained context: no plan goes beyond it
+    longest: int  # the longest context per slot beside `drafts` at these slots (auto: n_ctx)
+    without_drafts: int  # the same with no draft resident: what the drafts cost in context
+    left_out: list[str] = field(default_factory=list)  # preloaded drafts that do not fit
+
+    @property
+    def limited_by(self) -> str:
+        return "trained context" if self.longest >= self.trained // KV_PAD * KV_PAD else "budget"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "n_ctx": self.n_ctx,
+            "auto": self.auto,
+            "slots": self.slots,
+            "drafts": self.drafts,
+            "drafts_bytes": self.drafts_bytes,
+            "target_bytes": self.target_bytes,
+            "budget_bytes": self.budget_bytes,
+            "trained_context": self.trained,
+            "longest": self.longest,
+            "limited_by": self.limited_by,
+            "without_drafts": self.without_drafts,
+            "left_out": self.left_out,
+        }
+
+    def describe(self) -> str:
+        """One line: "7,936 tokens per slot x 1 slot beside prompt-lookup, q4_0 (...)"."""
+        drafts = ", ".join(self.drafts) or "no draft"
+        where = "auto, " if self.auto else ""
+        text = (
+            f"{self.n_ctx:,} tokens per slot x {self.slots} slot{'s' if self.slots > 1 else ''}"
+            f" beside {drafts} ({where}limit: {self.limited_by}, trained {self.trained:,}"
+        )
+        if not self.auto:
+            text += f"; auto would give {self.longest:,}"
+        return text + f"; {self.without_drafts:,} with no draft)"
+
+
+def plan_context(
+    budget_bytes: int,
+    target_path: Path,
+    k: int,
+    drafts_at: Callable[[int], list[DraftFit]],
+    n_ctx: int | str = "auto",
+    parallel: int = 0,
+    n_gpu_layers: int = 0,
+    kv_cache: KVCache = F16,
+    cap: int = AUTO_MAX_SLOTS,
+) -> ContextPlan:
+    """The context per slot and the slots under `budget_bytes`, beside the drafts of
+    `drafts_at(n_ctx)` (their footprints at that context, in preload order; drafts' caches
+    grow with the context too). `parallel`: the slots (0: as many as fit, at most `cap`).
+
+    n_ctx "auto": the drafts that fit beside the target at AUTO_FLOOR_N_CTX (or the trained
+    context, if shorter) are kept, in order, each one that fits; the context per slot is then
+    the longest that fits beside them, at most the trained context; with parallel 0 the slots
+    are then as many as fit at that context (more than one only where the trained context
+    caps it). A fixed n_ctx: the slots as before (parallel, or as many as fit beside every
+    preloaded draft), and the drafts that fit beside it."""
+    trained = trained_context(target_path)
+
+    def target(n: int, slots: int) -> int:
+        return target_footprint(target_path, n, k, n_gpu_layers, slots, kv_cache).total
+
+    def first_fit(n: int, slots: int) -> tuple[list[str], list[str]]:
+        room = budget_bytes - target(n, slots)
+        kept, out = [], []
+        for d in drafts_at(n):
+            if d.footprint is None:
+                continue
+            if d.bytes <= room:
+                kept.append(d.id)
+                room -= d.bytes
+            else:
+                out.append(d.id)
+        return kept, out
+
+    def bytes_at(ids: list[str]) -> Callable[[int], int]:
+        return lambda n: sum(d.bytes for d in drafts_at(n) if d.id in ids)
+
+    auto = n_ctx == "auto"
+    if auto:
+        floor = max(MIN_N_CTX, min(AUTO_FLOOR_N_CTX, trained // KV_PAD * KV_PAD))
+        kept, left_out = first_fit(floor, parallel or 1)
+        reserved = bytes_at(kept)
+        n = longest_context(
+            budget_bytes, target_path, k, reserved, n_gpu_layers, parallel or 1, kv_cache, trained
+        )
+        slots = parallel or 1
+        if not parallel and n >= trained // KV_PAD * KV_PAD:  # capped: room for more slots
+            slots = slots_that_fit(
+                budget_bytes, target_path, n, k, reserved(n), n_gpu_layers, cap, kv_cache
+            )
+        longest = n
+    else:
+        n = int(n_ctx)
+        every = sum(d.bytes for d in drafts_at(n))
+        slots = parallel or slots_that_fit(
+            budget_bytes, target_path, n, k, every, n_gpu_layers, cap, kv_cache
+        )
+        kept, left_out = first_fit(n, slots)
+        reserved = bytes_at(kept)
+        longest = longest_context(
+            budget_bytes, target_path, k, reserved, n_gpu_layers, slots, kv_cache, trained
+        )
+    without = longest_context(
+        budget_bytes, target_path, k, n_gpu_layers=n_gpu_layers, slots=slots, kv_cache=kv_cache,
+        limit=trained,
+    )  # fmt: skip
+    at = n or MIN_N_CTX
+    return ContextPlan(
+        n_ctx=n,
+        auto=auto,
+        slots=slots,
+        drafts=kept,
+        drafts_bytes=reserved(at),
+        target_bytes=target(at, slots),
+        budget_bytes=budget_bytes,
+        trained=trained,
+        longest=longest,
+        without_drafts=without,
+        left_out=left_out,
+    )
+
+
+def least_target_bytes(
+    target_path: Path,
+    k: int,
+    n_gpu_layers: int = 0,
+    slots: int = 1,
+    kv_cache: KVCache = F16,
+) -> int:
+    """What the target needs at the shortest context n_ctx "auto" gives (MIN_N_CTX)."""
+    return target_footprint(target_path, MIN_N_CTX, k, n_gpu_layers, slots, kv_cache).total
+
+
+def fit_hint(
+    budget_bytes: int,
+    target_path: Path,
+    k: int,
+    n_gpu_layers: int = 0,
+    slots: int = 1,
+    kv_cache: KVCache = F16,
+) -> str:
+    """What a refused n_ctx is told: the longest context per slot the target alone fits in
+    this budget, or the budget the shortest context needs."""
+    n = longest_context(
+        budget_bytes, target_path, k, n_gpu_layers=n_gpu_layers, slots=slots, kv_cache=kv_cache,
+        limit=trained_context(target_path),
+    )  # fmt: skip
+    per = f" with {slots} slots" if slots > 1 else ""
+    if n:
+        return (
+            f"the longest n_ctx that fits this budget{per} is {n} tokens per slot, the target "
+            "alone (n_ctx = auto sizes it beside the drafts)"
+        )
+    least = target_footprint(target_path, MIN_N_CTX, k, n_gpu_layers, slots, kv_cache).total
+    return f"even n_ctx {MIN_N_CTX}{per} needs {format_size(least)}"
+
+
+@dataclass
 class DraftFit:
     id: str
     kind: str
@@ -109,7 +289,7 @@ class DraftFit:
 @dataclass
 class Plan:
     budget_bytes: int
-    n_ctx: int  # requested
+    n_ctx: int  # requested (for "auto": what it resolved to, `context` says how)
     k_max: int  # requested
     kv_cache: KVCache  # the target's cache types (drafts' footprints carry their own)
     target: Footprint
@@ -131,6 +311,8 @@ class Plan:
     # The trade (`memspec plan`): the longest context per slot beside the plan's residents,
     # by KV cache type and slot count: {"f16": {1: 30720, 2: 15104}, ...}.
     context_by_kv: dict[str, dict[int, int]] = field(default_factory=dict)
+    # n_ctx = "auto": how it was resolved (the drafts kept, the context left, the trade).
+    context: ContextPlan | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -152,6 +334,7 @@ class Plan:
             "slots": self.slots,
             "slot_bytes": self.slot_bytes,
             "context_by_kv_type": self.context_by_kv,
+            "context": self.context.to_dict() if self.context else None,
             "everything_bytes": self.everything_bytes,
             "lower_bound_bytes": self.lower_bound_bytes,
             "lower_bound_draft": self.lower_bound_draft,
@@ -200,14 +383,17 @@ def make_plan(
     target_path: Path,
     manifests: dict[str, DraftManifest],
     models_dir: Path,
-    n_ctx: int = 2048,
+    n_ctx: int | str = 2048,
     k_max: int = 8,
     values: dict[str, float] | None = None,
     n_gpu_layers: int = 0,
     kv_cache: KVCache = F16,
     draft_kv_cache: KVCache | None = None,
 ) -> Plan:
-    """`kv_cache`: the target's cache types; `draft_kv_cache`: model drafts' (the target's)."""
+    """`kv_cache`: the target's cache types; `draft_kv_cache`: model drafts' (the target's).
+    n_ctx "auto": resolved as the runtime does (plan_context), the pool's drafts taken in the
+    runtime's preload order (weightless first, then smallest first); the plan then keeps
+    those drafts resident beside the context it found."""
 
     def target(n: int, k: int) -> Footprint:
         return target_footprint(target_path, n, k, n_gpu_layers, 1, kv_cache)
@@ -217,6 +403,17 @@ def make_plan(
             manifests, models_dir, n, values, n_gpu_layers, draft_kv_cache or kv_cache
         )
 
+    context = None
+    if n_ctx == "auto":
+
+        def preload_order(n: int) -> list[DraftFit]:
+            return sorted(fits_at(n), key=lambda d: d.bytes)  # stable: weightless first
+
+        context = plan_context(
+            budget_bytes, target_path, k_max, preload_order, "auto", 0, n_gpu_layers, kv_cache
+        )
+        n_ctx = context.n_ctx or MIN_N_CTX
+    n_ctx = int(n_ctx)
     drafts = fits_at(n_ctx)
     avail = [d for d in drafts if d.footprint is not None]
     models = [d for d in avail if d.bytes > 0]
@@ -233,6 +430,7 @@ def make_plan(
         lower_bound_bytes=target(n_ctx, 1).total + smallest.bytes if smallest else None,
         lower_bound_draft=smallest.id if smallest else None,
         target_only_bytes=target(n_ctx, 0).total,
+        context=context,
     )
     plan.evict_order = [d.id for d in sorted(models, key=lambda d: (d.value_per_byte, -d.bytes))]
 
@@ -267,6 +465,9 @@ def make_plan(
     weightless = [d.id for d in avail if d.bytes == 0 and d.value > 0]
     if plan.everything_bytes <= budget_bytes:
         return settle([], n_ctx, k_max, [d.id for d in avail], plan.everything_bytes)
+    if context is not None and context.n_ctx:  # auto: the drafts it kept, as the runtime does
+        used = t_full.total + sum(d.bytes for d in avail if d.id in context.drafts)
+        return settle(["evict drafts"], n_ctx, k_max, context.drafts, used)
     # 1. Evict drafts: the best value-per-byte set beside the target.
     room = budget_bytes - t_full.total
     chosen = fill_by_value(((d.id, d.value, d.bytes) for d in avail), room)
@@ -350,6 +551,8 @@ def format_plan(p: Plan) -> str:
             cells = "   ".join(f"{s} slot{'s' if s > 1 else ''} {n:>9,}" for s, n in row.items())
             lines.append(f"  {name:34s} {cells}")
         lines.append("")
+    if p.context is not None:
+        lines += [f"n_ctx auto: {p.context.describe()}", ""]
     shed = ", then ".join(p.shed) if p.shed else "none (everything fits)"
     lines += [
         f"slots: {p.slots} sequences decode together within the budget "

@@ -351,6 +351,11 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
+    context_overflow: Literal["error", "shift"] | None = Field(
+        None,
+        description='MemSpec: a conversation over the context: "error" (400 '
+        'context_length_exceeded) or "shift" (the oldest turns dropped); default: the daemon\'s',
+    )
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -484,6 +489,11 @@ class KSummary(BaseModel):
     counts: dict[str, int] = Field(description="rounds per draft length k (0: plain decoding)")
 
 
+class ContextShift(BaseModel):
+    dropped_messages: int = Field(description="messages dropped after the system prompt")
+    dropped_tokens: int = Field(description="prompt tokens they took")
+
+
 class MemSpecStats(BaseModel):
     """MemSpec's account of how the answer was decoded."""
 
@@ -509,6 +519,9 @@ class MemSpecStats(BaseModel):
         "verify_decode: the target's forward passes, sample, detokenize, stream...)"
     )
     elapsed_ms: float = Field(description="from admission to its last token")
+    context_shift: ContextShift | None = Field(
+        None, description='context_overflow "shift": the oldest turns dropped to fit the context'
+    )
 
 
 class FunctionCallOut(BaseModel):

@@ -27,7 +27,7 @@ RELOAD_KEYS = (
     "n_ctx", "parallel", "kv_type_k", "kv_type_v", "draft_kv_type_k", "draft_kv_type_v",
     "flash_attn",
 )  # fmt: skip
-TUNABLE = ("budget", "policy", "k_max", *RELOAD_KEYS)
+TUNABLE = ("budget", "policy", "k_max", "prefill_chunk", "context_overflow", *RELOAD_KEYS)
 STATE_FILE = "tuned.json"
 REJECTED_FILE = "tuned.rejected.json"
 

@@ -24,6 +24,7 @@ import psutil
 from memspec.config import Settings
 from memspec.errors import BudgetExceeded, InvalidRequest
 from memspec.memory.limits import budget_ceiling
+from memspec.memory.plan import least_target_bytes
 from memspec.server.state import (
     RELOAD_KEYS,
     TUNABLE,
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("memspec.server")
 
-RUNTIME_KEYS = ("policy", "k_max")
+RUNTIME_KEYS = ("policy", "k_max", "prefill_chunk", "context_overflow")
 # read by the runtime per request: handed to it on a tune
 
 
@@ -119,7 +120,20 @@ class Tuning:
                     code="invalid_value",
                 )
             reserved = rt.reserved_bytes if rt is not None else 0
-            if not any(k in changes for k in RELOAD_KEYS) and budget < reserved:
+            if self.resizes(changes) and rt is not None:  # n_ctx auto follows the budget
+                c = self.current.model_copy(update=changes)
+                least = least_target_bytes(
+                    rt.target.path, c.k_max, c.n_gpu_layers, c.parallel or 1, c.kv_cache
+                )
+                if budget < least:
+                    raise InvalidRequest(
+                        f"budget {format_size(budget)} is below what the target needs at the "
+                        f"shortest context n_ctx auto gives ({format_size(least)}); see "
+                        "`memspec plan`",
+                        param="budget",
+                        code="budget_too_small",
+                    )
+            elif not any(k in changes for k in RELOAD_KEYS) and budget < reserved:
                 raise InvalidRequest(
                     f"budget {format_size(budget)} is below what the target needs at n_ctx "
                     f"{self.current.n_ctx} ({format_size(reserved)}); see `memspec plan`",
@@ -151,9 +165,10 @@ class Tuning:
         persisted = load_state(self.path)
         save_state(self.path, {**persisted, **changes} if persist is None else persist)  # 507
         budget_applied = False
+        resize = self.resizes(changes) and worker.runtime is not None
         try:
             rt = worker.runtime
-            if "budget" in changes and rt is not None:  # evicts to fit; raises if pinned block
+            if "budget" in changes and rt is not None and not resize:  # evicts to fit
                 rt.set_budget(parse_size(changes["budget"]))
                 budget_applied = True
             self._replace(**{k: changes[k] for k in ("budget", *RUNTIME_KEYS) if k in changes})
@@ -161,7 +176,7 @@ class Tuning:
                 self.hand_to_runtime(rt)
             s = self.current
             shape = {k: changes[k] for k in RELOAD_KEYS if k in changes}
-            if any(getattr(s, k) != v for k, v in shape.items()):
+            if resize or any(getattr(s, k) != v for k, v in shape.items()):
                 worker.reload_runtime(shape)
             worker.prefix_cache.shrink()
         except BaseException as e:
@@ -181,6 +196,11 @@ class Tuning:
             if isinstance(e, BudgetExceeded):
                 raise _as_tune_error(e, changes) from e
             raise
+
+    def resizes(self, changes: dict[str, Any]) -> bool:
+        """A budget tune while n_ctx is auto: the runtime is rebuilt, its context sized to the
+        new budget (memspec.memory.plan.plan_context)."""
+        return "budget" in changes and changes.get("n_ctx", self.current.n_ctx) == "auto"
 
     def shape(self) -> dict[str, Any]:
         """What a runtime reload changes, as it is now."""

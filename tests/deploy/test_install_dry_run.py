@@ -208,7 +208,7 @@ def test_profile_matches_settings(monkeypatch):
     s = Settings.load(PROFILE)  # extra="forbid": a key that is not a Settings field fails here
     assert s.budget_bytes == int(4.5 * 1024**3)
     assert s.n_gpu_layers == -1 and s.host == "127.0.0.1" and s.backend == "llama_cpp"
-    assert s.k_max > 0 and s.n_ctx >= 2048
+    assert s.k_max > 0 and s.n_ctx == "auto"
     # The Jetson-sized pair, its whole family as the pool (no allow-list, no manifest dir that
     # would replace the family's).
     assert s.target == "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
@@ -218,3 +218,35 @@ def test_profile_matches_settings(monkeypatch):
     for key in ("n_gpu_layers", "n_threads", "n_ctx", "k_max", "budget"):
         i = next(i for i, line in enumerate(lines) if line.startswith(f"{key} = "))
         assert lines[i - 1].startswith("#"), f"no comment above {key}"
+
+
+def test_profile_context_auto_holds_a_whole_file_beside_the_sibling(monkeypatch):
+    """The profile's n_ctx auto on the Jetson pair, as the footprint model plans it: the 0.5B
+    sibling (and prompt lookup) kept, and a code assistant's 4-16k-token files fit a slot."""
+    from memspec.memory.footprint import Footprint, draft_footprint
+    from memspec.memory.plan import DraftFit, plan_context
+    from memspec.paths import models_dir
+
+    for key in list(os.environ):
+        if key.startswith("MEMSPEC_"):
+            monkeypatch.delenv(key)
+    s = Settings.load(PROFILE)  # its data_dir is the Jetson's: the models are found here
+    target = models_dir() / s.target
+    sibling = models_dir() / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    if not (target.is_file() and sibling.is_file()):
+        pytest.skip("the Qwen2.5-Coder pair is not fetched")
+
+    def drafts_at(n: int) -> list[DraftFit]:
+        fp = draft_footprint("model", sibling, n, None, s.n_gpu_layers, s.draft_kv_cache)
+        return [
+            DraftFit("prompt-lookup", "prompt_lookup", Footprint(), 0.5),
+            DraftFit("sibling", "model", fp, 0.5),
+        ]
+
+    plan = plan_context(
+        s.budget_bytes, target, s.k_max, drafts_at, s.n_ctx, s.parallel, s.n_gpu_layers,
+        s.kv_cache,
+    )  # fmt: skip
+    assert plan.drafts == ["prompt-lookup", "sibling"]
+    assert plan.n_ctx >= 16384 and plan.n_ctx <= plan.trained
+    assert plan.target_bytes + plan.drafts_bytes <= s.budget_bytes

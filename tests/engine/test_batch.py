@@ -14,12 +14,7 @@ from memspec.backends.base import BackendOptions, load_backend
 from memspec.drafts.prompt_lookup import PromptLookupDraft
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.policy import DecisionRulePolicy, FixedPolicy
-from memspec.engine.speculative import (
-    PREFILL_CHUNK,
-    Sequence,
-    decode_round,
-    speculative_generate,
-)
+from memspec.engine.speculative import Sequence, decode_round, speculative_generate
 from memspec.engine.types import Draft, SamplingParams
 from memspec.paths import models_dir
 
@@ -337,11 +332,12 @@ def test_a_pass_never_exceeds_the_batch_and_a_cancelled_prompt_stops_feeding(tar
 
 def test_a_joining_prompt_is_fed_in_full_chunks_beside_decoding_sequences(target, prompts):
     """The room a pass leaves for prompts is what the verifications do not use: three
-    sequences decoding with k ≤ 2 leave a joining prompt its PREFILL_CHUNK, not the
+    sequences decoding with k ≤ 2 leave a joining prompt its prefill_chunk, not the
     n_batch mod 3 tokens a depth sized by the batch alone left it."""
     lookup = PromptLookupDraft()
     params = SamplingParams(max_tokens=24)
-    long_prompt = (prompts[3] * 20)[: PREFILL_CHUNK + 20]
+    chunk = 128
+    long_prompt = (prompts[3] * 20)[: chunk + 20]
     ref = alone(target, long_prompt, params)
     for slot in target.slots:
         slot.reset()
@@ -349,13 +345,13 @@ def test_a_joining_prompt_is_fed_in_full_chunks_beside_decoding_sequences(target
     for _ in range(3):
         decode_round(target, [s for s in seqs if not s.done], costs())
     joining = Sequence(target.slots[3], long_prompt, params, FixedPolicy(None, 0))
-    decode_round(target, [*[s for s in seqs if not s.done], joining], costs())
+    decode_round(target, [*[s for s in seqs if not s.done], joining], costs(), chunk)
     # One chunk fed; what is left is the rest of the prompt (its last token is the first
     # decoded, never prefilled).
-    assert len(joining.to_prefill) == len(long_prompt) - 1 - PREFILL_CHUNK
+    assert len(joining.to_prefill) == len(long_prompt) - 1 - chunk
     # The next pass carries the rest of the prompt and, with it, the pending token: the
     # first token comes from the pass that ends the prompt.
-    decode_round(target, [*[s for s in seqs if not s.done], joining], costs())
+    decode_round(target, [*[s for s in seqs if not s.done], joining], costs(), chunk)
     assert not joining.to_prefill and len(joining.gen.token_ids) == 1
     run_batch(target, [*seqs, joining])
     assert joining.result().token_ids == ref

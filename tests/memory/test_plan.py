@@ -172,3 +172,84 @@ def test_longest_context_is_the_last_that_fits(target_path, manifests):
         "K q4_0, V q4_0, flash attention",
     }
     assert all(row[1] >= 1024 for row in table.values())  # the plan's own n_ctx fits
+
+
+def test_n_ctx_auto_never_exceeds_the_budget_with_every_slot_full(target_path, manifests):
+    """n_ctx auto (plan_context), for budgets from the target's least to past the trained
+    context, one slot, three and auto: the target with every slot full at the resolved
+    context, beside the drafts kept at that context, fits the budget; a 256-cell step more
+    does not (or the trained context caps it); the drafts kept are those that fit beside
+    2,048 tokens, in preload order."""
+    from memspec.kv_cache import KVCache
+    from memspec.memory.plan import (
+        AUTO_FLOOR_N_CTX,
+        draft_fits,
+        plan_context,
+        trained_context,
+    )
+
+    trained = trained_context(target_path)
+    order = ["prompt-lookup", "q2_k", "q4_0", "q8_0"]
+
+    def drafts_at(n: int):
+        fits = {d.id: d for d in draft_fits(manifests, models_dir(), n)}
+        return [fits[i] for i in order]
+
+    def used(n: int, slots: int, kept: list[str], kv: KVCache | None = None) -> int:
+        drafts = sum(d.bytes for d in drafts_at(n) if d.id in kept)
+        kv = kv or KVCache()
+        return target_footprint(target_path, n, 8, slots=slots, kv_cache=kv).total + drafts
+
+    least = target_footprint(target_path, 256, 8).total
+    for budget in (least + (8 << 20), 700 << 20, 1 << 30, 3 << 30, 8 << 30):
+        for parallel in (1, 3, 0):
+            p = plan_context(budget, target_path, 8, drafts_at, "auto", parallel)
+            if p.n_ctx == 0:  # not even 256 tokens a slot: refused at start
+                assert parallel == 3 and used(256, 3, []) > budget
+                continue
+            assert p.auto and p.n_ctx % 256 == 0 and 256 <= p.n_ctx <= trained, (budget, p)
+            assert p.slots == parallel or parallel == 0
+            assert used(p.n_ctx, p.slots, p.drafts) <= budget, (budget, parallel, p)
+            assert p.target_bytes + p.drafts_bytes == used(p.n_ctx, p.slots, p.drafts)
+            if p.n_ctx < trained:
+                assert used(p.n_ctx + 256, p.slots, p.drafts) > budget
+                assert p.slots == (parallel or 1)  # the context first: one slot
+            else:
+                assert p.limited_by == "trained context"
+            # Drafts kept as the preload keeps them: each that fits beside the floor context.
+            room = (
+                budget
+                - target_footprint(target_path, AUTO_FLOOR_N_CTX, 8, slots=parallel or 1).total
+            )
+            for d in drafts_at(AUTO_FLOOR_N_CTX):
+                if d.bytes <= room:
+                    assert d.id in p.drafts
+                    room -= d.bytes
+                else:
+                    assert d.id in p.left_out
+            assert p.without_drafts >= p.n_ctx
+    # A big budget: the trained context, then more slots of it.
+    p = plan_context(8 << 30, target_path, 8, drafts_at, "auto", 0)
+    assert p.n_ctx == trained and p.slots > 1 and p.drafts == order
+    assert used(trained, p.slots, p.drafts) <= 8 << 30
+    # A quantized cache with flash attention: more drafts beside the floor context (the
+    # drafts that pay are kept first), and more context with none.
+    q8 = KVCache("q8_0", "q8_0", True)
+    p16 = plan_context(1 << 30, target_path, 8, drafts_at, "auto", 1)
+    p8 = plan_context(1 << 30, target_path, 8, drafts_at, "auto", 1, kv_cache=q8)
+    assert set(p16.drafts) < set(p8.drafts) and used(p8.n_ctx, 1, p8.drafts, q8) <= 1 << 30
+    assert p8.n_ctx >= AUTO_FLOOR_N_CTX
+
+
+def test_plan_cli_shows_the_auto_context(target_path):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["plan", "--budget", "1GiB", "--n-ctx", "auto", "--json"])
+    data = json.loads(out.getvalue())
+    ctx = data["context"]
+    assert rc == 0 and ctx["auto"] and data["n_ctx"] == data["planned_n_ctx"] == ctx["n_ctx"]
+    assert set(data["resident"]) == set(ctx["drafts"]) and data["used_bytes"] <= 1 << 30
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["plan", "--budget", "1GiB", "--n-ctx", "auto"])
+    assert f"n_ctx auto: {ctx['n_ctx']:,} tokens per slot" in out.getvalue()

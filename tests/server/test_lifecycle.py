@@ -159,6 +159,31 @@ def test_tune_kv_cache_types_live(restarted):
     assert httpx.post(srv.url + "/admin/tune", json=back, timeout=120).status_code == 200
 
 
+def test_tune_n_ctx_auto_live(restarted):
+    """n_ctx auto, live: the context is the budget's (status says how much and beside what),
+    and a budget tune sizes it again."""
+    srv, _ = restarted
+
+    def tune(changes: dict) -> dict:
+        r = httpx.post(srv.url + "/admin/tune", json=changes, timeout=120)
+        assert r.status_code == 200, r.text
+        st = httpx.get(srv.url + "/admin/status").json()
+        assert st["state"] == "ready"
+        return st
+
+    st = tune({"n_ctx": "auto", "budget": "900MiB"})
+    ctx = st["working_set"]["context"]
+    assert (
+        ctx["auto"] and st["n_ctx"] == ctx["n_ctx"] >= 2048 and ctx["drafts"] == ["prompt-lookup"]
+    )
+    assert st["used_bytes"]["modelled"] <= st["budget_bytes"] == 900 << 20
+    smaller = tune({"budget": "800MiB"})
+    assert smaller["n_ctx"] < st["n_ctx"] and smaller["budget_bytes"] == 800 << 20
+    assert smaller["used_bytes"]["modelled"] <= 800 << 20
+    ok = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    assert httpx.post(srv.url + "/v1/completions", json=ok, timeout=60).status_code == 200
+
+
 def test_stuck_engine_stops_watchdog_pings(restarted):
     srv, notify = restarted
     notify.wait_for("READY=1", timeout=5)
