@@ -74,11 +74,11 @@ class MemspecServer:
         if n_threads:
             cmd += ["--n-threads", str(n_threads)]
         # `env` on top of ours (PYTHONPATH included: the daemon runs the code this bench runs).
+        # MEMSPEC_BENCH_SERVER_LOG: where the daemon's output goes (default: nowhere).
+        log = os.environ.get("MEMSPEC_BENCH_SERVER_LOG")
+        out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child's
         self.proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=os.environ | (env or {}),
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ | (env or {})
         )
         try:
             _wait_health(self.url, self.proc, 900)  # a first start calibrates the batch costs

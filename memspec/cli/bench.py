@@ -1,5 +1,5 @@
-"""`memspec bench reuse|engine|cold|policies|load|soak|batch|ollama|rpc|kernels|runtime|structured`:
-benchmarks writing JSON/PNG."""
+"""`memspec bench reuse|engine|cold|policies|load|soak|batch|ollama|models|rpc|kernels|runtime|
+structured`: benchmarks writing JSON/PNG."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from memspec.bench import batch as batch_bench  # concurrent streams against a daemon
 from memspec.bench import kernels as kernels_bench  # the price of bit-exactness
 from memspec.bench import load as load_bench  # load and soak runs against a daemon
+from memspec.bench import models as models_bench  # several models under one budget
 from memspec.bench import ollama_route  # /api/chat against /v1 on one daemon
 from memspec.cli.flags import load_settings, model_flags, workload_flags
 from memspec.config import Settings
@@ -47,17 +48,21 @@ def cmd_bench_reuse(args: argparse.Namespace) -> int:
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from memspec.bench.engine import run_engine_bench
 
+    max_tokens = args.max_tokens
+    if max_tokens is None:  # an edit's answer is a whole file: long enough to copy one
+        max_tokens = 512 if args.workload.startswith("edit") else 96
     run_engine_bench(
         bench_settings(args),
         out=args.out,
         plot=args.plot,
         per_category=args.per_category,
-        max_tokens=args.max_tokens,
+        max_tokens=max_tokens,
         k_fixed=args.k,
         categories=args.categories,
         workload=args.workload,
         peer_server=not args.no_peer_server,
         only=[n.strip() for n in args.configs.split(",")] if args.configs else None,
+        max_file_tokens=args.max_file_tokens,
     )
     return 0
 
@@ -118,13 +123,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--per-category", type=int, default=10, help="questions per category (10 = all 80)"
     )
     e.add_argument("--categories", nargs="*", help="only these categories")
-    e.add_argument("--max-tokens", type=int, default=96)
+    e.add_argument(
+        "--max-tokens", type=int, help="tokens per answer (default 96; edit workloads 512)"
+    )
     e.add_argument("--k", type=int, default=4, help="k for the fixed-k runs")
     e.add_argument(
         "--workload",
-        choices=["mtbench", "heldout", "both"],
+        choices=["mtbench", "heldout", "both", "edit", "edit-tuning"],
         default="mtbench",
-        help="MT-Bench first turns, held-out code completions and chats, or both",
+        help="MT-Bench first turns, held-out code completions and chats, or both; edit: "
+        "whole-file edits (held out), edit-tuning: their tuning part",
+    )
+    e.add_argument(
+        "--max-file-tokens",
+        type=int,
+        help="edit workloads: skip longer files (default: what the target's trained context "
+        "leaves beside --max-tokens); the context is sized to the longest prompt",
     )
     e.add_argument(
         "--no-peer-server",
@@ -173,6 +187,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     load_bench.register_bench(bsub)
     batch_bench.register(bsub)
     ollama_route.register(bsub)
+    models_bench.register(bsub)
     kernels_bench.register(bsub)
     _register_rpc(bsub)
     _register_runtime(bsub)

@@ -441,8 +441,7 @@ class EngineWorker:
                     control = self._current = self._control.popleft()
                     self._control_ran = True
                 elif not control_turn:
-                    admit, load = self._schedule()
-                    self._admitting.extend(admit)
+                    admit, load = self._schedule()  # the admitted join _admitting
                     if admit or not self._queue:
                         self._control_ran = False
                 if control is None and not admit and load is None and not self._active:
@@ -468,30 +467,25 @@ class EngineWorker:
     # --- which model runs: admission, loads, expiry -------------------------------------------
     def _views(self, queued: Counter[str]) -> list[ModelView]:
         in_flight = Counter(model for model, _ in self._active)
+        in_flight.update(j.model for j in self._admitting)
         return self.targets.views(self.settings, in_flight, queued)
 
     def _schedule(self) -> tuple[list[GenerateJob], str | None]:
         """Under the lock: the waiting generations to admit now (their model resident, a slot
-        free, the model not draining), and the model to load first, if one is due. Requests
-        for a model that cannot fit even with every other model unloaded fail with a 503."""
+        free, the model not draining), then the model to load, if one is due. Admission goes
+        first, so a model just loaded takes its waiting run before any switch can unload it
+        (the admitted count as in flight). Requests for a model that cannot fit even with
+        every other model unloaded fail with a 503."""
         waiting = [j for j in self._queue if not j.cancel.is_set()]  # the rest: clients left
-        queued = Counter(j.model for j in waiting)
-        absent = {}  # model -> when its oldest request arrived
-        for job in waiting:
-            if job.model not in self.targets.runtimes:
-                absent.setdefault(job.model, job.enqueued_at)
-        load, self._draining = self._plan_switch(absent, queued)
         policy = self.residency
         free = {
             name: rt.slots - sum(1 for m, _ in self._active if m == name)
             for name, rt in self.targets.runtimes.items()
         }
         admit: list[GenerateJob] = []
-        keep: deque[GenerateJob] = deque()
+        keep: list[GenerateJob] = []
         blocked = False  # first come first served: a request that must load holds the rest
         for job in waiting:
-            if job.model in self._failed_models:
-                continue
             ok = not blocked and job.model not in self._draining and free.get(job.model, 0) > 0
             if ok:
                 admit.append(job)
@@ -500,7 +494,13 @@ class EngineWorker:
                 keep.append(job)
                 if policy.first_come_first_served and job.model not in self.targets.runtimes:
                     blocked = True
-        self._queue = keep
+        absent: dict[str, float] = {}  # model -> when its oldest request arrived
+        for job in keep:
+            if job.model not in self.targets.runtimes:
+                absent.setdefault(job.model, job.enqueued_at)
+        self._admitting.extend(admit)  # in flight from here on: never a victim
+        load, self._draining = self._plan_switch(absent, Counter(j.model for j in keep))
+        self._queue = deque(j for j in keep if j.model not in self._failed_models)
         return admit, load
 
     def _plan_switch(
@@ -617,9 +617,14 @@ class EngineWorker:
             return
         views = self._views(Counter({n: 0 for n in pushed_out}))
         ahead = self.residency.prefetch(free, views, now)
-        if ahead is not None and ahead not in self.targets.runtimes:
-            log.info("loading model %s ahead of need (predicted demand)", ahead)
-            self._make_resident(ahead)
+        if ahead is None or ahead in self.targets.runtimes:
+            return
+        log.info("loading model %s ahead of need (predicted demand)", ahead)
+        try:  # into free budget only: a load ahead of need never unloads another model
+            with self._beating():
+                self.targets.load(ahead, self.settings, victims=[])
+        except MemSpecError as e:
+            log.info("not loading %s ahead of need: %s", ahead, e.message)
 
     def _model_changed(self, name: str, what: str) -> None:
         if what != "load":

@@ -1,0 +1,39 @@
+"""`memspec bench models`: the trace it replays, and one short real run of both policies on
+two small models (Gemma 3 270M as the default target, SmolLM2 for chat)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from launcher import ROOT, require_gemma
+
+from memspec.bench.models import make_trace
+
+
+def test_trace_is_seeded_poisson_with_bursts():
+    a = make_trace(30, rate=0.5, code_share=0.5, burst_every=6, burst=2, seed=1)
+    assert a == make_trace(30, rate=0.5, code_share=0.5, burst_every=6, burst=2, seed=1)
+    assert len(a) == 30 and {x.role for x in a} == {"code", "chat"}
+    assert all(x.at_s <= y.at_s for x, y in zip(a, a[1:], strict=False))
+    same_instant = sum(x.at_s == y.at_s for x, y in zip(a, a[1:], strict=False))
+    assert same_instant >= 4  # the bursts
+    assert a != make_trace(30, rate=0.5, code_share=0.5, burst_every=6, burst=2, seed=2)
+
+
+def test_both_policies_serve_the_same_answers(tmp_path):
+    require_gemma()
+    out = tmp_path / "models.json"
+    cmd = [sys.executable, "-m", "memspec.cli", "bench", "models", "--coder", "gemma3:270m"]
+    cmd += ["--chat", "smollm2:135m", "--requests", "5", "--rate", "2", "--max-tokens", "4"]
+    cmd += ["--n-threads", "1", "--out", str(out)]
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=900, capture_output=True)
+    rep = json.loads(out.read_text())
+    assert rep["answers_identical"] == rep["answers_compared"] == 5
+    for policy in ("memspec", "lru"):
+        run = rep["runs"][policy]
+        assert run["failed"] == [] and run["requests_per_s"] > 0
+        assert run["peak_modelled_bytes"] <= rep["budget_bytes"]
+        assert sum(run["loads"].values()) >= 2  # the budget holds one: the chat model loaded
+    assert rep["loads_memspec_vs_lru"][0] <= rep["loads_memspec_vs_lru"][1]
