@@ -21,7 +21,7 @@ from pydantic_settings import (
 )
 
 from memspec.kv_cache import KVCache, KVType, resolve_flash_attn
-from memspec.units import parse_size  # noqa: E402
+from memspec.units import parse_duration_s, parse_size  # noqa: E402
 
 DEFAULT_CONFIG_FILE = Path("/etc/memspec/config.toml")
 
@@ -59,6 +59,28 @@ class Settings(BaseSettings):
         "set then keeps what the policy predicts is worth most)",
     )
     manifest_dir: Path | None = None  # default: drafts/ in the checkout
+    # Several models under one budget (memspec.scheduler.residency): any model in the models
+    # dir is served by name; the target is the default and the one loaded at start.
+    keep_alive: str = Field(
+        "-1",
+        description="how long a model stays loaded after its last request, as Ollama's "
+        "keep_alive: a duration (5m, 1h30m, 300), -1 (until the budget needs the room) or 0",
+    )
+    residency: Literal["memspec", "lru"] = Field(
+        "memspec",
+        description="which targets stay resident: memspec (predicted demand, switches in "
+        "runs) or lru (Ollama's: first come first served, least recently used unloaded)",
+    )
+    model_switch_wait_s: float = Field(
+        10.0,
+        ge=0,
+        le=3600,
+        description="longest a request for a model that must load waits while another model "
+        "still has requests queued (residency memspec)",
+    )
+    pinned_models: list[str] = Field(
+        default_factory=list, description="models never unloaded once loaded (names)"
+    )
     backend: str = Field("llama_cpp", description="model backend")
     device: str = Field("cpu", description="torch backend device")
     n_ctx: Annotated[int, Field(ge=16, le=1 << 20)] | Literal["auto"] = Field(
@@ -221,6 +243,18 @@ class Settings(BaseSettings):
             self.draft_kv_type_v or self.kv_type_v,
             self.kv_cache.flash_attn,
         )
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _keep_alive(cls, v: str | int | float) -> str:
+        parse_duration_s(v)  # "5m", "-1", 300: a clear message at load for anything else
+        return str(v)
+
+    @property
+    def keep_alive_s(self) -> float | None:
+        """keep_alive in seconds; None: no expiry (a negative duration)."""
+        seconds = parse_duration_s(self.keep_alive)
+        return None if seconds < 0 else seconds
 
     @field_validator("exactness")
     @classmethod

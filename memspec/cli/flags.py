@@ -23,6 +23,7 @@ MODEL_SETTINGS = (
 SERVE_SETTINGS = (
     "host", "port", "budget", "policy", "max_queue", "parallel", "state_dir", "log_level",
     "allow_insecure_bind", "model_name", "embedding_model", "context_overflow",
+    "keep_alive", "residency", "model_switch_wait_s", "pinned_models",
 )  # fmt: skip
 # Checked on the command line only: the model takes any string (a TOML "INFO" stays valid).
 CHOICES = {
@@ -34,6 +35,7 @@ CHOICES = {
     "draft_kv_type_v": list(KV_TYPES),
     "flash_attn": ["auto", "on", "off"],
     "context_overflow": ["error", "shift"],
+    "residency": ["memspec", "lru"],
     "device": ["cpu", "cuda"],
     "log_level": ["debug", "info", "warning", "error"],
 }
