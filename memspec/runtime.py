@@ -117,6 +117,10 @@ class ClientRequest:
     grammar_param: str = "grammar"  # the request field the grammar came from (its 400s)
     tools: list[dict[str, Any]] | None = None  # chat: the tools the chat template receives
     context_overflow: str | None = None  # chat: "error" or "shift"; None: the setting's
+    model: str = ""  # the served name of the model that runs it ("": the default target)
+    # How long the model stays loaded after this request (Ollama's keep_alive), in seconds;
+    # None: settings.keep_alive; negative: no expiry; 0: unloaded once it is idle.
+    keep_alive_s: float | None = None
 
 
 # ClientRequest's sampling fields that map one to one onto SamplingParams.
