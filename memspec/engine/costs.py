@@ -340,6 +340,14 @@ def best_choice(options: Iterable[tuple[D, int, float]], plain_rate: float) -> t
     return best
 
 
+def match_prior(m: int) -> float:
+    """α of a lookup's proposal after a match of m tokens, before any round of its key is
+    seen: m / (m + 2), within 0.1 of the context matches measured for m ≤ 8 (datastore
+    DEFAULT_ALPHA) and near 1 for a copy that has run 200 tokens, so the rule drafts it deep
+    from its first round (memspec.drafts.prompt_lookup)."""
+    return m / (m + 2) if m > 0 else 0.0
+
+
 class AcceptanceEstimator:
     """Running acceptance per statistic key (a draft, or a draft in a state): α₁ of a round's
     first drafted token and α_c of each later one given the one before was accepted.
@@ -362,6 +370,10 @@ class AcceptanceEstimator:
 
     def set_prior(self, key: str, alpha: float) -> None:
         self._priors[key] = alpha
+
+    def seed_prior(self, key: str, alpha: float) -> None:
+        """A prior for `key` unless it has one (a predictor's round priors come first)."""
+        self._priors.setdefault(key, alpha)
 
     def _prior(self, key: str) -> float:
         # "draft/state" keys fall back to the draft's prior.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memspec.engine.costs import AcceptanceEstimator, CostModel, RoundCosts
+from memspec.engine.costs import AcceptanceEstimator, CostModel, RoundCosts, match_prior
 from memspec.engine.types import Choice, Draft, RoundPolicy
 
 __all__ = ["Choice", "DecisionRulePolicy", "FixedPolicy", "RoundPolicy"]
@@ -29,7 +29,8 @@ class DecisionRulePolicy:
 
     Free drafts (prompt lookup: no forward pass of their own) are peeked first: their
     acceptance depends on whether and how long a match exists, so α is estimated per match
-    length and k is capped by the match.
+    length (the proposal's key; a length not seen yet starts at match_prior) and k is capped
+    by the match: a long copy is drafted deep (memspec.drafts.prompt_lookup).
     """
 
     def __init__(
@@ -76,6 +77,8 @@ class DecisionRulePolicy:
                 if not proposal.tokens:
                     continue
                 key, limit = proposal.key, len(proposal.tokens)
+                if proposal.match:
+                    self.estimator.seed_prior(key, match_prior(proposal.match))
                 self._shadow.append((len(context), key, list(proposal.tokens)))
                 self._free_keys.add(key)
             else:

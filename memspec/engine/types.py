@@ -77,6 +77,9 @@ class Proposal:
     # The proposal's catch-up on the context (model drafts): seconds and tokens fed.
     catchup_s: float = 0.0
     catchup_tokens: int = 0
+    # A lookup's match length, bucketed as its key is: how many context tokens before its copy
+    # point equal the tail (0: not a copy). Until its key has been seen, α is match_prior of it.
+    match: int = 0
 
 
 class Draft(ABC):

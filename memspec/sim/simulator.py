@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from memspec.drafts.model import DONOR_MIN_TOKENS
+from memspec.drafts.prompt_lookup import key_match
 from memspec.engine.costs import AcceptanceEstimator
 from memspec.engine.types import Draft, Proposal, SamplingParams
 from memspec.paths import DEFAULT_PREDICTOR
@@ -128,7 +129,8 @@ class TraceDraft(Draft):
         pos = len(context) - self.prompt_len
         n = min(k, self.positions.length[pos])
         right = self.output[pos : pos + min(self.positions.run[pos], n)]
-        return Proposal(right + [-1] * (n - len(right)), key=self.key_at(pos))
+        key = self.key_at(pos)  # a lookup's key says its match length, as it did live
+        return Proposal(right + [-1] * (n - len(right)), key=key, match=key_match(key))
 
     def catchup_tokens(self, context: list[int]) -> int:
         return len(context) - self.seen.get(self.id, 0) if self.catches_up else 0

@@ -1,6 +1,6 @@
 import numpy as np
 
-from memspec.drafts.prompt_lookup import PromptLookupDraft
+from memspec.drafts.prompt_lookup import PromptLookupDraft, match_bucket
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.policy import DecisionRulePolicy
 from memspec.engine.sampling import SamplingParams
@@ -9,6 +9,8 @@ from memspec.engine.sampling import SamplingParams
 def test_unchosen_lookup_proposals_are_scored_for_free():
     """A lookup whose α fell is still scored against the real output, so it can come back."""
     est = AcceptanceEstimator(prior_alpha=0.05)
+    for m in range(1, 64):  # the match-length priors too (memspec.drafts.prompt_lookup)
+        est.set_prior(f"prompt-lookup/n{match_bucket(m)}", 0.05)
     costs = CostModel(verify_s=[0.02, 0.03, 0.035, 0.04, 0.045])  # drafting pays at high α
     policy = DecisionRulePolicy([PromptLookupDraft(max_ngram=2)], costs, est, k_max=4)
     rng, params = np.random.default_rng(0), SamplingParams()
