@@ -2,11 +2,17 @@
 
 Workloads (memspec/bench/workloads.py): MT-Bench first turns, and `heldout` (HumanEval code
 completions and hand-written chats) that nothing here is tuned on; `both` runs the two and
-reports them apart. Every configuration decodes the same prompts in the same run
-(interleaved per prompt, so machine noise hits all alike); speedups are ratios to plain
-decoding from this run only. Each config also reports where its rounds' time went and, for
-one-draft configs, the rate the decision rule predicts from its costs and the measured
-acceptance, beside the rate measured.
+reports them apart. `edit` (memspec/bench/edit_workload.py): whole Python files of 1k-8k
+tokens with an edit to make and the whole file to return, the held-out part (`edit-tuning`:
+the part tuning may read); the context is sized to them. Every configuration decodes the same
+prompts in the same run (interleaved per prompt, so machine noise hits all alike); speedups
+are ratios to plain decoding from this run only, and rates count prompt processing and
+decoding (`tokens_per_s`, per prompt too; `prefill_s` is the prompt's share). Each config also
+reports where its rounds' time went and, for one-draft configs, the rate the decision rule
+predicts from its costs and the measured acceptance, beside the rate measured. `lossless`:
+every config of memspec's gave plain decoding's tokens. `ceiling`: the speedup a free draft
+that is always right would give at its best k on the calibrated verify curve (decoding alone,
+and per workload with plain's prompt processing added).
 
 Peers in the same run: llama-cpp-python's prompt-lookup decoding, and llama.cpp's own
 `llama-server` (plain, n-gram speculation, a q4_0 draft model, both) when
@@ -25,6 +31,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from memspec.bench.edit_workload import EDIT_WORKLOADS, EditPrompt, fit_context, load_edit_workload
 from memspec.bench.peer_server import PeerServer, peer_configs
 from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
@@ -127,7 +134,8 @@ def speedup_summary(rows: list[dict], plain_rows: list[dict]) -> dict:
     forward = sum(r.get("forward_s", 0.0) for r in rows)
     tps = tokens / max(secs, 1e-9)
     return {
-        "tokens_per_s": round(tps, 2),
+        "tokens_per_s": round(tps, 2),  # prompt processing included
+        "prefill_s": round(sum(r.get("prefill_s", 0.0) for r in rows), 3),
         "speedup": round(tps / plain_tps, 3),
         # The worst prompt's own ratio to plain: "never loses" is about this, not the mean.
         "worst_prompt_speedup": worst_prompt(rows, plain_rows),
@@ -135,6 +143,8 @@ def speedup_summary(rows: list[dict], plain_rows: list[dict]) -> dict:
         "mean_accepted_length": round(accepted / draft_rounds, 3) if draft_rounds else None,
         "tokens_per_round": round(tokens / rounds, 3) if rounds else None,
         "identical_to_plain": all(r["identical"] for r in rows),
+        "tokens": tokens,
+        "seconds": round(secs, 3),
         "engine_overhead_share": round(1 - forward / secs, 4) if forward else None,
         "prompts": len(rows),
     }
@@ -186,11 +196,32 @@ def run_engine_bench(
     workload: str = "mtbench",
     peer_server: bool = True,
     only: list[str] | None = None,
+    max_file_tokens: int | None = None,
 ) -> dict:
     """`only`: run just these configs (by name; plain decoding always runs, it is the
-    baseline). An unknown name is an error that lists the names there are."""
+    baseline). An unknown name is an error that lists the names there are.
+    `max_file_tokens`: the edit workloads' longest file (default: what the target's trained
+    context leaves beside max_tokens)."""
     workloads = ["mtbench", "heldout"] if workload == "both" else [workload]
-    prompts = {w: load_workload(w, per_category, categories) for w in workloads}
+    prompts: dict[str, list[BenchPrompt]] = {}
+    edits: dict[str, dict] = {}  # per edit workload: its files, those skipped, the context
+    for w in workloads:
+        if w not in EDIT_WORKLOADS:
+            prompts[w] = load_workload(w, per_category, categories)
+            continue
+        loaded, skipped = load_edit_workload(w, per_category, categories)
+        n_ctx = settings.n_ctx if isinstance(settings.n_ctx, int) else 0
+        kept, too_long, n_ctx = fit_context(
+            loaded, resolve_model_path(settings.target), max_tokens, n_ctx, max_file_tokens
+        )
+        # The context holds the longest prompt and its answer (the default 2,048 would not).
+        settings = settings.model_copy(update={"n_ctx": n_ctx})
+        prompts[w] = list(kept)
+        edits[w] = {
+            "heldout": EDIT_WORKLOADS[w] == "heldout",
+            "files": [{"id": p.id, "kind": p.category, **p.source} for p in kept],
+            "skipped": skipped + too_long,
+        }
     rt, pool, peer_draft = open_bench_runtime(settings)
     # (name, draft, k, policy): `memspec` is the default policy; `auto` the bare decision rule.
     configs: list[tuple[str, str, int | None, str | None]] = [("none", "none", None, None)]
@@ -232,6 +263,9 @@ def run_engine_bench(
     report: dict = {
         "benchmark": "engine",
         "target": settings.target,
+        "n_ctx": settings.n_ctx,
+        "n_threads": settings.n_threads,
+        "k_max": settings.k_max,
         "max_tokens": max_tokens,
         "k_fixed": k_fixed,
         "per_category": per_category,
@@ -244,6 +278,7 @@ def run_engine_bench(
             "verify": [round(s * 1e3, 3) for s in rt.costs.verify_s],
             "draft_per_token": {k: round(v * 1e3, 3) for k, v in rt.costs.draft_s.items()},
         },
+        "ceiling": decode_ceiling(rt.costs.verify_s),
         "peer_server_skipped": skipped,
         "workloads": {},
     }
@@ -265,8 +300,13 @@ def run_engine_bench(
             section["configs"][name] = entry
         ours = [e for n, e in section["configs"].items() if n in draft_of]
         section["all_identical"] = all(e["overall"]["identical_to_plain"] for e in ours)
+        section["lossless"] = section["all_identical"]  # auto's (every config's) = plain's
+        section["ceiling_speedup"] = prefill_ceiling(plain, report["ceiling"]["speedup"])
+        if w in edits:
+            section.update(edits[w])
         report["workloads"][w] = section
     report["all_identical"] = all(s["all_identical"] for s in report["workloads"].values())
+    report["lossless"] = report["all_identical"]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=2))
     for w, section in report["workloads"].items():
@@ -274,6 +314,25 @@ def run_engine_bench(
     if plot:
         _plot(report, plot)
     return report
+
+
+def decode_ceiling(verify_s: list[float]) -> dict:
+    """A free draft that is always right, at its best k on the verify curve (verify_s[b - 1]:
+    a batch of b): k and its speedup over plain decoding, decoding alone."""
+    if not verify_s:
+        return {"k": 0, "speedup": 1.0}
+    b = max(range(1, len(verify_s) + 1), key=lambda b: b / verify_s[b - 1])
+    return {"k": b - 1, "speedup": round(b * verify_s[0] / verify_s[b - 1], 3)}
+
+
+def prefill_ceiling(plain: list[dict], decode_speedup: float) -> float | None:
+    """The ceiling with prompt processing counted: plain's prefill as it was, its decoding
+    sped up by `decode_speedup`."""
+    secs = sum(r["seconds"] for r in plain)
+    prefill = sum(r.get("prefill_s", 0.0) for r in plain)
+    if secs <= 0:
+        return None
+    return round(secs / (prefill + (secs - prefill) / decode_speedup), 3)
 
 
 def draft_file(draft: tuple[str, DraftManifest] | None) -> tuple[str, Path] | None:
@@ -322,7 +381,9 @@ def _run_prompt(
         prompt = rt.prompt_tokens(messages=[{"role": "user", "content": p.text}])
     else:
         prompt = rt.prompt_tokens(prompt=p.text)
-    base = {"id": p.id, "category": p.category}
+    base: dict = {"id": p.id, "category": p.category, "prompt_tokens": len(prompt)}
+    if isinstance(p, EditPrompt):
+        base["heldout"] = p.heldout
     plain_ids: list[int] = []
     for name, draft, k, policy in configs:
         fwd0 = _forward_s(rt)
@@ -336,6 +397,8 @@ def _run_prompt(
             {
                 **base,
                 **generation_row(gen),
+                "tokens_per_s": round(gen.tokens_per_s, 2),
+                "prefill_s": round(gen.phases["prefill"], 4),
                 "forward_s": _forward_s(rt) - fwd0,
                 "identical": gen.token_ids == plain_ids,
             }
@@ -343,7 +406,13 @@ def _run_prompt(
     if peer is not None:
         ids, secs = peer.generate(prompt, params.max_tokens)
         results[PEER].append(
-            {**base, "tokens": len(ids), "seconds": secs, "identical": ids == plain_ids}
+            {
+                **base,
+                "tokens": len(ids),
+                "seconds": secs,
+                "tokens_per_s": round(len(ids) / max(secs, 1e-9), 2),
+                "identical": ids == plain_ids,
+            }
         )
     for name, server in servers.items():
         ids, secs, drafted, accepted = server.complete(
@@ -354,6 +423,7 @@ def _run_prompt(
                 **base,
                 "tokens": len(ids),
                 "seconds": secs,
+                "tokens_per_s": round(len(ids) / max(secs, 1e-9), 2),
                 "proposed": drafted,
                 "accepted": accepted,
                 "identical": ids == plain_ids,
@@ -369,6 +439,9 @@ def _forward_s(rt: Runtime) -> float:
 def print_speedup_table(workload: str, section: dict) -> None:
     cats = section["categories"]
     print(f"\n{workload}: {section['prompts']} prompts; speedup over plain (worst prompt)")
+    if section.get("ceiling_speedup"):
+        print(f"ceiling (a free draft always right, prompt processing included): "
+              f"{section['ceiling_speedup']:.2f}")  # fmt: skip
     print(f"{'config':34s} {'overall':>13s} " + " ".join(f"{c[:8]:>8s}" for c in cats))
     for name, e in section["configs"].items():
         o = e["overall"]
