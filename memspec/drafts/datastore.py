@@ -31,7 +31,14 @@ from pathlib import Path
 import numpy as np
 
 from memspec.drafts.compat import TokenizerFingerprint, fingerprint_of
-from memspec.drafts.prompt_lookup import MARK_TOKENS, PromptLookupDraft
+from memspec.drafts.prompt_lookup import (
+    MARK_TOKENS,
+    RUN_CAP,
+    PromptLookupDraft,
+    key_match,
+    match_bucket,
+    run_length,
+)
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.types import Proposal
 from memspec.errors import ModelLoadError
@@ -491,6 +498,11 @@ class DatastoreDraft(PromptLookupDraft):
         arr, cand = where  # type: ignore[misc]
         # In the context the latest occurrence is the best guess (what is being repeated).
         toks = _linear_walk(arr, cand, k, 1, self.min_share, prefer_latest=src == "c")
+        if src == "c" and m >= self.max_match:
+            # The search stops at max_match; a copy of a file runs back much further, and the
+            # rule drafts deeper on the matches that do (prompt_lookup's match length).
+            last, n = int(cand[-1]), len(context)
+            m += run_length(context, last - m, n - 1 - m, RUN_CAP - m)
         return toks, src, m
 
     def propose(
@@ -501,8 +513,12 @@ class DatastoreDraft(PromptLookupDraft):
         if k <= 0:
             return Proposal(key=self.id)
         tokens, src, m = self.lookup(context, k)
-        # Acceptance grows with match length; bucket long matches together.
-        return Proposal(tokens=tokens, probs=None, key=f"{self.id}/{src or 'b'}{min(m, 8)}")
+        # Acceptance grows with match length, and so does the k the rule drafts at: keyed by
+        # the length's bucket (memspec.drafts.prompt_lookup, the rule for k).
+        key = f"{self.id}/{src or 'b'}{match_bucket(m)}"
+        # Only a context match is a copy (Proposal.match, prompt_lookup.key_match): the
+        # index's and the recent outputs' matches are retrieval, their acceptance their own.
+        return Proposal(tokens=tokens, probs=None, key=key, match=key_match(key))
 
     def memory_bytes(self) -> int:
         base = self.index.nbytes if self.index is not None else 0
