@@ -221,3 +221,14 @@ def test_the_verify_curve_caps_k_where_tokens_per_second_would_drop():
         CostModel(FLAT).best_k("pl", a, 8, c)[0],
         costs.best_k("pl", a, 8, c)[0],
     )
+
+
+def test_a_datastore_context_copy_reports_its_whole_match():
+    from memspec.drafts.datastore import DatastoreDraft
+
+    rng = np.random.default_rng(5)
+    file = [int(t) for t in rng.integers(0, 1000, 300)]
+    d = DatastoreDraft("ds", None, max_match=16, use_context=True, learn=False)
+    p = d.propose(copying(file, 100), 8, SamplingParams(), None)
+    # Its search stops at 16 tokens; the copy runs back 100, as the key and match say.
+    assert (p.tokens, p.key, p.match) == (file[100:108], "ds/c64", 64)
