@@ -25,6 +25,8 @@ def bench_settings(args: argparse.Namespace) -> Settings:
     structured-output bench, whose grammar had taught memspec that model drafts fail, drafted
     in a tenth of its rounds)."""
     settings = load_settings(args)
+    if settings.n_ctx == "auto":  # a benchmark compares configs at one fixed context
+        settings = settings.model_copy(update={"n_ctx": AUTO_BENCH_N_CTX})
     if settings.state_dir is not None:
         return settings
     state = tempfile.TemporaryDirectory(prefix="memspec-bench-state-")
@@ -33,6 +35,9 @@ def bench_settings(args: argparse.Namespace) -> Settings:
 
 
 _BENCH_STATE: list[tempfile.TemporaryDirectory] = []
+# The context a benchmark runs at when the settings say n_ctx = "auto" (the Jetson profile):
+# auto resolves against a daemon's budget and drafts, which a benchmark varies.
+AUTO_BENCH_N_CTX = 2048
 
 
 def cmd_bench_reuse(args: argparse.Namespace) -> int:
