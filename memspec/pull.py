@@ -252,7 +252,7 @@ def build_drafts(
 
 def _testbed_outputs() -> list[Path]:
     """Every file the checked-in recipes (drafts/ and drafts/targets/) build from SmolLM2."""
-    from memspec.drafts.build import all_build_manifests
+    from memspec.recipes.build import all_build_manifests
 
     return [models_dir() / m.file for m in all_build_manifests() if m.file]
 

@@ -283,7 +283,7 @@ class Runtime:
         )
         self.working_set: WorkingSet | None = None
         # What earlier runtimes learnt about this target (memspec.scheduler.learned).
-        self.memory = Memory(self, settings.state_dir or data_dir() / "state")
+        self.memory = Memory(self, settings.state_dir or data_dir() / "state", self.target.path)
         if settings.drafts is None:  # the default pool: what was resident last time first
             last = self.memory.resident
             self.preload_ids = last + [i for i in self.preload_ids if i not in last]

@@ -51,6 +51,38 @@ def test_drafts_and_backends_do_not_import_the_scheduler_or_server():
         assert not graph[part] & {"scheduler", "server"}, part
 
 
+def _reach(graph: dict[str, set[str]], part: str) -> set[str]:
+    """Every part `part` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [part]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+# What the daemon serves from: none of it may reach the draft build recipes.
+SERVING = ("drafts", "scheduler", "engine", "runtime", "backends", "predictor", "memory")
+
+
+def test_serving_parts_do_not_import_the_recipes():
+    """memspec.recipes builds drafts; the drafts, the engine, the scheduler and the runtime serve
+    them and never import their builders, not even through another part."""
+    graph = _graph()
+    assert "recipes" in graph
+    for part in SERVING:
+        assert "recipes" not in _reach(graph, part), part
+
+
+def test_recipes_import_only_what_they_build_for():
+    """Recipes may import the runtime drafts, the engine and the backends (and the leaves),
+    nothing above them."""
+    allowed = {"backends", "config", "drafts", "engine", "errors", "paths", "testbed", "units"}
+    assert _graph()["recipes"] <= allowed
+
+
 def test_predictor_does_not_import_sim():
     """The predictor is the runtime part (model + features); training on traces lives in sim."""
     assert "sim" not in _graph()["predictor"]

@@ -250,7 +250,7 @@ class TorchBackend(Backend):
     @property
     def hf_model(self) -> Any:
         """The transformers model itself, for recipes that batch many sequences at once
-        (memspec.drafts.corpus.TorchGreedy) outside the one-sequence Backend interface."""
+        (memspec.recipes.corpus.TorchGreedy) outside the one-sequence Backend interface."""
         return self._model
 
     def _capture_features(self, module: Any, args: tuple[Any, ...]) -> None:

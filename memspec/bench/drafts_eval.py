@@ -101,10 +101,10 @@ def run_drafts_replay(
     drafts: list[str] | None = None,
 ) -> dict:
     """First-token acceptance of every draft along the target's greedy answers, per category."""
-    from memspec.drafts.corpus import BatchedGreedy
     from memspec.drafts.datastore import DatastoreDraft
     from memspec.drafts.head import HeadDraft
     from memspec.drafts.model import ModelDraft
+    from memspec.recipes.corpus import BatchedGreedy
     from memspec.runtime import Runtime
 
     questions = select_questions(per_category, categories=categories)

@@ -18,9 +18,10 @@ def cmd_testbed_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_drafts_build(args: argparse.Namespace) -> int:
-    from memspec.drafts.build import build_all
-    from memspec.drafts.family import build_family, family_dir, is_testbed_target
+    from memspec.drafts.family import family_dir, is_testbed_target
     from memspec.paths import resolve_model_path
+    from memspec.recipes.build import build_all
+    from memspec.recipes.family import build_family
     from memspec.testbed import family_target
 
     if args.family:

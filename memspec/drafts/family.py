@@ -2,9 +2,10 @@
 
 The testbed target (a file some manifest under drafts/targets/ builds) uses the checked-in
 pool, drafts/*.toml. Any other target gets a family of its own, derived from that same pool by
-`memspec drafts build --target FILE`: every testbed manifest is re-aimed at the target (its
-`build.source`), its file renamed `<slug>-<file>` in the models directory, and its manifest
-written to `<data>/families/<slug>/`, so two targets' drafts never clash. Recipes that cannot
+`memspec drafts build --target FILE` (memspec.recipes.family builds it): every testbed
+manifest is re-aimed at the target (its `build.source`), its file renamed `<slug>-<file>` in
+the models directory, and its manifest written to `<data>/families/<slug>/`, so two targets'
+drafts never clash. Recipes that cannot
 pay for this target are skipped with the reason (a self-draft no smaller than the target or
 than a sibling, a distilled student of another architecture). A *sibling* (a smaller GGUF of
 the same tokenizer in the models directory, or one named with `--sibling`: Qwen2.5-Coder 0.5B
@@ -18,8 +19,6 @@ import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-from tqdm import tqdm
 
 from memspec.config import Settings
 from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, DraftManifest, load_manifests
@@ -229,68 +228,6 @@ def manifest_toml(m: DraftManifest) -> str:
             lines += ["", f"[{table}]"]
             lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
     return "\n".join(lines) + "\n"
-
-
-def link_target(target: Path) -> None:
-    """Recipes name their source inside the models directory: link a target kept elsewhere."""
-    inside = models_dir() / target.name
-    if inside.resolve() == target.resolve():
-        return
-    if inside.exists() or inside.is_symlink():
-        raise FileExistsError(
-            f"{inside} exists and is not {target}: rename one of them, or copy the target into "
-            f"{models_dir()}"
-        )
-    inside.symlink_to(target.resolve())
-
-
-def build_family(
-    target: Path, only: list[str] | None = None, force: bool = False, sibling: Path | None = None
-) -> tuple[list[tuple[str, Path, bool]], list[Planned], list[Sibling]]:
-    """Write the family's manifests and build what they name (resumable: each recipe is cached
-    by build_one; a datastore's target answers are cached as they come). `sibling` names the
-    sibling draft (DraftIncompatible if it speaks another tokenizer); without it, siblings are
-    found in the models directory. Returns the built (id, path, whether anything was done),
-    the skipped recipes and the siblings."""
-    from memspec.drafts.build import build_one
-
-    if not target.is_file():
-        raise FileNotFoundError(f"target {target} not found")
-    models_dir().mkdir(parents=True, exist_ok=True)
-    link_target(target)
-    siblings = [named_sibling(target, sibling)] if sibling else find_siblings(target)
-    for s in siblings:
-        link_target(s.path)
-    plan = plan_family(target, siblings)
-    directory = family_dir(target)
-    directory.mkdir(parents=True, exist_ok=True)
-    for old in directory.glob("*.toml"):  # a recipe skipped now must not linger
-        old.unlink()
-    for p in plan:
-        if p.manifest is not None:
-            (directory / f"{p.id}.toml").write_text(manifest_toml(p.manifest))
-    todo = [
-        p.manifest
-        for p in plan
-        if p.manifest is not None
-        and p.manifest.build is not None
-        and (p.id in only if only else not p.manifest.build.on_demand)
-    ]
-    done = []
-    for m in tqdm(todo, desc=f"drafts build ({slug(target)})", unit="draft"):
-        path, built = build_one(m, models_dir(), force=force)
-        done.append((m.id, path, built))
-    skipped = [p for p in plan if p.manifest is None]
-    report = {
-        "target": str(target),
-        "siblings": [
-            {"id": s.id, "file": str(s.path), "bytes": s.bytes, "how": s.how} for s in siblings
-        ],
-        "built": [{"id": i, "file": str(path), "rebuilt": b} for i, path, b in done],
-        "skipped": [{"id": p.id, "reason": p.reason} for p in skipped],
-    }
-    (directory / "family.json").write_text(json.dumps(report, indent=2) + "\n")
-    return done, skipped, siblings
 
 
 # --- siblings -------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ token, whose embedding feeds the next step on the head's predicted feature, k ti
 The artifact is a safetensors file (float16; the head runs in float16 on CPU and CUDA): the
 block's weights, the sub-vocabulary ids and rows, and
 metadata naming the target (its hidden size, vocabulary and tokenizer fingerprint) it was
-trained on. memspec.drafts.head_build trains one (recipe "head").
+trained on. memspec.recipes.head_build trains one (recipe "head").
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class BuildRecipe(BaseModel, extra="forbid"):
     # GGUF through transformers, answers in bfloat16 and labels (features, logits) in float32,
     # several times faster on a CPU with bfloat16 units (docs/drafts.md, "Heads").
     teacher: Literal["llama_cpp", "torch"] = "llama_cpp"
-    # recipe "distill" (memspec.drafts.distill): the same corpus, a student trained with torch
+    # recipe "distill" (memspec.recipes.distill): the same corpus, a student trained with torch
     # for `steps` batches of `batch_size` sequences of at most `seq_len` tokens; `ftype` is the
     # quantization of the exported GGUF.
     steps: int = 100
@@ -77,7 +77,7 @@ class BuildRecipe(BaseModel, extra="forbid"):
     lr: float = 3e-4
     ckpt_every: int = 20  # steps between checkpoints (an interrupted build resumes there)
     eval_seqs: int = 64  # held-out sequences for the agreement report
-    # recipe "head" (memspec.drafts.head_build): the same corpus (gen_tokens 0: the seed
+    # recipe "head" (memspec.recipes.head_build): the same corpus (gen_tokens 0: the seed
     # prompts alone, teacher-forced), the target's features at every position; a head with a
     # gated MLP of `hidden` units drafting over the `subvocab` most frequent target tokens,
     # trained `steps` batches of `batch_size` positions.

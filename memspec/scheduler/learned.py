@@ -19,13 +19,37 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from memspec.predictor.model import AcceptancePredictor
 
-# memspec.runtime.Runtime, which imports this module (the layering forbids the way back).
-Runtime = Any
+if TYPE_CHECKING:
+    from memspec.engine.costs import AcceptanceEstimator
+    from memspec.scheduler.rounds import Scheduler
+    from memspec.scheduler.working_set import WorkingSet
+
+
+class Learner(Protocol):
+    """What is learnt and where it lives: the pool, the acceptance estimates, the scheduler's
+    rules and predictor, the working set. Read when saving and restoring, not when a Memory is
+    made: a runtime (memspec.runtime.Runtime is one) has its scheduler only once it has started."""
+
+    @property
+    def manifests(self) -> Mapping[str, object]: ...  # the pool, by draft id, in pool order
+
+    @property
+    def estimator(self) -> AcceptanceEstimator: ...
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    @property
+    def working_set(self) -> WorkingSet | None: ...
+
+    def new_estimator(self) -> AcceptanceEstimator: ...
+
 
 log = logging.getLogger("memspec.learned")
 
@@ -43,7 +67,7 @@ def _target_id(target: Path) -> dict[str, Any]:
     return {"file": target.name, "bytes": target.stat().st_size}
 
 
-def snapshot(rt: Runtime) -> dict[str, Any]:
+def snapshot(rt: Learner, target: Path) -> dict[str, Any]:
     """What `rt` has learnt, as the file holds it."""
     sched = rt.scheduler
     resident = rt.working_set.resident_ids() if rt.working_set else set()
@@ -51,7 +75,7 @@ def snapshot(rt: Runtime) -> dict[str, Any]:
         "format": FORMAT,
         "version": VERSION,
         "saved": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "target": _target_id(rt.target.path),
+        "target": _target_id(target),
         "estimator": rt.estimator.counts(),
         "rule_estimators": {n: e.counts() for n, e in sched.rule_estimators.items()},
         "predictor": sched.predictor.to_dict(),
@@ -60,12 +84,12 @@ def snapshot(rt: Runtime) -> dict[str, Any]:
     }
 
 
-def save(rt: Runtime, path: Path) -> None:
+def save(rt: Learner, target: Path, path: Path) -> None:
     """Write atomically; a failure is logged, never raised (it is only advice)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(snapshot(rt)) + "\n")
+        tmp.write_text(json.dumps(snapshot(rt, target)) + "\n")
         os.replace(tmp, path)
     except (OSError, ValueError) as e:
         log.warning("could not save what was learnt to %s: %s", path, e)
@@ -92,7 +116,7 @@ def read(path: Path, target: Path) -> dict[str, Any] | None:
     return data
 
 
-def restore(rt: Runtime, data: dict[str, Any]) -> dict[str, int]:
+def restore(rt: Learner, data: dict[str, Any]) -> dict[str, int]:
     """Apply a saved state to a fresh runtime; returns what was taken, for the log."""
     pool = set(rt.manifests)
 
@@ -117,14 +141,15 @@ def restore(rt: Runtime, data: dict[str, Any]) -> dict[str, int]:
 
 
 class Memory:
-    """The runtime's handle on its file: restore at start, save when it closes and, while it
-    serves, at most every SAVE_EVERY_S after a request."""
+    """The runtime's handle on its file for `target`: restore at start, save when it closes
+    and, while it serves, at most every SAVE_EVERY_S after a request."""
 
-    def __init__(self, rt: Runtime, state_dir: Path):
+    def __init__(self, rt: Learner, state_dir: Path, target: Path):
         self.rt = rt
-        self.path = learned_path(state_dir, rt.target.path)
+        self.target = target
+        self.path = learned_path(state_dir, target)
         self._saved_at = time.monotonic()
-        self.data = read(self.path, rt.target.path)
+        self.data = read(self.path, target)
 
     @property
     def resident(self) -> list[str]:
@@ -144,4 +169,4 @@ class Memory:
 
     def save(self) -> None:
         self._saved_at = time.monotonic()
-        save(self.rt, self.path)
+        save(self.rt, self.target, self.path)

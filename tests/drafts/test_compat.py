@@ -23,12 +23,13 @@ from memspec.drafts.compat import (
     fingerprint_of,
     incompatibility,
 )
-from memspec.drafts.datastore import FORMAT_VERSION, build_datastore_file, load_datastore
+from memspec.drafts.datastore import FORMAT_VERSION, load_datastore
 from memspec.drafts.manifest import BuildRecipe, load_manifests
 from memspec.drafts.registry import instantiate
 from memspec.engine.sampling import SamplingParams
 from memspec.errors import DraftIncompatible
 from memspec.paths import data_dir, models_dir
+from memspec.recipes.datastore import build_datastore_file
 
 REAL_DATA_DIR = data_dir()  # before the module's pool points MEMSPEC_DATA_DIR elsewhere
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"

@@ -244,37 +244,6 @@ def test_calibrate_alpha_measures_acceptance_by_length():
     assert table["b"][8] > 0.9  # the held-out answer is inside the corpus: long matches hit
 
 
-def test_seed_selection_independent_of_other_domains():
-    from memspec.drafts.corpus import select_seeds
-
-    everything = {r["prompt"] for r in select_seeds(None, 10, 0)}
-    some = select_seeds(["stem", "writing"], 10, 0)
-    assert len(some) == 20 and all(r["prompt"] in everything for r in some)
-    assert select_seeds(["coding"], 10, 1) != select_seeds(["coding"], 10, 0)  # the seed matters
-
-
-def test_seed_prompts_are_not_mt_bench():
-    import re
-
-    from memspec.drafts.corpus import load_seeds
-    from memspec.testbed import load_mtbench
-
-    def grams(text: str, n: int = 6) -> set[tuple[str, ...]]:
-        words = re.findall(r"\w+", text.lower())
-        return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
-
-    test_set: set[tuple[str, ...]] = set()
-    for q in load_mtbench():
-        for turn in q["turns"]:
-            test_set |= grams(turn)
-    seeds = load_seeds()
-    assert len(seeds) >= 1500 and {r["domain"] for r in seeds} == {
-        "coding", "extraction", "humanities", "math", "reasoning", "roleplay", "stem", "writing"
-    }  # fmt: skip
-    leaks = [r["prompt"] for r in seeds if grams(r["prompt"]) & test_set]
-    assert not leaks, leaks[:3]
-
-
 def test_the_mode_of_a_few_candidates_is_the_sorted_mode():
     """The walk's next token among a few candidates is counted in plain Python: the same
     (token, count) as a sort would give, ties to the smallest token."""

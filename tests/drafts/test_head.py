@@ -19,7 +19,6 @@ pytest.importorskip("torch")
 
 import memspec.engine.speculative as spec  # noqa: E402
 from memspec.backends.base import BackendOptions, load_backend  # noqa: E402
-from memspec.drafts.build import build_all  # noqa: E402
 from memspec.drafts.compat import check_draft, fingerprint_of  # noqa: E402
 from memspec.drafts.head import HeadDraft, read_meta  # noqa: E402
 from memspec.drafts.manifest import load_manifests  # noqa: E402
@@ -30,6 +29,7 @@ from memspec.engine.sampling import SamplingParams  # noqa: E402
 from memspec.errors import ModelLoadError  # noqa: E402
 from memspec.memory.footprint import draft_footprint  # noqa: E402
 from memspec.paths import models_dir  # noqa: E402
+from memspec.recipes.build import build_all  # noqa: E402
 
 TEXTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -82,7 +82,7 @@ def prompts(target):
 def test_torch_teacher_gives_the_targets_features(target, prompts, tmp_path):
     """`teacher = "torch"` labels the corpus through transformers: the features a head is
     trained on must be the ones llama.cpp hands it when serving (same GGUF, both float32)."""
-    from memspec.drafts.head_build import extract_features
+    from memspec.recipes.head_build import extract_features
 
     seqs = [p + p[:8] for p in prompts]
     llama, _ = extract_features(target, seqs, tmp_path / "llama.npz", progress=False)

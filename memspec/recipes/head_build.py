@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from memspec.drafts.distill import training_sequences
-from memspec.drafts.training import batch_order, heldout_split, seeded_torch, train
 from memspec.paths import cache_dir
+from memspec.recipes.distill import training_sequences
+from memspec.recipes.training import batch_order, heldout_split, seeded_torch, train
 
 
 def extract_features(

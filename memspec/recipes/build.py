@@ -5,13 +5,15 @@ Recipes (from manifests under drafts/):
 - layers:   a GGUF with a subset of the transformer blocks, written with the `gguf` package.
 - datastore: a suffix-array token index (memspec.drafts.datastore) over the source target's
   greedy answers to seed prompts (drafts/seeds/prompts.jsonl) plus package text; the answers
-  are cached as they are generated, so an interrupted build resumes.
+  are cached as they are generated, so an interrupted build resumes (memspec.recipes.datastore).
 - distill: a student of a few of the target's blocks trained with torch on the target's
-  distribution over the same corpus, exported to GGUF and quantized (memspec.drafts.distill);
+  distribution over the same corpus, exported to GGUF and quantized (memspec.recipes.distill);
   it needs the torch extra and checkpoints as it trains.
 - head: an EAGLE-style head trained with torch on the target's features over the same corpus
-  (memspec.drafts.head_build); torch extra, checkpoints. `on_demand` recipes (the
+  (memspec.recipes.head_build); torch extra, checkpoints. `on_demand` recipes (the
   full-size ones) are built only when named with --only.
+
+A target other than the testbed's gets its family's manifests first (memspec.recipes.family).
 
 Deterministic and cached: each output records the SHA-256 of its source and its recipe in a
 sidecar `.build.json`; a second run with the same inputs does nothing.
@@ -69,7 +71,7 @@ def _recipe_key(m: DraftManifest, src: Path, source_sha: str) -> str:
             del recipe[name]
     parts: list = [recipe, source_sha]
     if m.build.recipe in ("datastore", "distill", "head"):  # these also read the seed prompts
-        from memspec.drafts.corpus import SEEDS_FILE, chat_template_of
+        from memspec.recipes.corpus import SEEDS_FILE, chat_template_of
 
         parts.append(sha256_file(SEEDS_FILE))
         # ... and on the chat template they were put with (a GGUF's own: part of its sha)
@@ -145,19 +147,19 @@ def build_one(m: DraftManifest, directory: Path, force: bool = False) -> tuple[P
     if m.build.recipe == "quantize":
         quantize(src, part, m.build.ftype)
     elif m.build.recipe == "datastore":
-        from memspec.drafts.datastore import build_datastore_file
+        from memspec.recipes.datastore import build_datastore_file
 
         report = build_datastore_file(m.build, src, part)
     elif m.build.recipe == "distill":
-        from memspec.drafts.distill import build_distilled_file
+        from memspec.recipes.distill import build_distilled_file
 
         report = build_distilled_file(m.build, src, part, key)
     elif m.build.recipe == "head":
-        from memspec.drafts.head_build import build_head_file
+        from memspec.recipes.head_build import build_head_file
 
         report = build_head_file(m.build, src, part, key)
     else:
-        from memspec.drafts.layers import write_layer_subset
+        from memspec.recipes.layers import write_layer_subset
 
         write_layer_subset(src, part, m.build.keep_layers or [])
     part.replace(dst)

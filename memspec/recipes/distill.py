@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from memspec.drafts import corpus
-from memspec.drafts.layers import write_layer_subset
-from memspec.drafts.training import batch_order, heldout_split, seeded_torch, train
 from memspec.paths import cache_dir
+from memspec.recipes import corpus
+from memspec.recipes.layers import write_layer_subset
+from memspec.recipes.training import batch_order, heldout_split, seeded_torch, train
 
 # transformers' Llama parameter names -> GGUF tensor names (llama.cpp's convert_hf_to_gguf).
 _BLOCK_NAMES = {
@@ -182,7 +182,7 @@ def build_distilled_file(
 ) -> dict[str, Any]:
     """Recipe "distill": train (or resume) the student, export it, quantize it to recipe.ftype."""
     from memspec.backends.base import BackendOptions, load_backend
-    from memspec.drafts.build import quantize
+    from memspec.recipes.build import quantize
 
     t0 = time.perf_counter()
     torch, threads = seeded_torch("distill", recipe.seed)

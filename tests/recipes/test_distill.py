@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from memspec.backends.base import BackendOptions, load_backend
-from memspec.drafts import distill
-from memspec.drafts.build import build_all
 from memspec.drafts.manifest import BuildRecipe, load_manifests
 from memspec.drafts.model import ModelDraft
 from memspec.engine.policy import FixedPolicy
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import speculative_generate
 from memspec.paths import models_dir
+from memspec.recipes import distill
+from memspec.recipes.build import build_all
 from memspec.testbed import sha256_file
 
 pytest.importorskip("torch")

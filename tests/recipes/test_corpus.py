@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from launcher import TARGET_FILE, require_testbed
 
-from memspec.drafts import corpus
 from memspec.paths import models_dir
+from memspec.recipes import corpus
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,8 @@ def test_teacher_field_keeps_existing_recipe_keys(target_path, monkeypatch):
     import hashlib
     import json
 
-    from memspec.drafts import build
     from memspec.drafts.manifest import load_manifests
+    from memspec.recipes import build
 
     m = load_manifests()["distill-ci"]
     assert m.build is not None and m.build.teacher == "llama_cpp"
@@ -69,3 +69,34 @@ def test_teacher_field_keeps_existing_recipe_keys(target_path, monkeypatch):
     assert hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest() == key
     torch_m = m.model_copy(update={"build": m.build.model_copy(update={"teacher": "torch"})})
     assert build._recipe_key(torch_m, target_path, "sha") != key
+
+
+def test_seed_selection_independent_of_other_domains():
+    from memspec.recipes.corpus import select_seeds
+
+    everything = {r["prompt"] for r in select_seeds(None, 10, 0)}
+    some = select_seeds(["stem", "writing"], 10, 0)
+    assert len(some) == 20 and all(r["prompt"] in everything for r in some)
+    assert select_seeds(["coding"], 10, 1) != select_seeds(["coding"], 10, 0)  # the seed matters
+
+
+def test_seed_prompts_are_not_mt_bench():
+    import re
+
+    from memspec.recipes.corpus import load_seeds
+    from memspec.testbed import load_mtbench
+
+    def grams(text: str, n: int = 6) -> set[tuple[str, ...]]:
+        words = re.findall(r"\w+", text.lower())
+        return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+    test_set: set[tuple[str, ...]] = set()
+    for q in load_mtbench():
+        for turn in q["turns"]:
+            test_set |= grams(turn)
+    seeds = load_seeds()
+    assert len(seeds) >= 1500 and {r["domain"] for r in seeds} == {
+        "coding", "extraction", "humanities", "math", "reasoning", "roleplay", "stem", "writing"
+    }  # fmt: skip
+    leaks = [r["prompt"] for r in seeds if grams(r["prompt"]) & test_set]
+    assert not leaks, leaks[:3]

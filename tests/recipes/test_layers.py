@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from memspec.backends.base import BackendOptions, load_backend
-from memspec.drafts.layers import write_layer_subset
 from memspec.drafts.model import ModelDraft
 from memspec.engine.policy import FixedPolicy
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import speculative_generate
 from memspec.paths import models_dir
+from memspec.recipes.layers import write_layer_subset
 
 SOURCE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEEP = [0, 1, 2, 3, 28, 29]

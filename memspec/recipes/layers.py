@@ -3,7 +3,7 @@
 Kept blocks are renumbered 0..n-1 in the order given, `<arch>.block_count` is set to n, and
 every other tensor (embeddings, output norm/head) and metadata field (tokenizer, chat
 template) is copied byte for byte. Untrained, such a model accepts little as a draft; it is
-the starting point a distilled draft (memspec.drafts.distill) trains from.
+the starting point a distilled draft (memspec.recipes.distill) trains from.
 """
 
 from __future__ import annotations

@@ -431,7 +431,7 @@ def default_threads() -> int:
     return build_threads()
 
 
-if __name__ == "__main__":  # quick manual run: python -m memspec.drafts.corpus N MAX_TOKENS
+if __name__ == "__main__":  # quick manual run: python -m memspec.recipes.corpus N MAX_TOKENS
     from memspec.paths import models_dir
 
     n, mt = int(sys.argv[1]), int(sys.argv[2])

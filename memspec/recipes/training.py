@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from memspec.drafts import corpus
+from memspec.recipes import corpus
 
 HELDOUT_EVERY = 10  # every 10th sequence is held out to measure agreement
 
