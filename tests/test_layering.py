@@ -107,3 +107,22 @@ def test_no_import_cycle_between_packages():
     for node in sorted(graph):
         if node not in state:
             visit(node, [])
+
+
+# The data path, top to bottom: a request enters the server, is routed to its model's runtime
+# (targets: the resident models under one budget), whose scheduler picks drafts that the
+# engine runs on the backends. Each layer imports only layers below it: no arrow up.
+DATA_PATH = ("server", "targets", "runtime", "scheduler", "engine", "backends")
+
+
+def test_the_data_path_has_no_arrow_up():
+    graph = _graph()
+    for i, part in enumerate(DATA_PATH):
+        above = set(DATA_PATH[:i])
+        assert not _reach(graph, part) & above, (part, _reach(graph, part) & above)
+
+
+def test_the_model_catalog_loads_nothing():
+    """memspec.catalog names the servable models from their files: it never reaches a
+    runtime, the scheduler or the server."""
+    assert not _reach(_graph(), "catalog") & {"runtime", "targets", "scheduler", "server"}
