@@ -165,8 +165,12 @@ class Tuning:
         persisted = load_state(self.path)
         save_state(self.path, {**persisted, **changes} if persist is None else persist)  # 507
         budget_applied = False
-        resize = self.resizes(changes) and worker.runtime is not None
         try:
+            if "budget" in changes or any(k in changes for k in RELOAD_KEYS):
+                # The budget and the context are the default target's: the other models give
+                # their shares back first, and load again on demand with the new settings.
+                worker.single_target()
+            resize = self.resizes(changes) and worker.runtime is not None
             rt = worker.runtime
             if "budget" in changes and rt is not None and not resize:  # evicts to fit
                 rt.set_budget(parse_size(changes["budget"]))

@@ -170,3 +170,15 @@ def test_keep_alive_loads_unloads_and_expires(daemon):
         time.sleep(0.5)
     assert resident(daemon) == []
     assert chat(daemon, None).status_code == 200  # the default loads again on demand
+
+
+def test_a_budget_tune_applies_to_the_default_target(daemon):
+    """A live tune is the default target's: the other models give their shares back first."""
+    assert chat(daemon, GEMMA).status_code == 200
+    assert resident(daemon) == [GEMMA]
+    r = httpx.post(daemon.url + "/admin/tune", json={"budget": "950MiB"}, timeout=300)
+    assert r.status_code == 200, r.text
+    st = status(daemon)
+    assert resident(daemon) == [MODEL] and st["budget_bytes"] == 950 << 20
+    assert st["used_bytes"]["modelled"] <= st["budget_bytes"]
+    assert chat(daemon, GEMMA).status_code == 200  # and the others load again on demand
