@@ -70,12 +70,19 @@ class Embedded:
 # --- the shared path -------------------------------------------------------------------------
 
 
-def _runtime(ctx: ServerContext) -> Runtime:
+async def _runtime(ctx: ServerContext) -> Runtime:
+    """The default target's runtime, which serves embeddings (on its weights, or on
+    settings.embedding_model); loaded first if another model took its place."""
     w = ctx.worker
-    rt = w.runtime
-    if ctx.shutting_down or not w.ready or rt is None:
+    if ctx.shutting_down or not w.ready:
         refused = state_error(w.state, w.error)
         raise refused or NotReady("models are loading; retry shortly", code="model_loading")
+    rt = w.targets.runtime(w.default_model)
+    if rt is None:
+        await ctx.control(lambda w: w.load_model(w.default_model), "load the default model")
+        rt = w.targets.runtime(w.default_model)
+    if rt is None:
+        raise NotReady("models are loading; retry shortly", code="model_loading")
     return rt
 
 
@@ -114,7 +121,7 @@ async def embed(
     """Raw pooled vectors of `inputs` (texts, or token ids used as they are), in order. A text
     longer than the context (or `limit` tokens) is cut at its end when `truncate`, else a 400;
     every input is checked before any is computed. `dimensions` beyond the model's: a 400."""
-    rt = _runtime(ctx)
+    rt = await _runtime(ctx)
 
     def run() -> Embedded:
         t0 = time.perf_counter()
@@ -122,6 +129,10 @@ async def embed(
             emb = rt.embedder()
         except BudgetExceeded as e:
             raise EmbeddingsUnavailable(f"embeddings are unavailable: {e.message}") from None
+        except RuntimeError as e:  # unloaded for another model since it was picked
+            if rt.working_set is not None:
+                raise
+            raise NotReady("the model was unloaded; retry shortly", code="model_loading") from e
         t1 = time.perf_counter()
         if dimensions is not None and dimensions > emb.n_embd:
             raise InvalidRequest(
@@ -265,7 +276,8 @@ def _num_ctx(options: dict[str, Any] | None) -> int | None:
 
 async def _release_if(ctx: ServerContext, keep_alive: str | int | float | None) -> None:
     """keep_alive 0: the embedding context is freed and its bytes given back (Ollama unloads)."""
-    if _unloads(keep_alive) and (rt := ctx.worker.runtime) is not None:
+    w = ctx.worker
+    if _unloads(keep_alive) and (rt := w.targets.runtime(w.default_model)) is not None:
         await asyncio.to_thread(rt.release_embedder)
 
 
