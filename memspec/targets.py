@@ -200,7 +200,11 @@ class Targets:
         if why == "evict":
             st.evictions += 1
         try:
-            rt.close()
+            # Closed under its lock: a caller on another thread (/tokenize) finishes first.
+            # The embedding context goes before: an embedding takes the lock per input.
+            rt.release_embedder()
+            with rt.lock:
+                rt.close()
         except Exception:  # noqa: BLE001 - the budget is given back either way
             log.exception("closing model %s failed", name)
         log.info("model %s unloaded (%s)", name, why)

@@ -550,11 +550,11 @@ async def _with_target(ctx: ServerContext, fn: Callable[[Any], Any]) -> Any:
     """fn(target) on a worker thread, between the engine's rounds (a target in another
     process answers one caller at a time)."""
     served_model(ctx)  # NotReady while loading
-    rt = ctx.worker.runtime
-    if rt is None:  # every model unloaded (keep_alive): the default target loads again
-        w = ctx.worker
+    w = ctx.worker
+    rt = w.targets.runtime(w.default_model)
+    if rt is None:  # unloaded (keep_alive, another model's room): the default loads again
         await ctx.control(lambda w: w.load_model(w.default_model), "load the default model")
-        rt = w.runtime
+        rt = w.targets.runtime(w.default_model)
         if rt is None:
             raise NotReady("models are loading; retry shortly", code="model_loading")
 
