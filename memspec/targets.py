@@ -80,6 +80,12 @@ class Targets:
         """The budget the resident models' working sets hold, together."""
         return sum(rt.budget_bytes for rt in list(self.runtimes.values()))
 
+    def free_after_handback(self) -> int:
+        """The budget free once every resident model hands back the share it does not use
+        (what `load` can give a new model before unloading any)."""
+        held = sum(max(rt.reserved_bytes, rt.modelled_bytes()) for rt in self.runtimes.values())
+        return self._budget() - held
+
     def used_bytes(self) -> int:
         """What the resident models hold (modelled): targets, KV, drafts, embedding contexts."""
         return sum(rt.modelled_bytes() for rt in list(self.runtimes.values()))

@@ -520,10 +520,7 @@ class EngineWorker:
             return None, set()
         policy = self.residency
         budget = self.budget_bytes
-        # What is free once every resident model hands back the share it does not use.
-        free = budget - sum(
-            max(rt.reserved_bytes, rt.modelled_bytes()) for rt in self.targets.runtimes.values()
-        )
+        free = self.targets.free_after_handback()
         if policy.victims(name, want.bytes, free, views, now) is not None:
             if policy.hold(want, now - absent[name], views, now):
                 return None, set()
@@ -661,9 +658,7 @@ class EngineWorker:
         want = next((v for v in views if v.name == name), None)
         if want is None:
             raise ModelLoadError(f"model {name!r} is not in the models dir", param="model")
-        free = self.budget_bytes - sum(
-            max(rt.reserved_bytes, rt.modelled_bytes()) for rt in self.targets.runtimes.values()
-        )
+        free = self.targets.free_after_handback()
         victims = self.residency.victims(name, want.bytes, free, views, time.monotonic())
         with self._beating():
             self.targets.load(name, self.settings, victims or [])
