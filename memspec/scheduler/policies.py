@@ -116,6 +116,10 @@ class Round:
 
 
 class Policy:
+    """A named draft-selection policy of one request at a time: begin, then per round
+    select_draft and record_round, then end. The per-request scheduler's interface; the
+    engine's per-round RoundPolicy (memspec.engine.types) keeps choose/observe."""
+
     name: str = "policy"
     # True: a chosen draft that is not resident is loaded on demand and the round waits.
     reactive: bool = False
@@ -138,12 +142,12 @@ class Policy:
     def begin(self, req: Request, ws: Residency) -> None:
         """A request starts: read its prompt, tell the working set what to hold."""
 
-    def choose(self, rnd: Round, ws: Residency) -> tuple[str | None, int]:
+    def select_draft(self, rnd: Round, ws: Residency) -> tuple[str | None, int]:
         """(draft id, k) for this round; (None, 0) decodes one token without a draft. A policy
         whose rounds are the decision rule's (rounds_by_rule) has no choice of its own."""
         raise NotImplementedError(f"{self.name}: its rounds are the decision rule's")
 
-    def observe(
+    def record_round(
         self,
         draft: str | None,
         key: str,
@@ -189,7 +193,7 @@ def _estimator(env: Env) -> AcceptanceEstimator:
 class NonePolicy(Policy):
     name = "none"
 
-    def choose(self, rnd, ws):
+    def select_draft(self, rnd, ws):
         return None, 0
 
 
@@ -206,10 +210,10 @@ class FixedDraftPolicy(Policy):
         self.name = f"fixed:{draft}"
         self.est = _estimator(env)
 
-    def choose(self, rnd, ws):
+    def select_draft(self, rnd, ws):
         return _tried(self.info, rnd, self.env, self.est)
 
-    def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
+    def record_round(self, draft, key, position, proposed, accepted, seconds, tokens):
         if draft is not None:
             self.est.update(key, proposed, accepted)
 
@@ -236,12 +240,12 @@ class _Bandit(Policy, ABC):
     @abstractmethod
     def reward(self, arm: int, r: float) -> None: ...
 
-    def choose(self, rnd, ws):
+    def select_draft(self, rnd, ws):
         self.arm = self.pick()
         draft = self.arms[self.arm]
         return _tried(self.env.drafts[draft], rnd, self.env, self.est) if draft else (None, 0)
 
-    def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
+    def record_round(self, draft, key, position, proposed, accepted, seconds, tokens):
         if draft is not None:
             self.est.update(key, proposed, accepted)
         r = tokens / max(seconds, 1e-6)
@@ -453,7 +457,7 @@ class MemSpecPolicy(Policy):
         }
         return {k: self.predictor.prior_alpha(state, k, 0) for k in sorted(keys)}
 
-    def observe(self, draft, key, position, proposed, accepted, seconds, tokens):
+    def record_round(self, draft, key, position, proposed, accepted, seconds, tokens):
         self.position = position
         if draft is None or self.state is None or self.req is None:
             return
@@ -529,7 +533,7 @@ class OraclePolicy(Policy):
         wanted = [(d, 1.0)] if d is not None and not self.env.drafts[d].always_resident else []
         ws.prefetch(wanted)
 
-    def choose(self, rnd, ws):
+    def select_draft(self, rnd, ws):
         if self.entry is None or self.entry.draft is None:
             return None, 0
         info = self.env.drafts[self.entry.draft]

@@ -13,7 +13,7 @@ The simulator runs this Scheduler over its SimWorkingSet, trace-backed drafts an
 
 Leases: drafts handed to the engine are leased to its thread (WorkingSet), so an eviction
 cannot close one while it proposes; released when the next round starts or the request ends.
-A policy's round is timed from one choose() to the next, so its reward includes all it cost
+A policy's round is timed from one engine choose() to the next, so its reward includes all it cost
 (drafting, verification, waits on reactive loads). Time inside the policy, peeks excluded, is
 the scheduling overhead, in this thread's CPU time.
 """
@@ -55,14 +55,14 @@ FALLBACK_LOAD_BANDWIDTH = 500e6
 @dataclass
 class RoundStats:
     rounds: int = 0
-    policy_s: float = 0.0  # CPU s inside begin/choose/observe/end, peeks excluded
+    policy_s: float = 0.0  # CPU s inside begin/select_draft/record_round/end, peeks excluded
     stall_s: float = 0.0  # waiting on reactive loads
     drafts_used: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class OpenRound:
-    """A policy's round between its choice and the next: what its observe() is told."""
+    """A policy's round between its choice and the next: what its record_round() is told."""
 
     draft: str | None
     position: int
@@ -122,7 +122,7 @@ class ResidentRule:
 
 class PolicyRounds:
     """A named Policy's rounds of one request: its choice (or, `rounds_by_rule`, a
-    ResidentRule's), the peeks it asks for, reactive loads, and its observe() per round."""
+    ResidentRule's), the peeks it asks for, reactive loads, and its record_round() per round."""
 
     def __init__(
         self, sched: Scheduler, policy: Policy, request: Request, rule: ResidentRule | None
@@ -173,7 +173,7 @@ class PolicyRounds:
             return peeks[draft_id][:2]
 
         t = time.thread_time()
-        draft_id, k = self.policy.choose(Round(position, k_room, peek), self.sched.ws)
+        draft_id, k = self.policy.select_draft(Round(position, k_room, peek), self.sched.ws)
         self.sched.stats.policy_s += time.thread_time() - t - peek_s
         if draft_id is None or k <= 0:
             return Choice(None, 0)
@@ -202,14 +202,14 @@ class PolicyRounds:
             self.open.key, self.open.proposed, self.open.accepted = key, proposed, accepted
 
     def close(self, now: float) -> None:
-        """The round in flight is over at `now`: the policy observes it."""
+        """The round in flight is over at `now`: the policy records it (record_round)."""
         o, self.open = self.open, None
         if o is None:
             return
         self.sched.stats.rounds += 1
         drafted = o.proposed > 0
         t = time.thread_time()
-        self.policy.observe(
+        self.policy.record_round(
             o.draft if drafted else None,
             o.key,
             o.position,

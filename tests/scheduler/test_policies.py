@@ -59,7 +59,7 @@ def play(policy, ws, rounds: int, rng: random.Random, peek=no_peek) -> Counter:
     chosen: Counter = Counter()
     policy.begin(Request("r", PROMPT), ws)
     for pos in range(rounds):
-        d, k = policy.choose(Round(pos, 64, peek), ws)
+        d, k = policy.select_draft(Round(pos, 64, peek), ws)
         stall = 0.0
         if d is not None and d not in ws.resident and not DRAFTS[d].always_resident:
             assert policy.reactive, f"{policy.name} chose non-resident {d}"
@@ -73,14 +73,14 @@ def play(policy, ws, rounds: int, rng: random.Random, peek=no_peek) -> Counter:
             while acc < k and rng.random() < TRUE_ALPHA[key]:
                 acc += 1
         seconds = COSTS.round_seconds(d, k) + stall
-        policy.observe(d, key or "", pos, k, acc, seconds, acc + 1)
+        policy.record_round(d, key or "", pos, k, acc, seconds, acc + 1)
     policy.end()
     return chosen
 
 
 def test_none_and_fixed():
     ws = working_set()
-    assert make_policy("none", ENV).choose(Round(0, 8, no_peek), ws) == (None, 0)
+    assert make_policy("none", ENV).select_draft(Round(0, 8, no_peek), ws) == (None, 0)
     fixed = make_policy("fixed:bad", ENV)
     chosen = play(fixed, ws, 50, random.Random(0))
     assert set(chosen) == {"bad"}, "a fixed policy drafts with its draft every round"
@@ -221,12 +221,12 @@ def test_oracle_follows_its_table():
     ws = working_set(budget=300)
     oracle.begin(Request("r", PROMPT), ws)
     assert [ld.draft for ld in ws.queue] == ["good"]
-    assert oracle.choose(Round(0, 64, no_peek), ws) == (None, 0)  # still loading
+    assert oracle.select_draft(Round(0, 64, no_peek), ws) == (None, 0)  # still loading
     ws.advance(1.0)
-    d, k = oracle.choose(Round(1, 64, no_peek), ws)
+    d, k = oracle.select_draft(Round(1, 64, no_peek), ws)
     assert d == "good" and k >= 4
     oracle.begin(Request("other", [1, 2, 3]), ws)
-    assert oracle.choose(Round(0, 64, no_peek), ws) == (None, 0)
+    assert oracle.select_draft(Round(0, 64, no_peek), ws) == (None, 0)
     assert oracle.status()["misses"] == 1
 
 

@@ -36,7 +36,7 @@ class FixedK(Policy):
         super().__init__(env)
         self.draft, self.k = draft, k
 
-    def choose(self, rnd, ws):
+    def select_draft(self, rnd, ws):
         return self.draft, self.k
 
 

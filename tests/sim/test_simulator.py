@@ -58,7 +58,7 @@ def test_replay_follows_the_trace_exactly(synthetic_trace, setup):
     class KOne(Policy):
         name, reactive = "k1", True
 
-        def choose(self, rnd, ws):
+        def select_draft(self, rnd, ws):
             return "q8_0", 1
 
     result = simulate(
