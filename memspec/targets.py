@@ -19,12 +19,17 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from memspec.backends.base import BackendOptions
+from memspec.backends.shared_weights import SHARED_MODELS, weights_key
 from memspec.catalog import ModelCatalog, ServableModel
 from memspec.config import Settings
 from memspec.errors import BudgetExceeded, ModelDoesNotFit, UnknownModel
-from memspec.memory.footprint import target_footprint
+from memspec.memory.footprint import Footprint, target_footprint, vocab_bytes
+from memspec.memory.gguf_info import read_shape
+from memspec.paths import models_dir
 from memspec.runtime import Runtime
 from memspec.scheduler.residency import ModelView
 from memspec.units import format_size
@@ -67,7 +72,7 @@ class Targets:
         self._on_change = on_change
         self.runtimes: dict[str, Runtime] = {}
         self.stats: dict[str, ModelStats] = {}
-        self._needs: dict[tuple[Any, ...], int] = {}  # need_bytes, per file and context shape
+        self._needs: dict[tuple[Any, ...], Footprint] = {}  # per file and context shape
 
     # --- what is resident -------------------------------------------------------------------
     def runtime(self, name: str) -> Runtime | None:
@@ -92,16 +97,51 @@ class Targets:
 
     def need_bytes(self, model: ServableModel, settings: Settings) -> int:
         """What loading `model` needs at least: its weights, one slot's KV and buffers."""
+        return self._need(model, settings).total
+
+    def _need(self, model: ServableModel, settings: Settings) -> Footprint:
         n_ctx = settings.n_ctx if isinstance(settings.n_ctx, int) else MIN_CTX_ESTIMATE
         slots = max(1, settings.parallel)
         kv = settings.kv_cache
         key = (model.path, n_ctx, settings.k_max, settings.n_gpu_layers, slots, kv)
         if key not in self._needs:  # read_shape parses the header: once per shape
-            fp = target_footprint(
+            self._needs[key] = target_footprint(
                 model.path, n_ctx, settings.k_max, settings.n_gpu_layers, slots, kv
             )
-            self._needs[key] = fp.total
         return self._needs[key]
+
+    def weights_held(self, model: ServableModel, settings: Settings) -> int:
+        """The bytes of `model`'s weights (and vocabulary) a resident model holds already as
+        its draft (the 0.5B, the 1.5B's sibling): loading it as a target adds its context only,
+        and the draft's charge for them moves to it (backends.shared_weights)."""
+        if settings.rpc or settings.backend != "llama_cpp":
+            return 0
+        # The options the model's Runtime loads its target with (memspec.runtime).
+        options = BackendOptions(
+            weight_repack=settings.weight_repack, n_gpu_layers=settings.n_gpu_layers
+        )
+        if not SHARED_MODELS.held_as(weights_key(model.path, options), "draft"):
+            return 0
+        return self._need(model, settings).weights + vocab_bytes(read_shape(model.path))
+
+    def _reprice_drafts(self, path: Path, loaded: str | None = None) -> None:
+        """A target on `path` loaded (`loaded`: its name) or left: the drafts that share its
+        file stop costing their weights, or cost them again. Each other model whose drafts
+        name the file reads their bytes again and its share is fitted: on a load it gives
+        back what it no longer uses (the new model's share paid for it); on an unload it
+        grows by the weights it pays for now, out of the share the leaving model gave back."""
+        name = path.resolve()
+        for other, rt in list(self.runtimes.items()):
+            ws = rt.working_set
+            files = [m.model_path(models_dir()) for m in rt.manifests.values() if m.file]
+            if other == loaded or ws is None or all(f.resolve() != name for f in files):
+                continue
+            ws.refresh_bytes()
+            used = rt.modelled_bytes()
+            if loaded is not None:
+                rt.set_budget(max(rt.reserved_bytes, used))
+            elif used > rt.budget_bytes:
+                rt.set_budget(used)
 
     def views(
         self, settings: Settings, in_flight: dict[str, int], queued: dict[str, int]
@@ -115,7 +155,7 @@ class Targets:
                 model = self.catalog.find(name)
                 if model is None:
                     continue
-                size = self.need_bytes(model, settings)
+                size = self.need_bytes(model, settings) - self.weights_held(model, settings)
             else:
                 size = rt.budget_bytes
             st = self.stat(name)
@@ -146,7 +186,8 @@ class Targets:
             rt.set_budget(max(rt.reserved_bytes, rt.modelled_bytes()))
         budget = self._budget()
         free = budget - self.shares()
-        need = self.need_bytes(model, settings)
+        held = self.weights_held(model, settings)
+        need = self.need_bytes(model, settings) - held
         if need > free:
             held = ", ".join(
                 f"{n} {format_size(rt.modelled_bytes())}" for n, rt in self.runtimes.items()
@@ -158,14 +199,22 @@ class Targets:
                 param="model",
             )
         t0 = time.monotonic()
-        rt = self._factory(self.model_settings(model, settings, free))
+        # Its share pays for the weights a draft elsewhere held: that draft stops paying below.
+        rt = self._factory(self.model_settings(model, settings, free + held))
         st = self.stat(name)
         st.last_load_s = time.monotonic() - t0
         st.load_s_total += st.last_load_s
         st.loads += 1
         st.last_used = time.monotonic()
         self.runtimes[name] = rt
-        log.info("model %s loaded in %.2f s (share %s)", name, st.last_load_s, format_size(free))
+        self._reprice_drafts(model.path, loaded=name)
+        log.info(
+            "model %s loaded in %.2f s (share %s%s)",
+            name,
+            st.last_load_s,
+            format_size(free + held),
+            f", weights shared with a draft: {format_size(held)}" if held else "",
+        )
         if self._on_change is not None:
             self._on_change(name, "load")
         return rt
@@ -214,6 +263,7 @@ class Targets:
         except Exception:  # noqa: BLE001 - the budget is given back either way
             log.exception("closing model %s failed", name)
         log.info("model %s unloaded (%s)", name, why)
+        self._reprice_drafts(Path(rt.settings.target))
         if len(self.runtimes) == 1:  # the one left may use the whole budget again
             (left,) = self.runtimes.values()
             try:

@@ -58,6 +58,10 @@ class BackendOptions:
     # What the KV cache stores K and V as, and flash attention (memspec.kv_cache): llama.cpp
     # only; the torch backend keeps its cache in the model's dtype.
     kv_cache: KVCache = F16
+    # The role the model is loaded in ("target" or "draft"): llama.cpp loads share one copy of
+    # a file's weights whatever the role (backends.shared_weights), and the footprint model
+    # charges them to the target role.
+    role: str = "target"
 
 
 class FeaturesDisabled(RuntimeError):

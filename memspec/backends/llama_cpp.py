@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +49,7 @@ from memspec.backends.base import (
     SequenceSlot,
     llama_kv_layout,
 )
+from memspec.backends.shared_weights import SHARED_MODELS, SharedModel, WeightsKey, weights_key
 from memspec.errors import ModelLoadError
 from memspec.kv_cache import ggml_type
 
@@ -91,18 +93,23 @@ _params_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _load_params(weight_repack: bool, n_seq: int, devices: list[int]) -> Iterator[None]:
+def _load_params(
+    weight_repack: bool, n_seq: int, devices: list[int], key: WeightsKey, role: str
+) -> Iterator[None]:
     """Load with llama.cpp's weight repacking (`use_extra_bufts`) on or off, and a context of
     `n_seq` sequences on per-sequence KV streams (`kv_unified` off: a unified cache gives a
     sequence other logits when others share its batch; measured). `Llama` takes neither as
     an argument: its parameters start from llama_model_default_params and
     llama_context_default_params, which we wrap for the load (under a lock, so two loads
-    never see each other's choice)."""
+    never see each other's choice). Its model comes from SHARED_MODELS: weights another
+    backend loaded with the same `key` are taken, not loaded again."""
+    import llama_cpp._internals as internals
     import llama_cpp.llama_cpp as lib
 
     with _params_lock:
         model_default = lib.llama_model_default_params
         context_default = lib.llama_context_default_params
+        model_class = internals.LlamaModel
 
         # The devices layers are offloaded to (RPC workers), NULL-terminated; kept alive by
         # the closure for the load.
@@ -121,13 +128,18 @@ def _load_params(weight_repack: bool, n_seq: int, devices: list[int]) -> Iterato
             p.kv_unified = False
             return p
 
+        def shared_model(**kwargs: Any) -> SharedModel:
+            return SHARED_MODELS.open(key, role, lambda: model_class(**kwargs))
+
         lib.llama_model_default_params = model_params
         lib.llama_context_default_params = context_params
+        internals.LlamaModel = shared_model
         try:
             yield
         finally:
             lib.llama_model_default_params = model_default
             lib.llama_context_default_params = context_default
+            internals.LlamaModel = model_class
 
 
 class LlamaCppBackend(SequenceContext):
@@ -152,7 +164,9 @@ class LlamaCppBackend(SequenceContext):
             n_seq = max(1, options.n_seq)
             with (
                 contextlib.redirect_stderr(buf),
-                _load_params(options.weight_repack, n_seq, devices),
+                _load_params(
+                    options.weight_repack, n_seq, devices, weights_key(path, options), options.role
+                ),
             ):
                 # verbose: the load log (in buf) says whether any weights were repacked.
                 self._llm = llama_cpp.Llama(
@@ -203,7 +217,13 @@ class LlamaCppBackend(SequenceContext):
         self.head_dim_k = int(meta.get(f"{arch}.attention.key_length", head_dim))
         self.head_dim_v = int(meta.get(f"{arch}.attention.value_length", head_dim))
         self._slots: list[Backend] = [self] + [SequenceSlot(self, i) for i in range(1, n_seq)]
-        self.repacked = options.weight_repack and _repacked(buf.getvalue())
+        # Whether llama.cpp repacked is in the log of the load that read the weights: a backend
+        # that joined another's load (shared_weights) reads the first one's note.
+        shared: SharedModel = self._llm._model
+        if shared.fresh:
+            shared.notes["repacked"] = options.weight_repack and _repacked(buf.getvalue())
+        self.repacked = bool(shared.notes.get("repacked", False))
+        self.shares_weights = not shared.fresh
         # The row rule (module docstring): only where repacked weights make the batch matter.
         self._row_rule = self.repacked and options.batch_invariant and not options.features
         self._gemm_prefix = [0] * n_seq  # per sequence: positions gemm computed

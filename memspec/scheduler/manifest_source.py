@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from memspec.backends.base import Backend, BackendOptions, llama_kv_layout
+from memspec.backends.shared_weights import SHARED_MODELS, weights_key
 from memspec.drafts.compat import TokenizerFingerprint, check_draft
 from memspec.drafts.manifest import DraftManifest
 from memspec.drafts.registry import instantiate
 from memspec.engine.types import Draft
 from memspec.errors import ModelLoadError
-from memspec.memory.footprint import Footprint, draft_footprint
+from memspec.memory.footprint import Footprint, draft_footprint, on_loaded_weights
 from memspec.memory.gguf_info import read_shape
 from memspec.paths import models_dir
 
@@ -44,6 +45,7 @@ class ManifestSource:
             n_seq=1,
             rpc=(),
             tensor_split=(),
+            role="draft",
         )
         self.backend_kind = backend_kind
         self.target = target
@@ -61,9 +63,12 @@ class ManifestSource:
         return self.manifests[draft_id].kind
 
     def footprint(self, draft_id: str) -> Footprint:
+        """Its modelled bytes. A model draft whose weights a served model holds now (the 0.5B
+        asked for by name while the 1.5B drafts with it) shares them: the target role pays for
+        the weights, the draft for its context only (backends.shared_weights)."""
         m = self.manifests[draft_id]
         path = m.model_path(models_dir()) if m.file else None
-        return draft_footprint(
+        fp = draft_footprint(
             m.kind,
             path,
             self.options.n_ctx,
@@ -71,6 +76,10 @@ class ManifestSource:
             self.options.n_gpu_layers,
             self.options.kv_cache,
         )
+        if path is not None and self.backend_kind == "llama_cpp" and path.exists():
+            if SHARED_MODELS.held_as(weights_key(path, self.options), "target"):
+                return on_loaded_weights(fp, read_shape(path))
+        return fp
 
     def draft_bytes(self, draft_id: str) -> int:
         return self.footprint(draft_id).total

@@ -209,6 +209,17 @@ class WorkingSet:
         with self._cond:
             return self._used()
 
+    def refresh_bytes(self) -> None:
+        """Read every draft's modelled bytes again: a draft's weights cost nothing while a
+        served model holds them (ManifestSource.footprint), so they change when one loads or
+        leaves. The caller then fits the budget to the new figure (memspec.targets)."""
+        with self._cond:
+            for s in self._slots.values():
+                s.bytes = None
+                self._bytes(s)
+            self.peak_bytes = max(self.peak_bytes, self._used())
+            self._kick()
+
     def drafts_bytes(self) -> int:
         return self.used_bytes() - self.reserved_bytes
 
