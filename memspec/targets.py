@@ -29,6 +29,7 @@ from memspec.config import Settings
 from memspec.errors import BudgetExceeded, ModelDoesNotFit, UnknownModel
 from memspec.memory.footprint import Footprint, target_footprint, vocab_bytes
 from memspec.memory.gguf_info import read_shape
+from memspec.memory.heap import return_freed_memory
 from memspec.paths import models_dir
 from memspec.runtime import Runtime
 from memspec.scheduler.residency import ModelView
@@ -262,6 +263,7 @@ class Targets:
                 rt.close()
         except Exception:  # noqa: BLE001 - the budget is given back either way
             log.exception("closing model %s failed", name)
+        return_freed_memory()  # else its heap pages stay resident beside the next model
         log.info("model %s unloaded (%s)", name, why)
         self._reprice_drafts(Path(rt.settings.target))
         if len(self.runtimes) == 1:  # the one left may use the whole budget again
