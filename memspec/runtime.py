@@ -73,6 +73,7 @@ from memspec.paths import data_dir, models_dir, resolve_model_path
 from memspec.predictor.artifacts import predictor_path
 from memspec.predictor.model import load_or_fallback
 from memspec.rpc.endpoints import LayerSplit, layer_split
+from memspec.scheduler.draft_choice import DraftAsk
 from memspec.scheduler.learned import Memory
 from memspec.scheduler.manifest_source import ManifestSource
 from memspec.scheduler.rounds import LEAD_SLOT, Scheduler
@@ -152,6 +153,11 @@ class GenerationRequest:
     cache_partition: str = ""  # whose cached prefixes it may reuse (PrefixCache)
     # A chat shifted to fit the context: {"dropped_messages": n, "dropped_tokens": m}.
     context_shift: dict[str, int] | None = None
+
+    @property
+    def draft_ask(self) -> DraftAsk:
+        """What `draft` asks for: plain decoding, auto, or one named draft."""
+        return DraftAsk.parse(self.draft)
 
 
 class Runtime:
@@ -641,8 +647,9 @@ class Runtime:
                 f"{len(prompt)}{tail}",
                 param="messages" if ask.messages is not None else "prompt",
             )
-        if ask.draft not in ("auto", "none"):
-            self.usable(ask.draft)  # unknown (404) or incompatible (400) before anything runs
+        named = DraftAsk.parse(ask.draft).named
+        if named is not None:
+            self.usable(named)  # unknown (404) or incompatible (400) before anything runs
         if ask.policy and ask.policy.startswith("fixed:"):
             fixed = ask.policy.removeprefix("fixed:")
             if fixed in self.incompatible:  # a policy that would use it: the same 400
@@ -790,8 +797,9 @@ class Runtime:
         one. A named draft that is not resident is loaded first (counted as stall); if that
         load fails the request decodes without it (output identical: the target decides every
         token) and the draft's status says why."""
-        if draft not in ("auto", "none"):
-            self.usable(draft)
+        named = DraftAsk.parse(draft).named
+        if named is not None:
+            self.usable(named)
         req = GenerationRequest(prompt, params, draft, policy, messages)
         seq = self.open_sequence(req, LEAD_SLOT, on_token, cancel, k=k, estimator=estimator)
         while not seq.done:
@@ -864,7 +872,7 @@ class Runtime:
             policy: RoundPolicy = self.scheduler
         else:
             policy = self.scheduler.beside_lead(req.draft)
-            ran = "none" if req.draft == "none" else "auto"
+            ran = "none" if req.draft_ask.plain else "auto"
         try:
             seq = Sequence(backend, req.prompt, req.params, policy, on_token, cancel)
         except BaseException:

@@ -41,6 +41,7 @@ from memspec.engine.speculative import ROUND_PHASES
 from memspec.engine.types import SamplingParams
 from memspec.paths import models_dir, resolve_model_path
 from memspec.runtime import Runtime
+from memspec.scheduler.draft_choice import DraftAsk
 
 PEER = "llama-cpp-python prompt-lookup"
 # The one-draft configs: the family's siblings and those of POOL that are built and speak the
@@ -170,7 +171,7 @@ def round_profile(rows: list[dict], costs, draft: str | None) -> dict:
         "other_ms_per_round": round((secs - sum(phases.values())) / rounds * 1e3, 3),
     }
     proposed = sum(r.get("proposed", 0) for r in rows)
-    if draft not in (None, "none", "auto") and proposed:
+    if draft is not None and DraftAsk.parse(draft).named is not None and proposed:
         draft_rounds = max(sum(r.get("draft_rounds", 0) for r in rows), 1)
         alpha = sum(r["accepted"] for r in rows) / proposed
         k_mean = proposed / draft_rounds  # what the draft really proposed per round

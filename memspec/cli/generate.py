@@ -38,9 +38,10 @@ def check_named_draft(settings: Settings, draft_id: str) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from memspec.engine.sampling import SamplingParams
     from memspec.runtime import Runtime
+    from memspec.scheduler.draft_choice import DraftAsk
 
     settings = load_settings(args)
-    if args.draft not in ("auto", "none"):
+    if DraftAsk.parse(args.draft).named is not None:
         check_named_draft(settings, args.draft)
         if args.drafts is None:
             settings = settings.model_copy(update={"drafts": [args.draft]})

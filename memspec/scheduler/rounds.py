@@ -32,6 +32,7 @@ from memspec.engine.policy import DecisionRulePolicy, FixedPolicy
 from memspec.engine.types import Choice, Draft, Proposal, RoundPolicy, SamplingParams
 from memspec.errors import InvalidRequest, MemSpecError
 from memspec.predictor.model import AcceptancePredictor
+from memspec.scheduler.draft_choice import DraftAsk
 from memspec.scheduler.policies import (
     DraftInfo,
     Env,
@@ -272,16 +273,16 @@ class Scheduler:
         now if it is not), or "auto": then `policy` decides ("auto": the decision rule).
         Returns the policy its rounds run under: "none", "auto" or the named policy."""
         self.stats, self._by_policy = RoundStats(), None
-        if draft == "none":
+        ask = DraftAsk.parse(draft)
+        if ask.plain:
             self.rounds = FixedPolicy(None, 0)
             return "none"
-        if draft != "auto" or policy == "auto":
-            ids = None if draft == "auto" else [draft]
+        if ask.named is not None or policy == "auto":
             est = estimator or self.estimator
-            self.rounds = ResidentRule(self, est, ids, k=k)
-            if draft != "auto":
-                self._held.enter_context(self.ws.holding(draft))  # not a victim while used
-                self.ws.acquire(draft, wait=True)
+            self.rounds = ResidentRule(self, est, ask.ids, k=k)
+            if ask.named is not None:
+                self._held.enter_context(self.ws.holding(ask.named))  # not a victim while used
+                self.ws.acquire(ask.named, wait=True)
             return "auto"
         text, turns = chat_text(messages)
         request = Request("", prompt, text, turns, params.max_tokens)
@@ -312,10 +313,10 @@ class Scheduler:
         named: under load the batch-level rule would seldom pay for a model draft's serial
         passes anyway (docs/batching.md). `draft`: "auto", "none", or a draft id (used here
         only if it is free)."""
-        if draft == "none":
+        ask = DraftAsk.parse(draft)
+        if ask.plain:
             return FixedPolicy(None, 0)
-        ids = None if draft == "auto" else [draft]
-        return ResidentRule(self, self.estimator, ids, free_only=True)
+        return ResidentRule(self, self.estimator, ask.ids, free_only=True)
 
     def finish(self) -> RoundStats:
         """Close the last round and end the request (once, after generation)."""

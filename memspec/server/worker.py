@@ -758,7 +758,7 @@ class EngineWorker:
             slot = rt.pick_slot(req.prompt, busy, partition)
             assert slot is not None  # admitted only into a free slot
             rt.prepare_prefix(
-                self.prefix_cache, req.prompt, req.draft != "none", slot, partition, busy
+                self.prefix_cache, req.prompt, not req.draft_ask.plain, slot, partition, busy
             )
             seq = rt.open_sequence(req, slot, on_token, job.cancel, alone=alone)
             opened.append(seq)
