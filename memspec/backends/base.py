@@ -62,6 +62,7 @@ class BackendOptions:
     # a file's weights whatever the role (backends.shared_weights), and the footprint model
     # charges them to the target role.
     role: str = "target"
+    share_weights: bool = True  # False: a private copy (a load's own cost is measured)
 
 
 class FeaturesDisabled(RuntimeError):

@@ -15,6 +15,7 @@ weights pays its context only. `held_as(path, role)` is what it asks.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,13 +30,15 @@ WeightsKey = tuple[str, bool, int, bool, tuple[str, ...]]
 
 
 def weights_key(path: Path, options: BackendOptions) -> WeightsKey:
-    return (
-        str(path.resolve()),
-        options.weight_repack,
-        options.n_gpu_layers,
-        options.use_mmap,
-        options.rpc,
-    )
+    """Loads with equal keys share one model; a load with `share_weights` off gets a key of
+    its own (a load whose cost is being measured must read the file)."""
+    name = str(path.resolve())
+    if not options.share_weights:
+        name += f"\x00private-{next(_private)}"
+    return (name, options.weight_repack, options.n_gpu_layers, options.use_mmap, options.rpc)
+
+
+_private = itertools.count()
 
 
 @dataclass

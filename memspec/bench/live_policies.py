@@ -10,7 +10,7 @@ request is waited for and charged to that policy, so no load runs in anyone else
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from memspec.drafts.model import ModelDraft
@@ -85,9 +85,12 @@ def pool_source(rt, sizes: dict[str, int]):
     from memspec.scheduler.working_set import FactorySource
 
     kinds = {d: rt.manifest(d).kind for d in sizes}
+    # Private copies: a policy's loads must read the file, not join the runtime's resident
+    # drafts' weights (backends.shared_weights).
+    options = replace(rt.options, share_weights=False)
     return FactorySource(
         lambda d: instantiate(
-            rt.manifest(d), rt.options, rt.settings.backend, target_backend=rt.target
+            rt.manifest(d), options, rt.settings.backend, target_backend=rt.target
         ),
         sizes,
         kinds,

@@ -49,7 +49,12 @@ def measure_model(
     gc.collect()
     before = sample()
     options = BackendOptions(
-        n_ctx=n_ctx, n_threads=n_threads, use_mmap=False, n_seq=slots, kv_cache=kv_cache
+        n_ctx=n_ctx,
+        n_threads=n_threads,
+        use_mmap=False,
+        n_seq=slots,
+        kv_cache=kv_cache,
+        share_weights=False,  # its own copy, even of the resident model's file
     )
     be = load_backend(path, options)
     loaded = sample()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import tomllib
@@ -207,9 +207,11 @@ def measure_contention(rt, ctx: list[int], reps: int = 15) -> float:
     idle = _median_time(step, reps)
     stop = threading.Event()
 
+    private = replace(rt.options, share_weights=False)  # real loads, never joined
+
     def loader() -> None:
         while not stop.is_set():
-            instantiate(models[0], rt.options, rt.settings.backend).close()
+            instantiate(models[0], private, rt.settings.backend).close()
 
     th = threading.Thread(target=loader, daemon=True)
     th.start()

@@ -22,7 +22,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -300,16 +300,18 @@ def footprints(rt, draft_ids: list[str]) -> tuple[int, dict[str, int]]:
 
 
 def measure_loads(rt, draft_ids: list[str], reps: int) -> dict[str, list[float]]:
-    """Seconds for real loads (into process memory, mmap off) of each model draft."""
+    """Seconds for real loads (into process memory, mmap off) of each model draft: private
+    copies, never joining the weights the runtime holds already (backends.shared_weights)."""
     from memspec.drafts.registry import instantiate
 
+    options = replace(rt.options, share_weights=False)
     out: dict[str, list[float]] = {}
     for d in draft_ids:
         m = rt.manifest(d)
         times = []
         for _ in range(reps if m.kind == "model" else 1):
             t = time.perf_counter()
-            draft = instantiate(m, rt.options, rt.settings.backend, target_backend=rt.target)
+            draft = instantiate(m, options, rt.settings.backend, target_backend=rt.target)
             times.append(time.perf_counter() - t)
             draft.close()
         out[d] = times

@@ -63,16 +63,19 @@ def test_a_target_joins_a_drafts_weights_and_decodes_as_if_alone():
     assert SHARED_MODELS.holders(path) == []
 
 
-def test_other_load_parameters_load_their_own_copy():
+def test_other_load_parameters_and_private_loads_load_their_own_copy():
     path = models_dir() / "smollm2-135m-q4_0.gguf"
     a = load_backend(path, TARGET)
     b = load_backend(path, dataclasses.replace(TARGET, weight_repack=False))
+    # A load whose own cost is measured (traces, probes, live policies) reads the file.
+    c = load_backend(path, dataclasses.replace(TARGET, share_weights=False))
     try:
-        assert not a.shares_weights and not b.shares_weights
+        assert not a.shares_weights and not b.shares_weights and not c.shares_weights
         assert weights_key(path, TARGET) != weights_key(path, b.options)
     finally:
         a.close()
         b.close()
+        c.close()
     assert SHARED_MODELS.holders(path) == []
 
 
