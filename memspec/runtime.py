@@ -18,14 +18,14 @@ import math
 import os
 import threading
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import jinja2
 
-from memspec.backends.base import Backend, BackendOptions, common_prefix, load_backend
+from memspec.backends.base import Backend, BackendOptions, load_backend
 from memspec.backends.embedding import LlamaEmbedder, plan_embedding
 from memspec.config import Settings
 from memspec.drafts.compat import check_draft, fingerprint_of, incompatible_error
@@ -39,6 +39,7 @@ from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.fim import FimRequest, FimTokens, fim_prompt, find_fim_tokens
 from memspec.engine.grammar import Grammar
 from memspec.engine.prefix_cache import PrefixCache, share_slot_prefix
+from memspec.engine.slots import SlotTable
 from memspec.engine.speculative import (
     Generation,
     Sequence,
@@ -81,10 +82,6 @@ from memspec.scheduler.working_set import WorkingSet
 from memspec.units import format_size
 
 log = logging.getLogger(__name__)
-
-# A slot's KV cache must share this many more prompt tokens than the lead slot's to draw a
-# request away from the lead (the prefix cache's own threshold for a restore).
-SLOT_GAIN_TOKENS = 16
 
 
 @dataclass
@@ -134,11 +131,6 @@ SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
 )
-
-
-def id_runs(ids: set[int]) -> int:
-    """How many runs of consecutive integers `ids` makes ({0, 1, 2, 5}: 2)."""
-    return sum(1 for i in ids if i - 1 not in ids)
 
 
 @dataclass(frozen=True)
@@ -270,6 +262,8 @@ class Runtime:
         if any(self._usable_head(m) for m in self.manifests.values()):
             self.options = replace(self.options, features=True)
         self.target: Backend = target or load_backend(target_path, self.options, settings.backend)
+        # Which of the target's sequence slots hold a sequence (the daemon takes and releases).
+        self.slot_table = SlotTable(self.target.slots, lead=LEAD_SLOT)
         # What the target is served as and how its chats are rendered, from its own metadata.
         self.model_id = served_model_id(settings.model_name, target_path)
         self.model_aliases = model_aliases(
@@ -759,18 +753,18 @@ class Runtime:
         use_drafts: bool,
         slot: int = 0,
         partition: str = "",
-        busy: Collection[int] = (),
     ) -> int:
         """Ready a slot of the target's (and, when drafting in the lead slot, each model
         draft's) KV cache for `prompt` of `partition` from `cache`, else from the target's
-        other slots (`busy`: those decoding, read but never written). Returns the prompt
-        tokens a restored target snapshot or another slot's copy covers (0: none)."""
+        other slots (those the slot table has busy are read but never written). Returns the
+        prompt tokens a restored target snapshot or another slot's copy covers (0: none)."""
         with self.lock:  # a background scheduler may load/evict drafts
             drafts = [d.backend for d in self.drafts.values() if isinstance(d, ModelBacked)]
             cache.forget([self.target, *drafts])
             mine = self.target.slots[slot]
             restored = cache.prepare(mine, prompt, partition)
             others = self.target.slots
+            busy = self.slot_table.busy() - {slot}  # `slot` itself is readied: written
             free = [s for s in others if s.seq_id not in busy]
             park = not cache.enabled_for(mine)
             restored = share_slot_prefix(mine, others, free, prompt, park) or restored
@@ -807,34 +801,6 @@ class Runtime:
         return self.close_sequence(seq)
 
     # --- batched decoding (the daemon's engine thread) ------------------------------------
-    def pick_slot(self, prompt: list[int], busy: set[int], partition: str = "") -> int | None:
-        """A free slot for `prompt` (None when all are busy). First, one that keeps the busy
-        slots' ids in as few consecutive runs as it can: llama.cpp splits a pass over
-        per-sequence KV streams into one ubatch per run of consecutive ids, each reading all
-        the weights (4 sequences × 1 token here: 73 ms on slots 0-3, 108 ms on 0, 4, 5, 6,
-        171 ms on 0, 2, 5, 7). Among those, the lead slot (LEAD_SLOT), whose sequence may use
-        every draft kind, unless another slot's KV cache shares clearly more of the prompt (a
-        conversation's follow-up goes back to its slot). Off the lead: the longest shared
-        prefix, else the slot holding least (live KV of other conversations is kept for
-        their follow-ups; the prefix cache has the rest). A slot holding another partition's
-        prompt shares nothing with this one."""
-        free = [s for s in self.target.slots if s.seq_id not in busy]
-        if not free:
-            return None
-        runs = {s.seq_id: id_runs(busy | {s.seq_id}) for s in free}
-        fewest = min(runs.values())
-        free = [s for s in free if runs[s.seq_id] == fewest]
-        shared = {
-            s.seq_id: common_prefix(s.tokens, prompt) if s.kv_partition == partition else 0
-            for s in free
-        }
-        best = max(free, key=lambda s: (shared[s.seq_id], -len(s.tokens), -s.seq_id))
-        if LEAD_SLOT in shared and shared[best.seq_id] < shared[LEAD_SLOT] + SLOT_GAIN_TOKENS:
-            return LEAD_SLOT
-        if shared[best.seq_id] < SLOT_GAIN_TOKENS:
-            return min(free, key=lambda s: (len(s.tokens), s.seq_id)).seq_id
-        return best.seq_id
-
     def open_sequence(
         self,
         req: GenerationRequest,

@@ -159,7 +159,7 @@ class EngineWorker:
         self._control: deque[ControlJob] = deque()
         self._current: Job | None = None  # the control job running
         self._control_ran = False  # the last turn was a control job's (generations go next)
-        # (model, slot) -> its generation
+        # (model, slot) -> its generation; which slots are taken is each runtime's slot_table's
         self._active: dict[tuple[str, int], tuple[GenerateJob, Sequence]] = {}
         self._admitting: list[GenerateJob] = []  # taken off the queue, not yet in a slot
         self._accepting = True
@@ -478,10 +478,7 @@ class EngineWorker:
         every other model unloaded fail with a 503."""
         waiting = [j for j in self._queue if not j.cancel.is_set()]  # the rest: clients left
         policy = self.residency
-        free = {
-            name: rt.slots - sum(1 for m, _ in self._active if m == name)
-            for name, rt in self.targets.runtimes.items()
-        }
+        free = {name: rt.slot_table.free() for name, rt in self.targets.runtimes.items()}
         admit: list[GenerateJob] = []
         keep: list[GenerateJob] = []
         blocked = False  # first come first served: a request that must load holds the rest
@@ -750,23 +747,23 @@ class EngineWorker:
                     logprobs, sent = logprobs[sent:], len(logprobs)
                 job.post(Token(delta, logprobs))
 
+        slot: int | None = None
         try:
             req = rt.request(job.request)  # the one check: a clean 4xx before anything runs
-            busy = {slot for model, slot in self._active if model == job.model}
             # A model's cached prefixes are its own: its name heads the partition.
             partition = f"{job.model}\x00{req.cache_partition}"
-            slot = rt.pick_slot(req.prompt, busy, partition)
+            slot = rt.slot_table.take(req.prompt, partition)
             assert slot is not None  # admitted only into a free slot
             rt.prepare_prefix(
-                self.prefix_cache, req.prompt, not req.draft_ask.plain, slot, partition, busy
+                self.prefix_cache, req.prompt, not req.draft_ask.plain, slot, partition
             )
             seq = rt.open_sequence(req, slot, on_token, job.cancel, alone=alone)
             opened.append(seq)
-        except MemSpecError as e:
-            job.post(Failed(e))
-            return
         except Exception as e:  # noqa: BLE001 - the others must still run
-            log.exception("engine error starting a generation")
+            if slot is not None:  # taken, but no sequence holds it
+                rt.slot_table.release(slot)
+            if not isinstance(e, MemSpecError):
+                log.exception("engine error starting a generation")
             job.post(Failed(e))
             return
         with self._cond:
@@ -793,8 +790,10 @@ class EngineWorker:
         if not finished:
             return
         with self._cond:
-            for key, _, _ in finished:
-                del self._active[key]
+            for (model, slot), _, _ in finished:
+                del self._active[(model, slot)]
+                # The sequence has ended, however it ended: its slot is free for the next.
+                self.targets.runtimes[model].slot_table.release(slot)
         now = time.monotonic()
         for (model, _), job, seq in finished:
             rt = self.targets.runtime(model)
