@@ -1,6 +1,11 @@
-"""Calibration caches: a draft measured after start-up is measured once per machine."""
+"""Calibration caches: a draft measured after start-up is measured once per machine; nothing
+measured while other processes load the box is cached."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -13,6 +18,7 @@ def test_a_draft_loaded_after_start_up_is_measured_once_then_read_back(
     small_backend, tmp_path, monkeypatch
 ):
     monkeypatch.setattr(calibration, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(calibration, "BUSY_SHARE", 1.0)  # cached however busy the box is
     draft = PromptLookupDraft()
     first = CostModel(verify_s=[1.0] * 5)
     calibration.measure_draft_cached(small_backend, draft, first, k_max=4)
@@ -49,3 +55,33 @@ def test_measured_verify_costs_rise_with_the_batch(small_backend):
     verify_s = calibration.measure_verify(small_backend, k_max=4)
     assert len(verify_s) == 5
     assert all(b >= a > 0 for a, b in zip(verify_s, verify_s[1:], strict=False))
+
+
+def test_a_calibration_measured_on_a_busy_box_is_used_but_not_cached(
+    small_backend, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(calibration, "cache_dir", lambda: tmp_path)
+    with calibration.OthersLoad() as quiet:
+        time.sleep(1.0)
+    # Another process spinning on every core while we wait: what a test run beside does.
+    spin = "import multiprocessing as m, time\n" + (
+        "def f():\n    t = time.time()\n    while time.time() - t < 3: pass\n"
+        "if __name__ == '__main__':\n    ps = [m.Process(target=f) for _ in range(m.cpu_count())]\n"
+        "    [p.start() for p in ps]; [p.join() for p in ps]\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.5)
+        with calibration.OthersLoad() as busy:
+            time.sleep(1.0)
+    finally:
+        proc.wait()
+    print(f"others' CPU share: quiet {quiet.share:.2f}, spinning {busy.share:.2f}")
+    # (The quiet figure is only printed: the box may be busy with something else already.)
+    assert calibration.BUSY_SHARE < busy.share <= 1.1
+
+    # Every measurement counts as busy: the costs are returned, nothing is written.
+    monkeypatch.setattr(calibration, "BUSY_SHARE", -1.0)
+    costs = calibration.calibrate(small_backend, [PromptLookupDraft()], 2)
+    assert len(costs.verify_s) == 3 and costs.draft_overhead_s
+    assert not list(tmp_path.glob("calibration-*.json"))
