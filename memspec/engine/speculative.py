@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -506,6 +507,31 @@ class Sequence:
         return self.gen
 
 
+# A joining sequence's prompt chunk in a batched pass.
+PromptChunk = tuple[Sequence, list[int]]
+
+
+class PassPart(NamedTuple):
+    """One sequence's share of a batched pass: its tokens, and how many rows of logits it
+    reads back (the last `rows` of `tokens`; 0: a prompt chunk, nothing to read)."""
+
+    seq: Sequence
+    tokens: list[int]
+    rows: int
+
+
+@dataclass
+class BatchPlan:
+    """How a round shares the target's pass out: the sequences that draft and their depths,
+    and the prompt chunks of joining sequences that fill the room the verifications leave."""
+
+    deciding: list[Sequence]  # the sequences to propose and verify, in this order
+    ks: list[int | None]  # each one's draft depth (None: what its policy chose)
+    chunks: list[PromptChunk] = field(default_factory=list)  # prompt chunks: no rows
+    # a prompt's last chunk, its pending token to follow it in the same part (one row)
+    ending: list[PromptChunk] = field(default_factory=list)
+
+
 def decode_round(
     target: Backend,
     sequences: list[Sequence],
@@ -523,8 +549,9 @@ def decode_round(
         if s.to_prefill and not s.done and s.cancel is not None and s.cancel.is_set():
             s.gen.finish_reason, s.done = "cancelled", True
     feeding = [s for s in sequences if s.to_prefill and not s.done]
-    deciding = []
+    # Choose: each sequence past its prompt picks (draft, k) by its policy.
     in_batch = sum(not s.done for s in sequences) > 1
+    deciding: list[Sequence] = []
     for s in sequences:
         if s.done or s.to_prefill:
             continue
@@ -534,103 +561,161 @@ def decode_round(
         except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
             s.fail(e)
     batched = len(deciding) + len(feeding) > 1
-    ks: list[int | None] = [None] * len(deciding)
-    chunks: list[tuple[Sequence, list[int]]] = []  # prompt chunks: no rows
-    ending: list[tuple[Sequence, list[int]]] = []  # a prompt's last chunk + its pending token
+    if not batched and feeding:  # one sequence joining alone: a chunk of its prompt
+        return _prefill_alone(feeding[0], prefill_chunk)
+    # Pack: a batched pass shares its max_batch tokens out (draft depths, prompt chunks).
     if batched:
-        # A pass holds at most max_batch tokens: every verification (pending + drafted, no
-        # deeper than any sequence asked), then prompt chunks in the room prefill_chunk and
-        # the verifications leave. (Sizing the depth by the batch alone left the prompts
-        # n_batch mod n tokens a round: a request joining three others waited seconds.)
-        asked = max((s._choice.k for s in deciding), default=0)
-        depth = max(0, min(asked, (target.max_batch - len(deciding)) // max(len(deciding), 1)))
-        room = min(max(prefill_chunk, 1), target.max_batch - len(deciding) * (depth + 1))
-        for s in feeding:
-            if room <= 0:
-                break
-            chunk = s.prefill(room)
-            room -= len(chunk)
-            # The end of its prompt, and room for one more token: its pending token goes in
-            # the same part and its first token comes from this pass (k = 0, the policy
-            # unasked), not from a round of its own after it.
-            if not s.to_prefill and room > 0 and s.choose(in_batch, ask=False):
-                room -= 1
-                ending.append((s, chunk))
-            else:
-                chunks.append((s, chunk))
-        options = []
-        for s in deciding:
-            try:
-                options.append(s.option())
-            except Exception as e:  # noqa: BLE001
-                s.fail(e)
-        deciding = [s for s in deciding if not s.done]
-        if costs is not None and deciding:
-            fed = [len(chunk) for _, chunk in chunks] + [len(c) + 1 for _, c in ending]
-            ks = list(plan_batch(options, costs, fed))
-            for s, o, k in zip(deciding, options, ks, strict=True):
-                s.planned(o.k if o.draft_id is not None else 0, k)
-        else:
-            ks = [s._choice.k for s in deciding]
-        ks = [min(k if k is not None else depth, depth) for k in ks]
-    verifying = []
-    for s, k in zip(deciding, ks, strict=True):
+        plan = _pack_batch(target, deciding, feeding, costs, prefill_chunk)
+    else:
+        plan = BatchPlan(deciding, ks=[None] * len(deciding))
+    # Propose: each sequence's draft, up to its depth.
+    verifying: list[Sequence] = []
+    for s, k in zip(plan.deciding, plan.ks, strict=True):
         try:
             s.propose(k)
             verifying.append(s)
         except Exception as e:  # noqa: BLE001
             s.fail(e)
-    for s, _ in ending:
+    for s, _ in plan.ending:
         s.propose(0)  # no draft: only the bookkeeping of a round
-    decode0 = target.decode_s
+    # Verify, then accept and emit (Sequence.verify_alone / verify_rows, finish_round).
     if not batched:
-        if feeding:  # one sequence joining alone: a chunk of its prompt
-            s = feeding[0]
-            t = time.perf_counter()
-            chunk = s.prefill(max(prefill_chunk, 1))
-            s.target.eval(chunk, all_logits=False)
-            s.gen.phases["prefill"] += time.perf_counter() - t
-            return 1, len(chunk)
-        for s in verifying:
-            try:
-                s.verify_alone()
-                s.finish_round(target.decode_s - decode0, batched=False)
-            except Exception as e:  # noqa: BLE001 - raised by speculative_generate
-                s.fail(e)
-        return len(verifying), len(verifying[0].drafted) + 1 if verifying else 0
-    # One pass, in slot order (llama.cpp groups a ubatch's sequences by increasing id):
-    # each verifying sequence's pending + drafted tokens, and the prompt chunks.
-    parts: list[tuple[Sequence, list[int], int]] = [
-        (s, [s.ctx[-1]] + s.drafted, len(s.drafted) + 1) for s in verifying
-    ]
-    parts += [(s, chunk, 0) for s, chunk in chunks]
-    parts += [(s, chunk + [s.ctx[-1]], 1) for s, chunk in ending]
-    parts.sort(key=lambda p: p[0].target.seq_id)
+        return _verify_alone(target, verifying)
+    return _verify_batched(target, verifying, plan, costs)
+
+
+def _prefill_alone(s: Sequence, prefill_chunk: int) -> tuple[int, int]:
+    """A sequence joining with no other in the round: the target feeds it a prompt chunk."""
+    t = time.perf_counter()
+    chunk = s.prefill(max(prefill_chunk, 1))
+    s.target.eval(chunk, all_logits=False)
+    s.gen.phases["prefill"] += time.perf_counter() - t
+    return 1, len(chunk)
+
+
+def _pack_batch(
+    target: Backend,
+    deciding: list[Sequence],
+    feeding: list[Sequence],
+    costs: CostModel | None,
+    prefill_chunk: int,
+) -> BatchPlan:
+    """Share one batched pass out: a draft depth for each deciding sequence (the batch-level
+    rule's when there is a cost model), and the joining prompts' chunks in the room left."""
+    # A pass holds at most max_batch tokens: every verification (pending + drafted, no
+    # deeper than any sequence asked), then prompt chunks in the room prefill_chunk and
+    # the verifications leave. (Sizing the depth by the batch alone left the prompts
+    # n_batch mod n tokens a round: a request joining three others waited seconds.)
+    asked = max((s._choice.k for s in deciding), default=0)
+    depth = max(0, min(asked, (target.max_batch - len(deciding)) // max(len(deciding), 1)))
+    room = min(max(prefill_chunk, 1), target.max_batch - len(deciding) * (depth + 1))
+    chunks, ending = _prompt_chunks(feeding, room)
+    fed = [len(chunk) for _, chunk in chunks] + [len(chunk) + 1 for _, chunk in ending]
+    deciding, ks = _plan_depths(deciding, costs, fed)
+    return BatchPlan(deciding, [min(k, depth) for k in ks], chunks, ending)
+
+
+def _prompt_chunks(
+    feeding: list[Sequence], room: int
+) -> tuple[list[PromptChunk], list[PromptChunk]]:
+    """The joining sequences' next prompt chunks, in order, `room` tokens in all: (chunks,
+    ending), the second those that end a prompt with room for its pending token too."""
+    chunks: list[PromptChunk] = []
+    ending: list[PromptChunk] = []
+    for s in feeding:
+        if room <= 0:
+            break
+        chunk = s.prefill(room)
+        room -= len(chunk)
+        # The end of its prompt, and room for one more token: its pending token goes in
+        # the same part and its first token comes from this pass (k = 0, the policy
+        # unasked), not from a round of its own after it.
+        if not s.to_prefill and room > 0 and s.choose(in_batch=True, ask=False):
+            room -= 1
+            ending.append((s, chunk))
+        else:
+            chunks.append((s, chunk))
+    return chunks, ending
+
+
+def _plan_depths(
+    deciding: list[Sequence], costs: CostModel | None, fed: list[int]
+) -> tuple[list[Sequence], list[int]]:
+    """The batch-level rule (costs.plan_batch) re-plans the deciding sequences' ks for the
+    batch as a whole, the prompt tokens `fed` in the same pass; without a cost model each
+    keeps its own. Returns the sequences still going (one whose option raises fails alone)
+    and their ks."""
+    options: list[BatchOption] = []
+    for s in deciding:
+        try:
+            options.append(s.option())
+        except Exception as e:  # noqa: BLE001
+            s.fail(e)
+    deciding = [s for s in deciding if not s.done]
+    if costs is None or not deciding:
+        return deciding, [s._choice.k for s in deciding]
+    ks = list(plan_batch(options, costs, fed))
+    for s, o, k in zip(deciding, options, ks, strict=True):
+        s.planned(o.k if o.draft_id is not None else 0, k)
+    return deciding, ks
+
+
+def _verify_alone(target: Backend, verifying: list[Sequence]) -> tuple[int, int]:
+    """The target verifies each sequence in a pass of its own (in a round there is at most
+    one); each accepts and emits."""
+    decode0 = target.decode_s
+    for s in verifying:
+        try:
+            s.verify_alone()
+            s.finish_round(target.decode_s - decode0, batched=False)
+        except Exception as e:  # noqa: BLE001 - raised by speculative_generate
+            s.fail(e)
+    return len(verifying), len(verifying[0].drafted) + 1 if verifying else 0
+
+
+def _pass_parts(verifying: list[Sequence], plan: BatchPlan) -> list[PassPart]:
+    """The batched pass's parts in slot order (llama.cpp groups a ubatch's sequences by
+    increasing id): each verifying sequence's pending + drafted tokens, and the prompt
+    chunks (an ending one with its pending token, whose row gives the first token)."""
+    parts = [PassPart(s, [s.ctx[-1]] + s.drafted, len(s.drafted) + 1) for s in verifying]
+    parts += [PassPart(s, chunk, 0) for s, chunk in plan.chunks]
+    parts += [PassPart(s, chunk + [s.ctx[-1]], 1) for s, chunk in plan.ending]
+    parts.sort(key=lambda p: p.seq.target.seq_id)
+    return parts
+
+
+def _verify_batched(
+    target: Backend, verifying: list[Sequence], plan: BatchPlan, costs: CostModel | None
+) -> tuple[int, int]:
+    """One forward pass of the target over every part (target.eval_many); the batch's cost
+    observed, and each sequence handed its rows to accept and emit."""
+    decode0 = target.decode_s
+    parts = _pass_parts(verifying, plan)
     if not parts:  # every sequence of the round failed before its pass
         return 0, 0
-    items = [(s.target, tokens, rows) for s, tokens, rows in parts]
+    items = [(p.seq.target, p.tokens, p.rows) for p in parts]
     t = time.perf_counter()
     try:
         outs = target.eval_many(items)
     except Exception as e:  # noqa: BLE001 - the pass failed: so does every request in it
-        for s, _, _ in parts:
-            s.fail(e)
+        for p in parts:
+            p.seq.fail(e)
         return 0, 0
     seconds = time.perf_counter() - t
-    counts = {len(tokens) for _, tokens, _ in parts}
-    if costs is not None and len(counts) == 1:  # one ubatch: what batch_s calibrates
-        costs.observe_batch(sum(len(tokens) for _, tokens, _ in parts), seconds)
+    n_tokens = sum(len(p.tokens) for p in parts)
+    if costs is not None and len({len(p.tokens) for p in parts}) == 1:
+        costs.observe_batch(n_tokens, seconds)  # one ubatch: what batch_s calibrates
     decode_s = target.decode_s - decode0
-    for (s, _, rows), out in zip(parts, outs, strict=True):
-        if not rows:
-            s.gen.phases["prefill"] += seconds
+    for p, out in zip(parts, outs, strict=True):
+        if not p.rows:
+            p.seq.gen.phases["prefill"] += seconds
             continue
         try:
-            s.verify_rows(out)
-            s.finish_round(decode_s, batched=True)
+            p.seq.verify_rows(out)
+            p.seq.finish_round(decode_s, batched=True)
         except Exception as e:  # noqa: BLE001 - e.g. its client's callback: it fails alone
-            s.fail(e)
-    return len(parts), sum(len(tokens) for _, tokens, _ in parts)
+            p.seq.fail(e)
+    return len(parts), n_tokens
 
 
 def speculative_generate(
