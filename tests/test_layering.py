@@ -126,3 +126,51 @@ def test_the_model_catalog_loads_nothing():
     """memspec.catalog names the servable models from their files: it never reaches a
     runtime, the scheduler or the server."""
     assert not _reach(_graph(), "catalog") & {"runtime", "targets", "scheduler", "server"}
+
+
+# Below the HTTP body (the routes' pydantic schemas), a generation takes three shapes on its
+# way down, each built in one layer: the client's ask (ClientRequest, by the routes), the one
+# this model can run as it is (GenerationRequest: tokens, every check, Runtime.request), and
+# the engine's running sequence (Sequence, by the runtime; speculative_generate makes its own
+# for callers of the engine alone). Beside them the policies read a view of it (Request: text,
+# turns, length), which the simulator builds from a trace, without a target's tokens.
+REQUEST_SHAPES = {
+    "ClientRequest": {"server", "bench"},
+    "GenerationRequest": {"runtime"},
+    "Sequence": {"runtime", "engine"},
+    "Request": {"scheduler", "sim", "bench"},
+}
+
+
+def _constructed(name: str) -> set[str]:
+    """The parts of memspec whose code calls `name(...)`."""
+    parts = set()
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == name
+            ):
+                parts.add(path.relative_to(ROOT).parts[0].removesuffix(".py"))
+    return parts
+
+
+def test_a_request_takes_three_shapes_each_built_in_one_layer():
+    for shape, layers in REQUEST_SHAPES.items():
+        assert _constructed(shape) <= layers, (shape, _constructed(shape) - layers)
+    # No other shape: nothing else below the routes carries a prompt and its sampling.
+    carriers = set()
+    for part in DATA_PATH[1:]:
+        base = ROOT / part
+        for path in base.rglob("*.py") if base.is_dir() else [base.with_suffix(".py")]:
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef):
+                    fields = {
+                        s.target.id
+                        for s in node.body
+                        if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                    }
+                    if {"prompt", "max_tokens"} <= fields or {"prompt", "params"} <= fields:
+                        carriers.add(node.name)
+    assert carriers <= set(REQUEST_SHAPES), carriers - set(REQUEST_SHAPES)
