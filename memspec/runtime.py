@@ -44,12 +44,12 @@ from memspec.engine.speculative import (
     Generation,
     Sequence,
     TokenCallback,
+    check_prompt,
     decode_round,
 )
 from memspec.engine.types import Draft, ModelBacked, RoundPolicy, SamplingParams
 from memspec.errors import (
     BudgetExceeded,
-    ContextOverflow,
     InvalidRequest,
     ModelLoadError,
     UnknownDraft,
@@ -627,20 +627,9 @@ class Runtime:
         else:
             prompt = self.prompt_tokens(prompt=ask.prompt or "")
         n_ctx = self.target.n_ctx
-        if not prompt:
-            raise InvalidRequest("prompt is empty", param="prompt")
-        if len(prompt) >= n_ctx:
-            if self._shifts(ask):
-                tail = ", and dropping its older turns would not make it fit. Shorten it."
-            elif ask.messages is not None:
-                tail = '. Shorten the conversation, or send context_overflow: "shift".'
-            else:
-                tail = ". Shorten the prompt."
-            raise ContextOverflow(
-                f"This model's maximum context length is {n_ctx} tokens; the prompt has "
-                f"{len(prompt)}{tail}",
-                param="messages" if ask.messages is not None else "prompt",
-            )
+        hint = self._overflow_hint(ask) if len(prompt) >= n_ctx else ""
+        param = "messages" if ask.messages is not None and prompt else "prompt"
+        check_prompt(prompt, n_ctx, param, hint)
         named = DraftAsk.parse(ask.draft).named
         if named is not None:
             self.usable(named)  # unknown (404) or incompatible (400) before anything runs
@@ -648,11 +637,8 @@ class Runtime:
             fixed = ask.policy.removeprefix("fixed:")
             if fixed in self.incompatible:  # a policy that would use it: the same 400
                 self.usable(fixed)
-        if ask.policy is not None and ask.policy not in self.policies:
-            raise InvalidRequest(
-                f"unknown policy {ask.policy!r}; known: {', '.join(sorted(self.policies))}",
-                param="policy",
-            )
+        if ask.policy is not None:
+            self.scheduler.check_policy(ask.policy)
         # A max_tokens beyond what the context holds is capped there (finish_reason length),
         # as llama-server does; only a prompt that does not fit is refused.
         max_tokens = ask.max_tokens or self.settings.default_max_tokens
@@ -682,6 +668,14 @@ class Runtime:
             ask.cache_partition,
             shift.report() if shift is not None else None,
         )
+
+    def _overflow_hint(self, ask: ClientRequest) -> str:
+        """What a client whose prompt does not fit can do about it."""
+        if self._shifts(ask):
+            return ", and dropping its older turns would not make it fit. Shorten it."
+        if ask.messages is not None:
+            return '. Shorten the conversation, or send context_overflow: "shift".'
+        return ". Shorten the prompt."
 
     def _shifts(self, ask: ClientRequest) -> bool:
         """A chat whose overflow shifts the context (the request's choice, else the setting)."""

@@ -231,6 +231,19 @@ def accept_sampled(
     return new + [keep(draw(row(len(drafted)), params, rng))]
 
 
+def check_prompt(prompt: list[int], n_ctx: int, param: str = "prompt", hint: str = "") -> None:
+    """The prompt checks, made here only (Runtime.request makes them at the edge with a hint
+    of what to do; a Sequence opened by the engine's own callers makes them bare)."""
+    if not prompt:
+        raise InvalidRequest("prompt is empty", param=param)
+    if len(prompt) >= n_ctx:
+        raise ContextOverflow(
+            f"This model's maximum context length is {n_ctx} tokens; the prompt has "
+            f"{len(prompt)}{hint or '.'}",
+            param=param,
+        )
+
+
 class Sequence:
     """One generation in flight on a slot of the target: its context, its policy's rounds,
     its sampling state and its output. `decode_round` moves it on by one round."""
@@ -244,13 +257,7 @@ class Sequence:
         on_token: TokenCallback | None = None,
         cancel: threading.Event | None = None,
     ):
-        if not prompt:
-            raise InvalidRequest("prompt is empty", param="prompt")
-        if len(prompt) >= target.n_ctx:
-            raise ContextOverflow(
-                f"prompt has {len(prompt)} tokens; the context holds {target.n_ctx}",
-                param="prompt",
-            )
+        check_prompt(prompt, target.n_ctx)
         self.target, self.params, self.policy = target, params, policy
         self.on_token, self.cancel = on_token, cancel
         self.t0 = time.perf_counter()

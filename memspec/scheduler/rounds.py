@@ -257,6 +257,14 @@ class Scheduler:
         ids = self.ws.source.draft_ids()  # type: ignore[attr-defined] - the live set's
         return ("auto", *NAMED_POLICIES, *(f"fixed:{d}" for d in ids))
 
+    def check_policy(self, name: str) -> None:
+        """A policy name a request (or settings.policy) may use: the one check, one message."""
+        if name not in self.names:
+            raise InvalidRequest(
+                f"unknown policy {name!r}; known: {', '.join(sorted(self.names))}",
+                param="policy",
+            )
+
     # --- a request ----------------------------------------------------------------------
     def begin(
         self,
@@ -352,11 +360,9 @@ class Scheduler:
     def policy(self, name: str) -> Policy:
         """The named policy's one instance, told the drafts' sizes and load times as the
         working set knows them now."""
-        if name not in self.names or name == "auto":
-            raise InvalidRequest(
-                f"unknown policy {name!r}; known: {', '.join(sorted(self.names))}",
-                param="policy",
-            )
+        self.check_policy(name)
+        if name == "auto":  # the bare rule (begin), never an instance: a caller's bug
+            raise ValueError("policy 'auto' is the decision rule, not a named policy")
         for row in self.ws.status():  # type: ignore[attr-defined] - the live set's
             size = int(row["bytes"] or 0)
             load_s = row["load_s"]

@@ -100,14 +100,11 @@ class Tuning:
                 self.current.model_copy(update=changes).draft_kv_cache  # noqa: B018
             except ValueError as e:
                 raise InvalidRequest(str(e), param=kv_keys[0], code="invalid_value") from None
-        if "policy" in changes:
-            if rt is not None and changes["policy"] not in rt.policies:
-                raise InvalidRequest(
-                    f"unknown policy {changes['policy']!r}; known: "
-                    f"{', '.join(sorted(rt.policies))}",
-                    param="policy",
-                    code="invalid_value",
-                )
+        if "policy" in changes and rt is not None:
+            try:
+                rt.scheduler.check_policy(changes["policy"])
+            except InvalidRequest as e:  # the request's check, as a tune's invalid value
+                raise InvalidRequest(e.message, param="policy", code="invalid_value") from None
         if "budget" in changes:
             budget = parse_size(changes["budget"])
             ceiling = budget_ceiling() or (psutil.virtual_memory().total, "this machine's memory")
