@@ -36,6 +36,7 @@ DRAFT_CACHE_PREFIX = "calibration-draft-"  # one file per draft measured after s
 # held a 1.5B-like curve for SmolLM2 (84 / 183 / 254 ms for 1 / 2 / 4 rows, where a quiet box
 # measures about 33 / 41 / 55), and every later run's decision rule drafted by it.
 BUSY_SHARE = 0.25
+MIN_LOAD_WALL_S = 0.5  # a shorter measurement is not judged (nor much exposed to others)
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class OthersLoad:
 
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self._t0
+        if wall < MIN_LOAD_WALL_S:  # CPU times tick every 10 ms: too short to tell
+            return
         others = (
             _busy(psutil.cpu_times()) - self._sys0 - (sum(self._proc.cpu_times()[:2]) - self._own0)
         )
