@@ -111,6 +111,26 @@ def require_qwen() -> Path:
     return target
 
 
+def plain_answer(target: Path | None, question: str, tokens: int, n_ctx: int = N_CTX) -> str:
+    """A model's greedy chat answer, plain, with nothing else loaded (in this process): what
+    the daemon must answer when it serves that model among others (`target` None: the
+    testbed's default target)."""
+    from memspec.config import Settings
+    from memspec.engine.types import SamplingParams
+    from memspec.runtime import Runtime
+
+    extra = {"target": str(target)} if target is not None else {}
+    rt = Runtime(
+        Settings.load(drafts=[], n_ctx=n_ctx, n_threads=N_THREADS, **extra), calibrate_costs=False
+    )
+    try:
+        prompt = rt.prompt_tokens(messages=[{"role": "user", "content": question}])
+        params = SamplingParams(max_tokens=tokens, temperature=0.0)
+        return rt.generate(prompt, params, draft="none").text
+    finally:
+        rt.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

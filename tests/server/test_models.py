@@ -13,9 +13,7 @@ import time
 
 import httpx
 import pytest
-from launcher import MODEL, N_CTX, N_THREADS, require_gemma, running
-
-from memspec.engine.types import SamplingParams
+from launcher import MODEL, plain_answer, require_gemma, running
 
 GEMMA = "gemma3:270m"
 BUDGET = "900MiB"  # SmolLM2 F32 needs ~608 MiB at n_ctx 1024, Gemma ~413 MiB: one at a time
@@ -26,21 +24,10 @@ TOKENS = 12
 @pytest.fixture(scope="module")
 def alone() -> dict[str, str]:
     """Each model's greedy answer, plain, with nothing else loaded (in this process)."""
-    from memspec.config import Settings
-    from memspec.runtime import Runtime
-
-    out = {}
-    for name, target in ((MODEL, None), (GEMMA, str(require_gemma()))):
-        extra = {"target": target} if target else {}
-        s = Settings.load(drafts=[], n_ctx=N_CTX, n_threads=N_THREADS, **extra)
-        rt = Runtime(s, calibrate_costs=False)
-        try:
-            prompt = rt.prompt_tokens(messages=[{"role": "user", "content": QUESTION}])
-            params = SamplingParams(max_tokens=TOKENS, temperature=0.0)
-            out[name] = rt.generate(prompt, params, draft="none").text
-        finally:
-            rt.close()
-    return out
+    return {
+        MODEL: plain_answer(None, QUESTION, TOKENS),
+        GEMMA: plain_answer(require_gemma(), QUESTION, TOKENS),
+    }
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,8 @@ from __future__ import annotations
 import httpx
 import psutil
 import pytest
-from launcher import N_THREADS, QWEN_SIBLING, require_qwen, running
+from launcher import QWEN_SIBLING, plain_answer, require_qwen, running
 
-from memspec.engine.types import SamplingParams
 from memspec.memory.gguf_info import read_shape
 from memspec.paths import models_dir
 from memspec.testbed import QWEN_SIBLING_FILE
@@ -28,20 +27,10 @@ N_CTX = 512
 @pytest.fixture(scope="module")
 def alone() -> dict[str, str]:
     """Each model's greedy answer, plain, served alone (in this process)."""
-    from memspec.config import Settings
-    from memspec.runtime import Runtime
-
-    out = {}
-    for role, path in (("coder", require_qwen()), ("small", models_dir() / QWEN_SIBLING_FILE)):
-        s = Settings.load(target=str(path), drafts=[], n_ctx=N_CTX, n_threads=N_THREADS)
-        rt = Runtime(s, calibrate_costs=False)
-        try:
-            prompt = rt.prompt_tokens(messages=[{"role": "user", "content": QUESTION}])
-            params = SamplingParams(max_tokens=TOKENS, temperature=0.0)
-            out[role] = rt.generate(prompt, params, draft="none").text
-        finally:
-            rt.close()
-    return out
+    return {
+        "coder": plain_answer(require_qwen(), QUESTION, TOKENS, N_CTX),
+        "small": plain_answer(models_dir() / QWEN_SIBLING_FILE, QUESTION, TOKENS, N_CTX),
+    }
 
 
 def chat(url: str, model: str, **extra) -> httpx.Response:
