@@ -31,7 +31,7 @@ import hashlib
 import importlib.metadata as md
 import io
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from memspec.bench.workloads import BenchPrompt
@@ -118,6 +118,45 @@ def edit_prompt(row: dict) -> EditPrompt:
     }
     heldout = row["split"] == "heldout"
     return EditPrompt(row["id"], row["kind"], request, True, heldout=heldout, source=source)
+
+
+def with_project_context(
+    prompts: list[EditPrompt], target: Path, context_tokens: int
+) -> list[EditPrompt]:
+    """Each prompt preceded by the other held-out files until its message is about
+    `context_tokens` tokens (counted with the target's tokenizer); the files used are recorded
+    in its source. A prompt already that long is kept as it is."""
+    files: dict[str, str] = {}
+    for row in edit_rows():
+        if row["split"] == "heldout" and row["path"] not in files:
+            dist = md.distribution(row["dist"])
+            files[row["path"]] = Path(str(dist.locate_file(row["path"]))).read_text()
+    paths = list(files)
+    sizes = dict(zip(paths, count_tokens(target, [files[f] for f in paths]), strict=True))
+    own = count_tokens(target, [p.text for p in prompts])
+    padded: list[EditPrompt] = []
+    for p, n in zip(prompts, own, strict=True):
+        room = context_tokens - n
+        parts: list[str] = []
+        used: list[str] = []
+        for path in paths:
+            if room <= 0:
+                break
+            if path == p.source["path"]:
+                continue
+            text = files[path]
+            if sizes[path] > room:  # cut at a line, at the file's own tokens per character
+                text = text[: int(len(text) * room / sizes[path])].rsplit("\n", 1)[0] + "\n"
+            parts.append(f"`{path}`:\n```python\n{text}```\n\n")
+            used.append(path)
+            room -= min(sizes[path], room)
+        if not parts:
+            padded.append(p)
+            continue
+        text = "Other files of the project, for reference:\n\n" + "".join(parts) + p.text
+        source = {**p.source, "file_tokens": n, "context_files": used}
+        padded.append(replace(p, text=text, source=source))
+    return padded
 
 
 def count_tokens(target: Path, texts: list[str]) -> list[int]:

@@ -31,7 +31,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from memspec.bench.edit_workload import EDIT_WORKLOADS, EditPrompt, fit_context, load_edit_workload
+from memspec.bench.edit_workload import (
+    EDIT_WORKLOADS,
+    EditPrompt,
+    fit_context,
+    load_edit_workload,
+    with_project_context,
+)
 from memspec.bench.peer_server import PeerServer, peer_configs
 from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
@@ -198,11 +204,13 @@ def run_engine_bench(
     peer_server: bool = True,
     only: list[str] | None = None,
     max_file_tokens: int | None = None,
+    context_tokens: int | None = None,
 ) -> dict:
     """`only`: run just these configs (by name; plain decoding always runs, it is the
     baseline). An unknown name is an error that lists the names there are.
     `max_file_tokens`: the edit workloads' longest file (default: what the target's trained
-    context leaves beside max_tokens)."""
+    context leaves beside max_tokens). `context_tokens`: the edit prompts made that long with
+    the project's other files before them (edit_workload.with_project_context)."""
     workloads = ["mtbench", "heldout"] if workload == "both" else [workload]
     prompts: dict[str, list[BenchPrompt]] = {}
     edits: dict[str, dict] = {}  # per edit workload: its files, those skipped, the context
@@ -212,14 +220,19 @@ def run_engine_bench(
             continue
         loaded, skipped = load_edit_workload(w, per_category, categories)
         n_ctx = settings.n_ctx if isinstance(settings.n_ctx, int) else 0
-        kept, too_long, n_ctx = fit_context(
-            loaded, resolve_model_path(settings.target), max_tokens, n_ctx, max_file_tokens
-        )
+        target = resolve_model_path(settings.target)
+        kept, too_long, n_ctx = fit_context(loaded, target, max_tokens, n_ctx, max_file_tokens)
+        if context_tokens:
+            long = with_project_context(kept, target, context_tokens)
+            kept, over, n_ctx = fit_context(long, target, max_tokens, n_ctx)
+            if over:  # the trained context cannot hold it: no figure at another length
+                raise ValueError(f"--context-tokens {context_tokens}: {over[0]['reason']}")
         # The context holds the longest prompt and its answer (the default 2,048 would not).
         settings = settings.model_copy(update={"n_ctx": n_ctx})
         prompts[w] = list(kept)
         edits[w] = {
             "heldout": EDIT_WORKLOADS[w] == "heldout",
+            "context_tokens": context_tokens,
             "files": [{"id": p.id, "kind": p.category, **p.source} for p in kept],
             "skipped": skipped + too_long,
         }
@@ -265,6 +278,7 @@ def run_engine_bench(
         "benchmark": "engine",
         "target": settings.target,
         "n_ctx": settings.n_ctx,
+        "kv_cache": settings.kv_cache.describe(),
         "n_threads": settings.n_threads,
         "k_max": settings.k_max,
         "max_tokens": max_tokens,

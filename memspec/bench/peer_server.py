@@ -38,6 +38,17 @@ def peer_configs(draft: tuple[str, Path] | None) -> dict[str, list[str]]:
     return configs
 
 
+def kv_flags(settings: Settings) -> list[str]:
+    """The KV cache memspec's contexts use, for the target and its -md: the same types, and
+    the same attention kernels (the server's default `-fa auto` would turn flash attention on
+    where memspec's f16 path runs without it, and its sums round differently)."""
+    kv, draft = settings.kv_cache, settings.draft_kv_cache
+    return [
+        "-fa", "on" if kv.flash_attn else "off",
+        "-ctk", kv.type_k, "-ctv", kv.type_v, "-ctkd", draft.type_k, "-ctvd", draft.type_v,
+    ]  # fmt: skip
+
+
 def generated_tokens(out: dict, eos: frozenset[int]) -> list[int]:
     """The tokens of llama-server's /completion answer without the end-of-generation token it
     stopped on, which it returns (and counts) and memspec's generations do not."""
@@ -56,10 +67,7 @@ class PeerServer:
         cmd = [
             str(binary), "-m", str(resolve_model_path(settings.target)), "--host", "127.0.0.1",
             "--port", str(self.port), "-t", threads, "-tb", threads, "-np", "1",
-            "-c", str(settings.n_ctx),
-            # The kernels memspec's llama-cpp-python runs: no flash attention (the server's
-            # default "auto" turns it on, and its sums round differently).
-            "-fa", "off", *flags,
+            "-c", str(settings.n_ctx), *kv_flags(settings), *flags,
         ]  # fmt: skip
         # Its log goes to a file, not a pipe: nobody reads a pipe while it serves, and once
         # 64 KiB of per-request log filled it, llama-server blocked in write() mid-benchmark.

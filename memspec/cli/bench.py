@@ -68,6 +68,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         peer_server=not args.no_peer_server,
         only=[n.strip() for n in args.configs.split(",")] if args.configs else None,
         max_file_tokens=args.max_file_tokens,
+        context_tokens=args.context_tokens,
     )
     return 0
 
@@ -144,6 +145,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="edit workloads: skip longer files (default: what the target's trained context "
         "leaves beside --max-tokens); the context is sized to the longest prompt",
+    )
+    e.add_argument(
+        "--context-tokens",
+        type=int,
+        help="edit workloads: precede each file with the project's other held-out files until "
+        "the prompt is about this many tokens (a long context; the answer still copies one file)",
     )
     e.add_argument(
         "--no-peer-server",

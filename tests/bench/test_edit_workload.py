@@ -7,9 +7,11 @@ import re
 
 from memspec.bench.edit_workload import (
     EDIT_KINDS,
+    count_tokens,
     edit_rows,
     fit_context,
     load_edit_workload,
+    with_project_context,
 )
 from memspec.paths import models_dir
 
@@ -54,3 +56,17 @@ def test_the_context_is_sized_to_the_longest_prompt_within_the_trained_context()
     kept, skipped, n_ctx = fit_context(prompts, target, 64, 1024, max_file_tokens=2000)
     assert all(p.source["tokens"] <= 2000 for p in kept) and len(kept) + len(skipped) == 6
     assert skipped and "max-file-tokens 2000" in skipped[0]["reason"] and n_ctx <= 2304
+
+
+def test_a_long_context_precedes_the_file_with_the_projects_other_files():
+    target = models_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    prompts, _ = load_edit_workload("edit", per_category=1)
+    kept, _, _ = fit_context(prompts, target, 64, 1024, max_file_tokens=2500)
+    long = with_project_context(kept, target, 4096)
+    counts = count_tokens(target, [p.text for p in long])
+    for p, short, n in zip(long, kept, counts, strict=True):
+        assert 0.97 * 4096 <= n <= 1.03 * 4096  # whole files, the last cut at a line
+        assert p.text.endswith(short.text) and p.source["path"] not in p.source["context_files"]
+        assert set(p.source["context_files"]) <= HELD_OUT and p.source["file_tokens"] < 2600
+    (already,) = with_project_context(kept[:1], target, 100)  # a file longer than asked: as is
+    assert already.text == kept[0].text

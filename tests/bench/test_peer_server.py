@@ -7,7 +7,7 @@ import stat
 import sys
 import textwrap
 
-from memspec.bench.peer_server import PeerServer, generated_tokens
+from memspec.bench.peer_server import PeerServer, generated_tokens, kv_flags
 
 # Logs 256 KiB (llama-server logs every request) before it answers /health: a pipe nobody
 # reads holds 64 KiB, so the server blocked in write() and never answered.
@@ -53,3 +53,15 @@ def test_the_stop_token_llama_server_returns_is_not_a_generated_token():
     assert generated_tokens({"tokens": [5, 6, 7]}, eos) == [5, 6, 7]  # cut at max_tokens
     assert generated_tokens({"tokens": [2, 5]}, eos) == [2, 5]  # only a last token stops
     assert generated_tokens({}, eos) == []
+
+
+def test_the_peer_runs_memspecs_kv_cache(settings):
+    """Same types for the target and its -md, and the same attention kernels: flash attention
+    only where memspec's contexts use it (llama-server's own default is auto)."""
+    flags = kv_flags(settings)
+    assert flags[:2] == ["-fa", "off"] and flags.count("f16") == 4
+    quant = settings.model_copy(update={"kv_type_k": "q8_0", "kv_type_v": "q8_0"})
+    flags = dict(zip(kv_flags(quant)[::2], kv_flags(quant)[1::2], strict=True))
+    assert flags == {"-fa": "on", "-ctk": "q8_0", "-ctv": "q8_0", "-ctkd": "q8_0", "-ctvd": "q8_0"}
+    draft = quant.model_copy(update={"draft_kv_type_k": "q4_0", "draft_kv_type_v": "q4_0"})
+    assert kv_flags(draft)[-4:] == ["-ctkd", "q4_0", "-ctvd", "q4_0"]
