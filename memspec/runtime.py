@@ -74,7 +74,7 @@ from memspec.paths import data_dir, models_dir, resolve_model_path
 from memspec.predictor.artifacts import predictor_path
 from memspec.predictor.model import load_or_fallback
 from memspec.rpc.endpoints import LayerSplit, layer_split
-from memspec.scheduler.draft_choice import DraftAsk
+from memspec.scheduler.draft_choice import AUTO_ASK, DraftAsk
 from memspec.scheduler.learned import Memory
 from memspec.scheduler.manifest_source import ManifestSource
 from memspec.scheduler.rounds import LEAD_SLOT, Scheduler
@@ -139,17 +139,12 @@ class GenerationRequest:
 
     prompt: list[int]
     params: SamplingParams
-    draft: str = "auto"
+    draft: DraftAsk = AUTO_ASK  # parsed and checked once (Runtime.draft_ask)
     policy: str | None = None  # None: settings.policy
     messages: list[dict[str, str]] | None = None  # chat: what the scheduler's predictor reads
     cache_partition: str = ""  # whose cached prefixes it may reuse (PrefixCache)
     # A chat shifted to fit the context: {"dropped_messages": n, "dropped_tokens": m}.
     context_shift: dict[str, int] | None = None
-
-    @property
-    def draft_ask(self) -> DraftAsk:
-        """What `draft` asks for: plain decoding, auto, or one named draft."""
-        return DraftAsk.parse(self.draft)
 
 
 class Runtime:
@@ -445,6 +440,14 @@ class Runtime:
             )
         return self.manifests[draft_id]
 
+    def draft_ask(self, draft: str) -> DraftAsk:
+        """A request's `draft` field decoded; a named draft is checked before anything runs
+        (unknown: 404, incompatible: 400)."""
+        ask = DraftAsk.parse(draft)
+        if ask.named is not None:
+            self.usable(ask.named)
+        return ask
+
     @property
     def incompatible(self) -> dict[str, str]:
         """Drafts that speak another tokenizer than the target, with the reason."""
@@ -630,9 +633,7 @@ class Runtime:
         hint = self._overflow_hint(ask) if len(prompt) >= n_ctx else ""
         param = "messages" if ask.messages is not None and prompt else "prompt"
         check_prompt(prompt, n_ctx, param, hint)
-        named = DraftAsk.parse(ask.draft).named
-        if named is not None:
-            self.usable(named)  # unknown (404) or incompatible (400) before anything runs
+        draft = self.draft_ask(ask.draft)
         if ask.policy and ask.policy.startswith("fixed:"):
             fixed = ask.policy.removeprefix("fixed:")
             if fixed in self.incompatible:  # a policy that would use it: the same 400
@@ -662,7 +663,7 @@ class Runtime:
         return GenerationRequest(
             prompt,
             params,
-            ask.draft,
+            draft,
             ask.policy,
             messages,
             ask.cache_partition,
@@ -785,10 +786,7 @@ class Runtime:
         one. A named draft that is not resident is loaded first (counted as stall); if that
         load fails the request decodes without it (output identical: the target decides every
         token) and the draft's status says why."""
-        named = DraftAsk.parse(draft).named
-        if named is not None:
-            self.usable(named)
-        req = GenerationRequest(prompt, params, draft, policy, messages)
+        req = GenerationRequest(prompt, params, self.draft_ask(draft), policy, messages)
         seq = self.open_sequence(req, LEAD_SLOT, on_token, cancel, k=k, estimator=estimator)
         while not seq.done:
             self.decode_round([seq])
@@ -832,7 +830,7 @@ class Runtime:
             policy: RoundPolicy = self.scheduler
         else:
             policy = self.scheduler.beside_lead(req.draft)
-            ran = "none" if req.draft_ask.plain else "auto"
+            ran = "none" if req.draft.plain else "auto"
         try:
             seq = Sequence(backend, req.prompt, req.params, policy, on_token, cancel)
         except BaseException:

@@ -149,7 +149,7 @@ def run_one(
     t = time.perf_counter()
     rounds = Scheduler(ws, rt.costs, est, rt.settings.k_max)
     if policy is None:
-        rounds.begin(req.prompt, params, draft="auto", policy="auto", estimator=est)
+        rounds.begin(req.prompt, params, policy="auto", estimator=est)
     else:
         request = Request(req.id, req.prompt, req.text, req.turn, max_tokens)
         rounds.begin_policy(policy, request, est)

@@ -1,8 +1,8 @@
 """A request's `draft` field, decoded in one place: "none", "auto" or one draft's id.
 
-The API, the CLI and GenerationRequest carry the field as the client wrote it (a string);
-whoever acts on it asks `DraftAsk.parse` what it means, so the words "none" and "auto" are
-compared here and nowhere else.
+The API and the CLI carry the field as the client wrote it (a string); Runtime.draft_ask
+parses it once into the DraftAsk that GenerationRequest and the Scheduler carry, so the words
+"none" and "auto" are compared here and nowhere else.
 """
 
 from __future__ import annotations
@@ -45,3 +45,6 @@ class DraftAsk:
     def __str__(self) -> str:
         """The field as a client would send it."""
         return NONE if self.plain else AUTO if self.named is None else self.named
+
+
+AUTO_ASK = DraftAsk()  # the default: the scheduler decides

@@ -32,7 +32,7 @@ from memspec.engine.policy import DecisionRulePolicy, FixedPolicy
 from memspec.engine.types import Choice, Draft, Proposal, RoundPolicy, SamplingParams
 from memspec.errors import InvalidRequest, MemSpecError
 from memspec.predictor.model import AcceptancePredictor
-from memspec.scheduler.draft_choice import DraftAsk
+from memspec.scheduler.draft_choice import AUTO_ASK, DraftAsk
 from memspec.scheduler.policies import (
     DraftInfo,
     Env,
@@ -271,26 +271,25 @@ class Scheduler:
         prompt: list[int],
         params: SamplingParams,
         *,
-        draft: str = "auto",
+        draft: DraftAsk = AUTO_ASK,
         k: int | None = None,
         policy: str = "auto",
         messages: list[dict[str, str]] | None = None,
         estimator: AcceptanceEstimator | None = None,
     ) -> str:
-        """Start a request: `draft` "none" (plain), a draft id (used while resident; loaded
-        now if it is not), or "auto": then `policy` decides ("auto": the decision rule).
+        """Start a request: `draft` plain, a named draft (used while resident; loaded now if it
+        is not), or auto: then `policy` decides ("auto": the decision rule).
         Returns the policy its rounds run under: "none", "auto" or the named policy."""
         self.stats, self._by_policy = RoundStats(), None
-        ask = DraftAsk.parse(draft)
-        if ask.plain:
+        if draft.plain:
             self.rounds = FixedPolicy(None, 0)
             return "none"
-        if ask.named is not None or policy == "auto":
+        if draft.named is not None or policy == "auto":
             est = estimator or self.estimator
-            self.rounds = ResidentRule(self, est, ask.ids, k=k)
-            if ask.named is not None:
-                self._held.enter_context(self.ws.holding(ask.named))  # not a victim while used
-                self.ws.acquire(ask.named, wait=True)
+            self.rounds = ResidentRule(self, est, draft.ids, k=k)
+            if draft.named is not None:
+                self._held.enter_context(self.ws.holding(draft.named))  # not a victim while used
+                self.ws.acquire(draft.named, wait=True)
             return "auto"
         text, turns = chat_text(messages)
         request = Request("", prompt, text, turns, params.max_tokens)
@@ -315,16 +314,14 @@ class Scheduler:
         self._by_policy = PolicyRounds(self, policy, request, rule)
         self.rounds = self._by_policy
 
-    def beside_lead(self, draft: str = "auto") -> RoundPolicy:
+    def beside_lead(self, draft: DraftAsk) -> RoundPolicy:
         """The round policy of a slot decoded beside the lead (LEAD_SLOT): the decision rule
         over the resident free drafts (prompt lookup, datastores), whatever policy the request
         named: under load the batch-level rule would seldom pay for a model draft's serial
-        passes anyway (docs/batching.md). `draft`: "auto", "none", or a draft id (used here
-        only if it is free)."""
-        ask = DraftAsk.parse(draft)
-        if ask.plain:
+        passes anyway (docs/batching.md). A named draft is used here only if it is free."""
+        if draft.plain:
             return FixedPolicy(None, 0)
-        return ResidentRule(self, self.estimator, ask.ids, free_only=True)
+        return ResidentRule(self, self.estimator, draft.ids, free_only=True)
 
     def finish(self) -> RoundStats:
         """Close the last round and end the request (once, after generation)."""

@@ -754,9 +754,7 @@ class EngineWorker:
             partition = f"{job.model}\x00{req.cache_partition}"
             slot = rt.slot_table.take(req.prompt, partition)
             assert slot is not None  # admitted only into a free slot
-            rt.prepare_prefix(
-                self.prefix_cache, req.prompt, not req.draft_ask.plain, slot, partition
-            )
+            rt.prepare_prefix(self.prefix_cache, req.prompt, not req.draft.plain, slot, partition)
             seq = rt.open_sequence(req, slot, on_token, job.cancel, alone=alone)
             opened.append(seq)
         except Exception as e:  # noqa: BLE001 - the others must still run

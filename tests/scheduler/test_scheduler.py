@@ -9,6 +9,7 @@ import pytest
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.types import Draft, Proposal, SamplingParams
 from memspec.errors import InvalidRequest
+from memspec.scheduler.draft_choice import DraftAsk
 from memspec.scheduler.rounds import Scheduler, chat_text
 from memspec.scheduler.working_set import FactorySource, WorkingSet
 
@@ -40,7 +41,7 @@ def in_use(sched: Scheduler) -> dict[str, bool]:
 def test_a_named_draft_is_held_and_leased_only_while_its_request_runs(scheduler):
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=4)
-    scheduler.begin([1, 2, 3], params, draft="a", k=2)
+    scheduler.begin([1, 2, 3], params, draft=DraftAsk(named="a"), k=2)
     choice = scheduler.choose([1, 2, 3], 4, params, rng)
     assert choice.draft is not None and choice.draft.id == "a" and choice.k == 2
     assert in_use(scheduler)["a"]
@@ -51,7 +52,7 @@ def test_a_named_draft_is_held_and_leased_only_while_its_request_runs(scheduler)
 def test_none_decodes_without_a_draft(scheduler):
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=4)
-    scheduler.begin([1, 2, 3], params, draft="none")
+    scheduler.begin([1, 2, 3], params, draft=DraftAsk(plain=True))
     assert scheduler.choose([1, 2, 3], 4, params, rng).draft is None
     scheduler.abort()
     assert not any(in_use(scheduler).values())
