@@ -104,10 +104,8 @@ def read(path: Path, target: Path) -> dict[str, Any] | None:
     except (OSError, ValueError) as e:
         log.warning("ignoring %s: %s", path, e)
         return None
-    if not isinstance(data, dict) or (data.get("format"), data.get("version")) != (
-        FORMAT,
-        VERSION,
-    ):
+    header = (data.get("format"), data.get("version")) if isinstance(data, dict) else None
+    if header != (FORMAT, VERSION):
         log.warning("ignoring %s: not a %s v%d file", path, FORMAT, VERSION)
         return None
     if data.get("target") != _target_id(target):

@@ -50,11 +50,9 @@ class ManifestSource:
         self.backend_kind = backend_kind
         self.target = target
         self.target_backend = target_backend  # what head drafts draft from
-        self.refused: dict[str, str] = {}  # draft id -> why it cannot serve the target
-        for m in manifests.values():
-            reason = check_draft(target, m, models_dir())
-            if reason is not None:
-                self.refused[m.id] = reason
+        reasons = {m.id: check_draft(target, m, models_dir()) for m in manifests.values()}
+        # draft id -> why it cannot serve the target
+        self.refused: dict[str, str] = {i: why for i, why in reasons.items() if why is not None}
 
     def draft_ids(self) -> list[str]:
         return [i for i in self.manifests if i not in self.refused]
@@ -66,18 +64,11 @@ class ManifestSource:
         """Its modelled bytes. A model draft whose weights a served model holds now (the 0.5B
         asked for by name while the 1.5B drafts with it) shares them: the target role pays for
         the weights, the draft for its context only (backends.shared_weights)."""
-        m = self.manifests[draft_id]
+        m, o = self.manifests[draft_id], self.options
         path = m.model_path(models_dir()) if m.file else None
-        fp = draft_footprint(
-            m.kind,
-            path,
-            self.options.n_ctx,
-            dict(m.params),
-            self.options.n_gpu_layers,
-            self.options.kv_cache,
-        )
+        fp = draft_footprint(m.kind, path, o.n_ctx, dict(m.params), o.n_gpu_layers, o.kv_cache)
         if path is not None and self.backend_kind == "llama_cpp" and path.exists():
-            if SHARED_MODELS.held_as(weights_key(path, self.options), "target"):
+            if SHARED_MODELS.held_as(weights_key(path, o), "target"):
                 return on_loaded_weights(fp, read_shape(path))
         return fp
 
@@ -98,13 +89,8 @@ class ManifestSource:
             s = read_shape(m.model_path(models_dir()))
         except ModelLoadError:
             return False  # the load will say why
-        return (
-            layout
-            == llama_kv_layout(
-                s.arch, s.n_layers, s.n_head_kv, s.head_dim_k, s.head_dim_v, self.options.kv_cache
-            )
-            and self.options.n_ctx >= target.n_ctx
-        )
+        kv = (s.arch, s.n_layers, s.n_head_kv, s.head_dim_k, s.head_dim_v, self.options.kv_cache)
+        return layout == llama_kv_layout(*kv) and self.options.n_ctx >= target.n_ctx
 
     def load_draft(self, draft_id: str) -> Draft:
         return instantiate(

@@ -57,9 +57,6 @@ class DemandEstimate:
         count, at = self._mass.get(name, (0.0, now))
         return count * 0.5 ** (max(0.0, now - at) / self.half_life_s)
 
-    def rates(self, now: float) -> dict[str, float]:
-        return {name: self.rate(name, now) for name in self._mass}
-
 
 class ResidencyPolicy(Protocol):
     name: str
@@ -108,11 +105,10 @@ class DemandResidency:
     ) -> list[str] | None:
         if free >= need:
             return []
-        idle = [m for m in models if _evictable(m, want) and m.queued == 0]
-        idle.sort(key=lambda m: (self.value(m, now), m.last_used))
-        busy = [m for m in models if _evictable(m, want) and m.queued > 0]
-        busy.sort(key=lambda m: (self.value(m, now), m.last_used))
-        return _take(idle + busy, need, free)
+        # Idle models first, then those with requests queued; least valuable first in each.
+        evictable = (m for m in models if _evictable(m, want))
+        order = sorted(evictable, key=lambda m: (m.queued > 0, self.value(m, now), m.last_used))
+        return _take(order, need, free)
 
     def hold(self, want: ModelView, waited_s: float, models: list[ModelView], now: float) -> bool:
         """Wait while a resident model still has requests queued and the switch has not

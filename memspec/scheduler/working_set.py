@@ -190,9 +190,7 @@ class WorkingSet:
         value = int(value)
         self.release_leases()
         with self._cond:
-            floor = self.reserved_bytes + sum(
-                self._bytes_or0(s) for s in self._slots.values() if s.pinned
-            )
+            floor = self.reserved_bytes + self._pinned_bytes()
             if value < floor:
                 raise BudgetExceeded(
                     f"budget {format_size(value)} is below the target and pinned drafts "
@@ -220,9 +218,6 @@ class WorkingSet:
             self.peak_bytes = max(self.peak_bytes, self._used())
             self._kick()
 
-    def drafts_bytes(self) -> int:
-        return self.used_bytes() - self.reserved_bytes
-
     def reserve(self, nbytes: int, what: str) -> None:
         """Charge `nbytes` more beside the target (`what` is for the error: e.g. the embedding
         context), evicting unpinned drafts until they fit; returns once they do, before the
@@ -231,8 +226,7 @@ class WorkingSet:
         self.release_leases()
         with self._cond:
             if nbytes > 0:
-                pinned = sum(self._bytes_or0(s) for s in self._slots.values() if s.pinned)
-                free = self._budget - self.reserved_bytes - pinned
+                free = self._budget - self.reserved_bytes - self._pinned_bytes()
                 if nbytes > free:
                     raise BudgetExceeded(
                         f"{what} needs {format_size(nbytes)}; the budget "
@@ -325,18 +319,11 @@ class WorkingSet:
         t0 = time.perf_counter()
         with self._cond:
             try:
-                while not self._closed and s.refused is None:
-                    if s.state in (DraftState.RESIDENT, DraftState.FAILED):
-                        break
-                    if s.state == DraftState.ABSENT and not self._pending(draft_id):
-                        self._request(s)  # evicted again before we saw it resident
-                    self._cond.wait(0.5)
+                self._wait_settled(s)
             finally:
                 dt = time.perf_counter() - t0
                 self.stall_s += dt
                 self._tls.stall_s = getattr(self._tls, "stall_s", 0.0) + dt
-            if s.refused is not None:
-                raise BudgetExceeded(s.refused, param="draft")
             if s.state != DraftState.RESIDENT:
                 return None
             s.last_used = time.monotonic()
@@ -360,14 +347,7 @@ class WorkingSet:
         op = "load" if evict else "fill"
         with self._cond:
             self._request(s, op)
-            while not self._closed and s.refused is None:
-                if s.state in (DraftState.RESIDENT, DraftState.FAILED):
-                    break
-                if s.state == DraftState.ABSENT and not self._pending(draft_id):
-                    self._request(s, op)
-                self._cond.wait(0.5)
-            if s.refused is not None:
-                raise BudgetExceeded(s.refused, param="draft")
+            self._wait_settled(s, op)
             if s.state == DraftState.FAILED:
                 raise ModelLoadError(s.error or f"draft {draft_id!r} failed to load", param="draft")
             if s.state != DraftState.RESIDENT:
@@ -384,8 +364,7 @@ class WorkingSet:
             values = {i: float(v) for i, v in wanted if i in self._slots}
             for s in self._slots.values():
                 s.value = values.get(s.id, 0.0)
-            room = self._budget - self.reserved_bytes
-            room -= sum(self._bytes_or0(s) for s in self._slots.values() if s.pinned)
+            room = self._budget - self.reserved_bytes - self._pinned_bytes()
             cands = []
             for i, v in values.items():
                 s = self._slots[i]
@@ -453,7 +432,7 @@ class WorkingSet:
                 {
                     "id": s.id,
                     "kind": s.kind,
-                    "bytes": self._bytes_or0(s),
+                    "bytes": self._bytes(s) or 0,
                     "state": s.state.value,
                     "resident": s.state == DraftState.RESIDENT,
                     "pinned": s.pinned,
@@ -547,12 +526,22 @@ class WorkingSet:
                 return None
         return s.bytes
 
-    def _bytes_or0(self, s: _Slot) -> int:
-        b = self._bytes(s)
-        return b or 0
+    def _pinned_bytes(self) -> int:
+        return sum(self._bytes(s) or 0 for s in self._slots.values() if s.pinned)
 
     def _pending(self, draft_id: str) -> bool:
         return any(c[1] == draft_id for c in self._commands)
+
+    def _wait_settled(self, s: _Slot, op: str = "load") -> None:
+        """Wait until `s` is resident or failed, asking again if it was evicted before it was
+        seen resident; BudgetExceeded if it cannot fit."""
+        settled = (DraftState.RESIDENT, DraftState.FAILED)
+        while not self._closed and s.refused is None and s.state not in settled:
+            if s.state == DraftState.ABSENT and not self._pending(s.id):
+                self._request(s, op)
+            self._cond.wait(0.5)
+        if s.refused is not None:
+            raise BudgetExceeded(s.refused, param="draft")
 
     def _request(self, s: _Slot, op: str = "load") -> None:
         s.refused = None
