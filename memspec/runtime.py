@@ -171,9 +171,7 @@ class Runtime:
             list(settings.drafts) if settings.drafts is not None else self._whole_family()
         )
         target_path = resolve_model_path(settings.target)
-        # Sequence slots decoded together (settings.parallel; 0: what the budget fits) and the
-        # context per slot (settings.n_ctx; "auto": the longest the budget fits beside the
-        # drafts it preloads). The runtime's settings carry the resolved n_ctx.
+        # The runtime's settings carry the resolved n_ctx.
         self.context: ContextPlan = self._plan_slots(settings, target_path, batched)
         self.slots = self.context.slots
         if settings.n_ctx == "auto":
@@ -312,9 +310,8 @@ class Runtime:
     def _plan_slots(self, settings: Settings, target_path: Path, batched: bool) -> ContextPlan:
         """The slots (settings.parallel; 0: as many as fit the budget beside the target and
         the drafts it preloads) and the context per slot (settings.n_ctx; "auto": the longest
-        that fits beside those drafts, at most the trained context), with the trade status
-        shows (memspec.memory.plan.plan_context). The torch backend decodes one sequence;
-        tools that decode one at a time (not `batched`) get one slot."""
+        that fits beside those drafts), with the trade status shows (plan_context). The torch
+        backend, and tools that decode one sequence at a time (not `batched`), get one slot."""
         parallel = settings.parallel if batched else 1
         if settings.backend != "llama_cpp":
             if settings.parallel > 1:
@@ -357,11 +354,7 @@ class Runtime:
         """Every draft of the pool whose file is built: weightless ones first (they cost no
         memory), then model drafts smallest first; the budget stops the preload where it is
         full, and the policy's plan moves the rest in and out by predicted value."""
-        built = [
-            m
-            for m in self.manifests.values()
-            if m.file is None or m.model_path(models_dir()).is_file()
-        ]
+        built = [m for m in self.manifests.values() if m.is_built(models_dir())]
         weighty = [m for m in built if draft_kind(m.kind).weighty]
         size = {m.id: m.model_path(models_dir()).stat().st_size for m in weighty}
         return [m.id for m in built if m.id not in size] + sorted(size, key=size.__getitem__)
@@ -406,10 +399,8 @@ class Runtime:
 
     def _on_draft_loaded(self, draft: Draft) -> None:
         """Loader thread: a draft loaded after calibration gets its cost measured once."""
-        if not self._measure_loads:
-            return
         costs = self.costs
-        if draft.id not in costs.draft_s | costs.draft_overhead_s:
+        if self._measure_loads and draft.id not in costs.draft_s | costs.draft_overhead_s:
             measure_draft_cached(self.target, draft, costs, self.settings.k_max)
 
     @property
@@ -537,27 +528,15 @@ class Runtime:
     def devices(self) -> list[dict]:
         """Where the target's layers are and what each device holds (status). One row, this
         device, unless the target is split over RPC workers."""
-        split = self.layer_split
-        n_units = getattr(self.target, "n_layers", 0) + 1 if split is None else 0
-        rows: list[dict] = [
-            {
-                "device": "local",
-                "layers": split.local if split else n_units,
-                "bytes": self.target_footprint.total,
-            }
+        split, total = self.layer_split, self.target_footprint.total
+        if split is None:
+            layers = getattr(self.target, "n_layers", 0) + 1
+            return [{"device": "local", "layers": layers, "bytes": total}]
+        state = "lost" if getattr(self.target, "lost", None) else "ok"
+        return [{"device": "local", "layers": split.local, "bytes": total}] + [
+            {"device": e, "layers": n, "bytes": self.remote_bytes.get(e, 0), "state": state}
+            for e, n in zip(split.endpoints, split.remote, strict=True)
         ]
-        if split is not None:
-            lost = getattr(self.target, "lost", None)
-            for endpoint, layers in zip(split.endpoints, split.remote, strict=True):
-                rows.append(
-                    {
-                        "device": endpoint,
-                        "layers": layers,
-                        "bytes": self.remote_bytes.get(endpoint, 0),
-                        "state": "lost" if lost else "ok",
-                    }
-                )
-        return rows
 
     def modelled_bytes(self) -> int:
         """Target (weights, KV, buffers) + every draft loading, resident or evicting."""
@@ -576,12 +555,8 @@ class Runtime:
         absent = [r["id"] for r in rows if r["state"] in ("absent", "failed") and r["bytes"] > 0]
         resident_models = [r for r in rows if r["resident"] and r["bytes"] > 0]
         out["scheduling"] = self.scheduler.status()  # policy state, predictor (or why not)
-        if not absent:
-            out["shedding"] = "none"
-        elif resident_models:
-            out["shedding"] = "evicted drafts"
-        else:
-            out["shedding"] = "no model draft resident"
+        shedding = "evicted drafts" if resident_models else "no model draft resident"
+        out["shedding"] = shedding if absent else "none"
         return out
 
     def new_estimator(self) -> AcceptanceEstimator:
@@ -660,14 +635,9 @@ class Runtime:
         )
         if ask.grammar is not None:  # parsed against the target's vocabulary: a bad one is a 400
             params.grammar = Grammar(ask.grammar, self.target.path, param=ask.grammar_param)
+        report = shift.report() if shift is not None else None
         return GenerationRequest(
-            prompt,
-            params,
-            draft,
-            ask.policy,
-            messages,
-            ask.cache_partition,
-            shift.report() if shift is not None else None,
+            prompt, params, draft, ask.policy, messages, ask.cache_partition, report
         )
 
     def _overflow_hint(self, ask: ClientRequest) -> str:

@@ -36,17 +36,12 @@ class Learner(Protocol):
     rules and predictor, the working set. Read when saving and restoring, not when a Memory is
     made: a runtime (memspec.runtime.Runtime is one) has its scheduler only once it has started."""
 
+    estimator: AcceptanceEstimator
+    scheduler: Scheduler
+    working_set: WorkingSet | None
+
     @property
     def manifests(self) -> Mapping[str, object]: ...  # the pool, by draft id, in pool order
-
-    @property
-    def estimator(self) -> AcceptanceEstimator: ...
-
-    @property
-    def scheduler(self) -> Scheduler: ...
-
-    @property
-    def working_set(self) -> WorkingSet | None: ...
 
     def new_estimator(self) -> AcceptanceEstimator: ...
 

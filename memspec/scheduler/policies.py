@@ -254,10 +254,8 @@ class _Bandit(Policy, ABC):
         self.reward(self.arm, r / self.r_max)
 
     def status(self) -> dict:
-        return {
-            "policy": self.name,
-            "plays": {str(a): n for a, n in zip(self.arms, self.plays, strict=True)},
-        }
+        plays = {str(a): n for a, n in zip(self.arms, self.plays, strict=True)}
+        return {"policy": self.name, "plays": plays}
 
 
 class UCBPolicy(_Bandit):
@@ -419,16 +417,9 @@ class MemSpecPolicy(Policy):
         assert ws is not None
         resident = ws.resident_ids()
         drafts = [d for d in self.env.drafts.values() if not d.always_resident]
-        at_hand = 0.0
-        if not idle:
-            at_hand = max(
-                (
-                    self.saved_per_token(d.id, position)
-                    for d in self.env.drafts.values()
-                    if d.always_resident or d.id in resident
-                ),
-                default=0.0,
-            )
+        ready = [d.id for d in self.env.drafts.values() if d.always_resident or d.id in resident]
+        saved = [] if idle else [self.saved_per_token(i, position) for i in ready]
+        at_hand = max(saved, default=0.0)  # seconds per token of the best draft at hand
         values = {d.id: self.value(d, position, resident, idle, at_hand) for d in drafts}
         if not idle:  # one load at a time while a request decodes: the most valuable
             loads = sorted((v, i) for i, v in values.items() if i not in resident and v > 0)
@@ -568,9 +559,7 @@ def make_policy(
     if spec == "exp3":
         return EXP3Policy(env, seed)
     if spec == "memspec":
-        if predictor is None:
-            predictor = AcceptancePredictor.fallback("no predictor given")
-        return MemSpecPolicy(env, predictor)
+        return MemSpecPolicy(env, predictor or AcceptancePredictor.fallback("no predictor given"))
     if spec == "oracle":
         if oracle is None:
             raise ValueError("policy 'oracle' needs traces (the best draft per prompt)")

@@ -208,10 +208,9 @@ class PolicyRounds:
         if o is None:
             return
         self.sched.stats.rounds += 1
-        drafted = o.proposed > 0
         t = time.thread_time()
         self.policy.record_round(
-            o.draft if drafted else None,
+            o.draft if o.proposed > 0 else None,
             o.key,
             o.position,
             o.proposed,
@@ -235,11 +234,8 @@ class Scheduler:
         predictor: AcceptancePredictor | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
-        self.ws = working_set
-        self.costs = costs
+        self.ws, self.costs, self.k_max, self.clock = working_set, costs, k_max, clock
         self.estimator = estimator  # the runtime's: acceptance learnt across requests
-        self.k_max = k_max
-        self.clock = clock
         self.predictor = predictor or AcceptancePredictor.fallback("no predictor given")
         self.env = Env({}, costs, k_max)
         self.policies: dict[str, Policy] = {}  # named policies, made on first use
@@ -362,9 +358,7 @@ class Scheduler:
             raise ValueError("policy 'auto' is the decision rule, not a named policy")
         for row in self.ws.status():  # type: ignore[attr-defined] - the live set's
             size = int(row["bytes"] or 0)
-            load_s = row["load_s"]
-            if load_s is None:
-                load_s = size / FALLBACK_LOAD_BANDWIDTH
+            load_s = row["load_s"] if row["load_s"] is not None else size / FALLBACK_LOAD_BANDWIDTH
             self.env.drafts[row["id"]] = DraftInfo(
                 row["id"], row["kind"], size, float(load_s), bool(row.get("shares_target_kv"))
             )

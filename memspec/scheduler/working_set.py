@@ -167,10 +167,7 @@ class WorkingSet:
         self._closed = False
         self.autoload_free = autoload_free
         # Counters (read freely; written under the lock).
-        self.loads = 0
-        self.evictions = 0
-        self.load_failures = 0
-        self.refusals = 0
+        self.loads = self.evictions = self.load_failures = self.refusals = 0
         self.stall_s = 0.0
         self.peak_bytes = self.reserved_bytes
         for slot in self._slots.values():
@@ -297,12 +294,10 @@ class WorkingSet:
 
     def acquire(self, draft_id: str, wait: bool = True) -> Draft | None:
         """Make a draft resident: a reactive load, evicting lower-value drafts if needed.
-
         wait=True blocks until it is resident (the time counts as stall) and returns it;
         wait=False returns it only if already resident, else schedules the load and returns
         None. None also when its load failed (see status()). BudgetExceeded when it cannot
-        fit beside the pinned (and in-use) drafts.
-        """
+        fit beside the pinned (and in-use) drafts."""
         with self._cond:
             s = self._slot(draft_id)
             if s.state == DraftState.RESIDENT:
@@ -335,9 +330,7 @@ class WorkingSet:
 
     def load(self, draft_id: str, evict: bool = True) -> Draft:
         """Explicit load (admin, start-up): retries a failed draft; raises on failure.
-
-        evict=False loads only into free room (start-up preloading), never evicting.
-        """
+        evict=False loads only into free room (start-up preloading), never evicting."""
         with self._cond:
             s = self._slot(draft_id)
             if s.state == DraftState.FAILED:
@@ -355,11 +348,9 @@ class WorkingSet:
             return s.draft  # type: ignore[return-value]
 
     def prefetch(self, wanted: list[tuple[str, float]]) -> None:
-        """Hold the highest value-per-byte set of `wanted` that fits (pinned always kept).
-
+        """Hold the highest value-per-byte set of `wanted` that fits (pinned always kept):
         (id, value) pairs in priority order; drafts not named get value 0 and are evicted
-        first when room is needed. Loads happen in the background; returns at once.
-        """
+        first when room is needed. Loads happen in the background; returns at once."""
         with self._cond:
             values = {i: float(v) for i, v in wanted if i in self._slots}
             for s in self._slots.values():
