@@ -171,6 +171,9 @@ class Runtime:
             list(settings.drafts) if settings.drafts is not None else self._whole_family()
         )
         target_path = resolve_model_path(settings.target)
+        # Every manifest is checked against the target's tokenizer once: the drafts that
+        # speak another are left out of the pool (draft_status says why).
+        self.target_tokenizer = fingerprint_of(target_path)
         # The runtime's settings carry the resolved n_ctx.
         self.context: ContextPlan = self._plan_slots(settings, target_path, batched)
         self.slots = self.context.slots
@@ -182,11 +185,8 @@ class Runtime:
         self.layer_split: LayerSplit | None = None
         rpc: dict[str, object] = {}
         if settings.rpc:
-            self.layer_split = layer_split(
-                read_shape(target_path).n_layers + 1,  # llama.cpp counts the output layer
-                settings.rpc,
-                settings.tensor_split,
-            )
+            n_units = read_shape(target_path).n_layers + 1  # llama.cpp counts the output layer
+            self.layer_split = layer_split(n_units, settings.rpc, settings.tensor_split)
             rpc = {
                 "rpc": tuple(settings.rpc),
                 "tensor_split": tuple(float(n) for n in self.layer_split.remote),
@@ -209,7 +209,6 @@ class Runtime:
         # Recipes a target's family skipped (e.g. a Q4 self-draft of a Q4 target): named in
         # settings.drafts they are passed over with the reason, named in a request refused.
         self.skipped_drafts: dict[str, str] = skipped_recipes(pool)
-        self.calibrate_costs = calibrate_costs
         self.costs = CostModel(verify_s=[1.0] * (settings.k_max + 1))  # until calibrated
         self._measure_loads = False  # drafts loaded after calibration get their cost measured
         self._lead_stall0 = 0.0  # the working set's stall clock when the lead slot's began
@@ -248,9 +247,6 @@ class Runtime:
                 "see `memspec plan --budget SIZE`",
                 param="budget",
             )
-        # Every manifest is checked against the target's tokenizer once: the drafts that
-        # speak another are left out of the pool (draft_status says why).
-        self.target_tokenizer = fingerprint_of(target_path)
         # A head drafts from the target's features: a target with one it can use loads them.
         if any(self._usable_head(m) for m in self.manifests.values()):
             self.options = replace(self.options, features=True)
@@ -312,22 +308,19 @@ class Runtime:
         the drafts it preloads) and the context per slot (settings.n_ctx; "auto": the longest
         that fits beside those drafts), with the trade status shows (plan_context). The torch
         backend, and tools that decode one sequence at a time (not `batched`), get one slot."""
-        parallel = settings.parallel if batched else 1
-        if settings.backend != "llama_cpp":
-            if settings.parallel > 1:
-                log.warning(
-                    "parallel %d: the %s backend decodes one sequence",
-                    settings.parallel,
-                    settings.backend,
-                )
-            parallel = 1
+        parallel = settings.parallel if batched and settings.backend == "llama_cpp" else 1
+        if settings.backend != "llama_cpp" and settings.parallel > 1:
+            log.warning(
+                "parallel %d: the %s backend decodes one sequence",
+                settings.parallel,
+                settings.backend,
+            )
         # The drafts it preloads, in order, as far as they speak the target's tokenizer.
-        tokenizer = fingerprint_of(target_path)
         preload = {
             i: self.manifests[i]
             for i in self.preload_ids
             if i in self.manifests
-            and check_draft(tokenizer, self.manifests[i], models_dir()) is None
+            and check_draft(self.target_tokenizer, self.manifests[i], models_dir()) is None
         }
 
         def drafts_at(n_ctx: int) -> list[DraftFit]:
@@ -540,9 +533,8 @@ class Runtime:
 
     def modelled_bytes(self) -> int:
         """Target (weights, KV, buffers) + every draft loading, resident or evicting."""
-        if self.working_set is None:
-            return self.reserved_bytes
-        return self.working_set.used_bytes()
+        ws = self.working_set
+        return ws.used_bytes() if ws is not None else self.reserved_bytes
 
     def memory_status(self) -> dict:
         """Budget, modelled use, peak, counters, and what the daemon sheds now."""
@@ -682,8 +674,7 @@ class Runtime:
         return shift.messages, shift
 
     def _logit_bias(self, ask: ClientRequest) -> dict[int, float]:
-        """The request's logit_bias checked against the vocabulary, with ignore_eos's ban on
-        the end-of-generation tokens."""
+        """logit_bias, checked, with ignore_eos's ban on the end-of-generation tokens."""
         self._check_token_ids(ask.logit_bias, "logit_bias")
         bias = dict(ask.logit_bias)
         if ask.ignore_eos:

@@ -24,7 +24,7 @@ class DraftAsk:
     @classmethod
     def parse(cls, raw: str) -> DraftAsk:
         """The meaning of a `draft` field as sent. A named draft is not checked here
-        (Runtime.usable: unknown is a 404, incompatible a 400)."""
+        (Runtime.draft_ask: unknown is a 404, incompatible a 400)."""
         if raw == NONE:
             return cls(plain=True)
         if raw == AUTO:

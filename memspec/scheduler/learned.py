@@ -126,9 +126,8 @@ def restore(rt: Learner, data: dict[str, Any]) -> dict[str, int]:
     except (KeyError, TypeError, ValueError) as e:
         log.warning("not restoring the predictor's online weights: %s", e)
     else:
-        predictor = rt.scheduler.predictor
         keys = {k: m for k, m in learnt.keys.items() if known(k)}
-        predictor.keys.update(keys)
+        rt.scheduler.predictor.keys.update(keys)
         taken["predictor_keys"] = len(keys)
     return taken
 

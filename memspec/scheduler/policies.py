@@ -21,6 +21,7 @@ free proposers (prompt lookup, ...) a peek at what they would propose now.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from abc import ABC, abstractmethod
@@ -43,17 +44,11 @@ class Residency(Protocol):
     budget_bytes: int  # reserved_bytes (the target), if the set has it, is not draft room
 
     def resident_ids(self) -> set[str]: ...
-
     def prefetch(self, wanted: list[tuple[str, float]]) -> None: ...
-
     def get(self, draft_id: str) -> Draft | None: ...
-
     def lease_resident(self, ids: Iterable[str] | None = None) -> list[Draft]: ...
-
     def acquire(self, draft_id: str, wait: bool = True) -> Draft | None: ...
-
     def release_leases(self) -> None: ...
-
     def holding(self, *ids: str) -> AbstractContextManager[None]: ...
 
 
@@ -269,9 +264,8 @@ class UCBPolicy(_Bandit):
         self.sums = [0.0] * len(self.arms)
 
     def pick(self) -> int:
-        for i, n in enumerate(self.plays):
-            if n == 0:
-                return i
+        if 0 in self.plays:  # each arm once first
+            return self.plays.index(0)
         log_t = math.log(sum(self.plays))
         scores = [
             s / n + self.c * math.sqrt(log_t / n)
@@ -317,8 +311,7 @@ class MemSpecPolicy(Policy):
     resident yet. The working set keeps the most valuable draft, then the best value per byte
     that fits; loads run in the background while decoding goes on with what is resident.
     Its rounds are the decision rule's over the resident drafts (rounds_by_rule), primed with
-    the predictor's α for this prompt (round_priors); it learns from what they observe.
-    """
+    the predictor's α for this prompt (round_priors); it learns from what they observe."""
 
     name = "memspec"
     rounds_by_rule = True
@@ -499,8 +492,6 @@ class OracleEntry:
 
 
 def prompt_key(prompt: list[int]) -> str:
-    import hashlib
-
     return hashlib.sha256(",".join(map(str, prompt)).encode()).hexdigest()[:20]
 
 

@@ -130,8 +130,7 @@ class WorkingSet:
     `on_loaded(draft)`: runs on the loader thread after a load, before the draft is resident
     (e.g. measure its cost); if it raises, the draft is closed and marked failed.
     `autoload_free`: drafts that take no memory (prompt lookup) are always made resident,
-    unless explicitly evicted; policies may treat them as always available.
-    """
+    unless explicitly evicted; policies may treat them as always available."""
 
     def __init__(
         self,
@@ -389,8 +388,7 @@ class WorkingSet:
             s = self._slot(draft_id)
             if s.pinned:
                 raise InvalidRequest(f"draft {draft_id!r} is pinned; unpin it first", param="draft")
-            if draft_id in self._plan:
-                self._plan.remove(draft_id)
+            self._plan = [i for i in self._plan if i != draft_id]
             self._sticky.discard(draft_id)
             s.evicted = True
             self._commands = deque(c for c in self._commands if c[1] != draft_id)
@@ -598,19 +596,14 @@ class WorkingSet:
         while self._commands:
             op, draft_id = self._commands[0]
             s = self._slots[draft_id]
-            if op == "evict":
-                if s.state == DraftState.RESIDENT:
-                    s.state = DraftState.EVICTING
-                    return self._next_action()
-                if s.state == DraftState.EVICTING:
-                    return None  # wait for its leases
+            if s.state == DraftState.EVICTING:
+                return None  # wait until it is closed (its leases first)
+            if op == "evict" and s.state == DraftState.RESIDENT:
+                s.state = DraftState.EVICTING
+                return self._next_action()
+            if op == "evict" or s.state != DraftState.ABSENT:  # nothing (left) to do
                 self._commands.popleft()
                 continue
-            if s.state != DraftState.ABSENT:  # resident, failed, or on its way out
-                if s.state != DraftState.EVICTING:
-                    self._commands.popleft()
-                    continue
-                return None
             if self._bytes(s) is None:
                 self._commands.popleft()
                 return "fail", s
