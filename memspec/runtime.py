@@ -48,12 +48,7 @@ from memspec.engine.speculative import (
     decode_round,
 )
 from memspec.engine.types import Draft, ModelBacked, RoundPolicy, SamplingParams
-from memspec.errors import (
-    BudgetExceeded,
-    InvalidRequest,
-    ModelLoadError,
-    UnknownDraft,
-)
+from memspec.errors import BudgetExceeded, InvalidRequest, ModelLoadError, UnknownDraft
 from memspec.memory.footprint import (
     Footprint,
     embedding_footprint,
@@ -61,14 +56,7 @@ from memspec.memory.footprint import (
     target_footprint,
 )
 from memspec.memory.gguf_info import read_shape
-from memspec.memory.plan import (
-    MIN_N_CTX,
-    ContextPlan,
-    DraftFit,
-    draft_fits,
-    fit_hint,
-    plan_context,
-)
+from memspec.memory.plan import MIN_N_CTX, ContextPlan, DraftFit, draft_fits, fit_hint, plan_context
 from memspec.model_id import model_aliases, served_model_id
 from memspec.paths import data_dir, models_dir, resolve_model_path
 from memspec.predictor.artifacts import predictor_path
@@ -450,9 +438,7 @@ class Runtime:
         """Resident drafts, in load order, leased to the calling thread until its next
         generate() (or working_set.release_leases()): safe to use their backends meanwhile."""
         ws = self.working_set
-        if ws is None:
-            return {}
-        return {d.id: d for d in ws.lease_resident()}
+        return {d.id: d for d in ws.lease_resident()} if ws is not None else {}
 
     def load_draft(self, draft_id: str) -> Draft:
         """Load now (evicting lower-value drafts if the budget needs it); retries a failed
@@ -462,10 +448,8 @@ class Runtime:
         return self._ws.load(draft_id)
 
     def evict_draft(self, draft_id: str) -> None:
-        self.manifest(draft_id)
-        if draft_id in self.incompatible:
-            return  # never loaded: already what was asked
-        self._ws.evict(draft_id)
+        if self.manifest(draft_id).id not in self.incompatible:  # never loaded: evicted already
+            self._ws.evict(draft_id)
 
     def pin(self, draft_id: str, pinned: bool = True) -> None:
         if pinned:
@@ -601,11 +585,10 @@ class Runtime:
         param = "messages" if ask.messages is not None and prompt else "prompt"
         check_prompt(prompt, n_ctx, param, hint)
         draft = self.draft_ask(ask.draft)
-        if ask.policy and ask.policy.startswith("fixed:"):
-            fixed = ask.policy.removeprefix("fixed:")
-            if fixed in self.incompatible:  # a policy that would use it: the same 400
-                self.usable(fixed)
         if ask.policy is not None:
+            fixed = ask.policy.removeprefix("fixed:")
+            if ask.policy.startswith("fixed:") and fixed in self.incompatible:  # the same 400
+                self.usable(fixed)
             self.scheduler.check_policy(ask.policy)
         # A max_tokens beyond what the context holds is capped there (finish_reason length),
         # as llama-server does; only a prompt that does not fit is refused.

@@ -381,9 +381,8 @@ class MemSpecPolicy(Policy):
         assert self.req is not None
         per_token = self.saved_per_token(draft.id, position)
         catch = self.env.costs.catchup_s(draft.id)
-        per_request = per_token * (self.mean_len or 64.0) - catch * (
-            self.mean_prompt or len(self.req.prompt)
-        )
+        prompt = self.mean_prompt or len(self.req.prompt)
+        per_request = per_token * (self.mean_len or 64.0) - catch * prompt
         later = max(self.recent.get(draft.id, per_request) * self.horizon, 0.0)
         if draft.id in resident:
             left = 0.0 if idle else self._tokens_left(position)
@@ -462,10 +461,9 @@ class MemSpecPolicy(Policy):
         for d in self.env.drafts.values():
             if d.always_resident:
                 continue
-            per_token = self.saved_per_token(d.id, 0)
             # Net seconds it would have saved on this request, catch-up of the prompt paid.
             catchup = self.env.costs.catchup_s(d.id) * len(self.req.prompt) if d.catches_up else 0
-            saved = per_token * n - catchup
+            saved = self.saved_per_token(d.id, 0) * n - catchup
             prev = self.recent.get(d.id, saved)
             self.recent[d.id] = self.recent_decay * prev + (1 - self.recent_decay) * saved
             if saved > best_saved:

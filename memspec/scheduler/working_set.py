@@ -245,9 +245,7 @@ class WorkingSet:
         """The draft if resident now (leased to this thread), else None. Never loads."""
         with self._cond:
             s = self._slot(draft_id)
-            if s.state != DraftState.RESIDENT:
-                return None
-            return self._lease(s)
+            return self._lease(s) if s.state == DraftState.RESIDENT else None
 
     def lease_resident(self, ids: Iterable[str] | None = None) -> list[Draft]:
         """Every resident draft (or those of `ids`), in load order, leased to this thread."""
