@@ -51,7 +51,7 @@ from memspec.backends.base import (
 )
 from memspec.backends.shared_weights import SHARED_MODELS, SharedModel, WeightsKey, weights_key
 from memspec.errors import ModelLoadError
-from memspec.kv_cache import ggml_type
+from memspec.kv_cache import ggml_type, sliding_window
 
 
 def batch_invariant() -> bool:
@@ -183,6 +183,7 @@ class LlamaCppBackend(SequenceContext):
                     type_k=ggml_type(options.kv_cache.type_k),
                     type_v=ggml_type(options.kv_cache.type_v),
                     flash_attn=options.kv_cache.flash_attn,
+                    swa_full=options.kv_cache.swa_full,
                     verbose=options.weight_repack,
                     **extra,
                 )
@@ -227,6 +228,9 @@ class LlamaCppBackend(SequenceContext):
         # The row rule (module docstring): only where repacked weights make the batch matter.
         self._row_rule = self.repacked and options.batch_invariant and not options.features
         self._gemm_prefix = [0] * n_seq  # per sequence: positions gemm computed
+        # A sliding window whose layers keep only it (KVCache.swa_full off): 0 when none.
+        n_swa = llama_cpp.llama_model_n_swa(self._llm._model.model)
+        self._n_swa = 0 if options.kv_cache.swa_full else max(0, n_swa)
 
     def _rpc_devices(
         self, path: Path, options: BackendOptions
@@ -495,9 +499,20 @@ class LlamaCppBackend(SequenceContext):
             raise RuntimeError(f"llama.cpp refused to truncate sequence {seq_id} to {n}")
 
     def _reusable_seq(self, seq_id: int, n: int, end: int) -> int:
-        if not self._row_rule:
-            return n
-        return prompt_pass_start(n, end, min(self._gemm_prefix[seq_id], n))
+        if self._row_rule:
+            n = prompt_pass_start(n, end, min(self._gemm_prefix[seq_id], n))
+        return n if self._window_held(seq_id, n) else 0
+
+    def _window_held(self, seq_id: int, n: int) -> bool:
+        """Whether a pass from position n finds what its sliding-window layers attend to: a
+        window-sized cache overwrites cells once they fall out of the window of the newest
+        token, so a prefix cut deeper than that must be computed again (llama-server's test)."""
+        if not self._n_swa or n == 0:
+            return True
+        import llama_cpp
+
+        memory = llama_cpp.llama_get_memory(self._llm._ctx.ctx)
+        return llama_cpp.llama_memory_seq_pos_min(memory, seq_id) <= max(0, n - self._n_swa)
 
     def _snapshot_seq(self, seq_id: int, tokens: list[int]) -> KVSnapshot | None:
         import llama_cpp
@@ -566,11 +581,18 @@ class LlamaCppBackend(SequenceContext):
 
     # --- memory -------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        # K and V as the cache types store them, every layer: llama.cpp's default (swa_full)
-        # gives sliding-window layers a full-size cache too.
-        return self.options.kv_cache.bytes_per_token(
-            self.n_layers, self.n_kv_heads, self.head_dim_k, self.head_dim_v
-        )
+        # K and V as the cache types store them, over a slot's cells: sliding-window layers
+        # hold the window only (KVCache.bytes_at), so a token costs less at a long context.
+        arch = self.metadata.get("general.architecture", "llama")
+        n_swa, swa_layers = sliding_window(
+            arch, self.n_layers, int(self.metadata.get(f"{arch}.attention.sliding_window", 0)),
+            self.metadata.get(f"{arch}.attention.sliding_window_pattern"),
+        )  # fmt: skip
+        total = self.options.kv_cache.bytes_at(
+            self.n_ctx, self.n_layers, self.n_kv_heads, self.head_dim_k, self.head_dim_v,
+            n_swa, swa_layers, min(self._n_batch, 512),
+        )  # fmt: skip
+        return total // max(self.n_ctx, 1)
 
 
 def _end_of_generation_ids(vocab: object, n_vocab: int) -> frozenset[int]:

@@ -39,13 +39,15 @@ def peer_configs(draft: tuple[str, Path] | None) -> dict[str, list[str]]:
 
 
 def kv_flags(settings: Settings) -> list[str]:
-    """The KV cache memspec's contexts use, for the target and its -md: the same types, and
-    the same attention kernels (the server's default `-fa auto` would turn flash attention on
-    where memspec's f16 path runs without it, and its sums round differently)."""
+    """The KV cache memspec's contexts use, for the target and its -md: the same types, the
+    same sliding-window cache size, and the same attention kernels (the server's default
+    `-fa auto` would turn flash attention on where memspec's f16 path runs without it, and
+    its sums round differently)."""
     kv, draft = settings.kv_cache, settings.draft_kv_cache
     return [
         "-fa", "on" if kv.flash_attn else "off",
         "-ctk", kv.type_k, "-ctv", kv.type_v, "-ctkd", draft.type_k, "-ctvd", draft.type_v,
+        *(["--swa-full"] if kv.swa_full else []),
     ]  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from memspec.paths import use_data_dir
 MODEL_SETTINGS = (
     "target", "drafts", "backend", "device", "n_ctx", "n_threads", "n_gpu_layers",
     "weight_repack", "exactness", "k_max", "chat_template", "rpc", "tensor_split", "rpc_timeout_s",
-    "kv_type_k", "kv_type_v", "draft_kv_type_k", "draft_kv_type_v", "flash_attn",
+    "kv_type_k", "kv_type_v", "draft_kv_type_k", "draft_kv_type_v", "flash_attn", "swa_full",
     "prefill_chunk",
 )  # fmt: skip
 SERVE_SETTINGS = (

@@ -206,6 +206,13 @@ def _choice(names: tuple[str, ...]):
     return parse
 
 
+def _on_off(text: str) -> bool:
+    """on / off (also true / false): the admin API's boolean."""
+    if text.lower() not in ("on", "off", "true", "false"):
+        raise argparse.ArgumentTypeError(f"on or off: {text!r}")
+    return text.lower() in ("on", "true")
+
+
 def _n_ctx_arg(text: str) -> int | str:
     """auto, or a context length of at least 16 tokens."""
     return "auto" if text == "auto" else _bounded(int, 16, 1 << 20)(text)
@@ -305,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("draft-kv-type-k", "draft_kv_type_k", _choice(KV_TYPES), "model drafts' K cache type"),
         ("draft-kv-type-v", "draft_kv_type_v", _choice(KV_TYPES), "model drafts' V cache type"),
         ("flash-attn", "flash_attn", _choice(("auto", "on", "off")), "flash attention"),
+        (
+            "swa-full",
+            "swa_full",
+            _on_off,
+            "on: sliding-window layers keep the whole context (off: the window, less memory)",
+        ),
     ):
         a = tsub.add_parser(name, help=help_)
         a.add_argument("value", type=kind, metavar=name.upper().replace("-", "_"))

@@ -268,6 +268,8 @@ def _kv_text(kv: dict[str, Any] | None) -> str:
     text = f"   KV {kv['type_k']}/{kv['type_v']}"
     if kv.get("flash_attn"):
         text += ", flash attention"
+    if kv.get("swa_full"):
+        text += ", full-size sliding-window layers"
     if (kv.get("draft_type_k"), kv.get("draft_type_v")) != (kv["type_k"], kv["type_v"]):
         text += f" (drafts {kv.get('draft_type_k')}/{kv.get('draft_type_v')})"
     return text

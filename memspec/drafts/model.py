@@ -106,9 +106,9 @@ class ModelDraft(Draft):
             # Not an error: the draft catches up by itself, as one without a donor does.
             self.kv_donor = None
             self.donor_refused = f"{type(donor).__name__} snapshot not loadable into {be.path.name}"
-            return be.reuse_prefix(context[:-1])
-        be.truncate(shared)  # the donor may hold more than this context shares
-        return shared
+        # The donor may hold more than this context shares (and a window-sized cache may not
+        # hold what the shared prefix's end attends to): keep what is reusable of it.
+        return be.reuse_prefix(context[:-1])
 
     def memory_bytes(self) -> int:
         return self.backend.weight_bytes() + self.backend.kv_bytes_per_token() * self.backend.n_ctx

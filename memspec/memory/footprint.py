@@ -134,10 +134,16 @@ def model_footprint(
         weights += shape.token_embd_bytes
     return Footprint(
         weights=weights,
-        kv=pad(n_ctx)
-        * kv_cache.bytes_per_token(
-            shape.n_layers, shape.n_head_kv, shape.head_dim_k, shape.head_dim_v
-        ),
+        kv=kv_cache.bytes_at(
+            pad(n_ctx),
+            shape.n_layers,
+            shape.n_head_kv,
+            shape.head_dim_k,
+            shape.head_dim_v,
+            shape.n_swa,
+            shape.swa_layers,
+            n_batch,
+        ),  # fmt: skip
         candidates=2 * max(n_outputs, 1) * row,
         scratch=scratch_bytes(shape, n_ctx, n_batch, n_outputs, kv_cache.flash_attn),
         overhead=shape.n_vocab * OVERHEAD_PER_VOCAB_BYTES + n_batch * n_ctx * BATCH_SEQ_BYTES,

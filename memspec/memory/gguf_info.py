@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gguf import GGUFValueType
+
 from memspec.drafts.gguf_header import open_header
 from memspec.drafts.gguf_header import scalar as _scalar
 from memspec.errors import ModelLoadError
+from memspec.kv_cache import sliding_window
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,10 @@ class ModelShape:
     tied_output: bool  # no output.weight: the output layer reuses token_embd
     token_embd_bytes: int
     bytes_by_type: dict[str, int] = field(default_factory=dict)
+    # Sliding-window attention (Gemma 2/3): the window in tokens, and how many layers have it
+    # (the others attend to the whole context). 0: none.
+    n_swa: int = 0
+    swa_layers: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -75,10 +82,12 @@ def _read(path: Path) -> ModelShape:
         names.add(t.name)
         if t.name == "token_embd.weight":
             embd_bytes = int(t.n_bytes)
+    n_layers = hp("block_count")
+    n_swa, swa_layers = _sliding_window(r, arch, n_layers)
     return ModelShape(
         path=path,
         arch=arch,
-        n_layers=hp("block_count"),
+        n_layers=n_layers,
         n_embd=n_embd,
         n_head=n_head,
         n_head_kv=n_head_kv,
@@ -91,7 +100,19 @@ def _read(path: Path) -> ModelShape:
         tied_output="output.weight" not in names,
         token_embd_bytes=embd_bytes,
         bytes_by_type=by_type,
+        n_swa=n_swa,
+        swa_layers=swa_layers,
     )
+
+
+def _sliding_window(r: Any, arch: str, n_layers: int) -> tuple[int, int]:
+    """(window, layers with it) as llama.cpp loads them (kv_cache.sliding_window)."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    field = r.fields.get(key)
+    pattern = None if field is None else field.types[0] != GGUFValueType.ARRAY or "array"
+    period = _scalar(r, key) if pattern is True else pattern
+    window = _scalar(r, f"{arch}.attention.sliding_window")
+    return sliding_window(arch, n_layers, window, period)
 
 
 _cache: dict[tuple[str, int, int], ModelShape] = {}

@@ -447,7 +447,9 @@ def make_plan(
         plan.slot_bytes = two - one
         # Each type with the flash attention a quantized V needs; f16 both ways, as without
         # it the attention scratch grows with the context too.
-        for kv in [KVCache("f16", "f16", False), *(KVCache(t, t, True) for t in KV_TYPES)]:
+        swa = kv_cache.swa_full
+        kinds = [KVCache("f16", "f16", False, swa), *(KVCache(t, t, True, swa) for t in KV_TYPES)]
+        for kv in kinds:
 
             def residents_at(n: int, kv: KVCache = kv) -> int:  # the drafts' caches alike
                 fits = draft_fits(manifests, models_dir, n, values, n_gpu_layers, kv)

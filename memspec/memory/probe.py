@@ -167,11 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-type-k", choices=KV_TYPES, default="f16")
     ap.add_argument("--kv-type-v", choices=KV_TYPES, default="f16")
     ap.add_argument("--flash-attn", action="store_true")
+    ap.add_argument("--swa-full", action="store_true", help="full-size sliding-window layers")
     args = ap.parse_args(argv)
     if args.draft:
         r = measure_draft(args.file, args.n_ctx, args.resident, n_threads=args.n_threads)
     else:
-        kv = KVCache(args.kv_type_k, args.kv_type_v, args.flash_attn)
+        kv = KVCache(args.kv_type_k, args.kv_type_v, args.flash_attn, args.swa_full)
         r = measure_model(
             Path(args.file), args.n_ctx, args.outputs, args.n_threads, args.resident, args.slots, kv
         )

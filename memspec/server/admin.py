@@ -85,6 +85,7 @@ class TuneRequest(BaseModel):
     draft_kv_type_k: KVType | None = None
     draft_kv_type_v: KVType | None = None
     flash_attn: Literal["auto", "on", "off"] | None = None
+    swa_full: bool | None = None
     prefill_chunk: Annotated[int | None, Field(ge=16, le=1 << 16)] = None
     context_overflow: Literal["error", "shift"] | None = None
 
@@ -132,6 +133,7 @@ def tuned_settings(ctx: ServerContext) -> dict[str, Any]:
         "draft_kv_type_k": values["draft_kv_type_k"],
         "draft_kv_type_v": values["draft_kv_type_v"],
         "flash_attn": values["flash_attn"],
+        "swa_full": values["swa_full"],
         "prefill_chunk": values["prefill_chunk"],
         "context_overflow": values["context_overflow"],
     }
@@ -190,6 +192,7 @@ def status(ctx: ServerContext) -> dict[str, Any]:
             "draft_type_k": s.draft_kv_cache.type_k,
             "draft_type_v": s.draft_kv_cache.type_v,
             "flash_attn": s.kv_cache.flash_attn,
+            "swa_full": s.kv_cache.swa_full,
         },
         "budget_bytes": w.budget_bytes,
         "used_bytes": {"measured": measured, "modelled": modelled},

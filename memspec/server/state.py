@@ -25,7 +25,7 @@ log = logging.getLogger("memspec.server")
 # Tunables whose change rebuilds the runtime (a new context: its length, slots, cache types).
 RELOAD_KEYS = (
     "n_ctx", "parallel", "kv_type_k", "kv_type_v", "draft_kv_type_k", "draft_kv_type_v",
-    "flash_attn",
+    "flash_attn", "swa_full",
 )  # fmt: skip
 TUNABLE = ("budget", "policy", "k_max", "prefill_chunk", "context_overflow", *RELOAD_KEYS)
 STATE_FILE = "tuned.json"

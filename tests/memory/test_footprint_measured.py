@@ -154,3 +154,23 @@ def test_kv_cache_type_saves_what_the_model_says(target_path, family, kv_type):
         f"{family} {kv_type}: KV saved, model {saved / 1e6:.1f}, measured {measured / 1e6:.1f} MB"
     )
     assert abs(saved - measured) <= max(TOLERANCE * saved, SLACK_BYTES)
+
+
+def test_a_window_sized_cache_saves_what_the_model_says():
+    """Gemma 3's sliding-window layers at 8,192 tokens: a full-size cache (swa_full) against
+    the window's (measured: 110 MB apart; the model says 110)."""
+    from launcher import require_gemma
+
+    from memspec.kv_cache import KVCache
+
+    path, n_ctx = require_gemma(), 8192
+    args = [str(path), "--n-ctx", str(n_ctx), "--outputs", str(K_MAX + 1)]
+    window, full = probe(*args), probe(*args, "--swa-full")
+    saved = (
+        target_footprint(path, n_ctx, K_MAX, kv_cache=KVCache(swa_full=True)).kv
+        - target_footprint(path, n_ctx, K_MAX, kv_cache=KVCache()).kv
+    )
+    measured = full["at_load"]["rss"] - window["at_load"]["rss"]
+    print(f"gemma3 window-sized cache at {n_ctx}: saved, model {saved / 1e6:.1f}, "
+          f"measured {measured / 1e6:.1f} MB")  # fmt: skip
+    assert abs(saved - measured) <= max(TOLERANCE * saved, SLACK_BYTES)

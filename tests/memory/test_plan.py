@@ -45,6 +45,7 @@ def test_gguf_shape_matches_what_llama_cpp_loads(small_backend, target_path):
     )
     assert s.n_vocab == small_backend.n_vocab
     assert s.kv_bytes_per_token == small_backend.kv_bytes_per_token()
+    assert (s.n_swa, s.swa_layers) == (0, 0)  # no sliding window: every layer full size
     # F32 weights: 4 bytes per parameter, and the file is weights + a header.
     assert s.bytes_by_type == {"F32": s.weight_bytes}
     assert 0 < s.file_bytes - s.weight_bytes < 4_000_000
@@ -64,7 +65,9 @@ def test_gguf_shape_of_the_second_family():
             (s.n_vocab, s.head_dim_k, s.head_dim_v) == (be.n_vocab, 256, 256) == (262_144, 256, 256)
         )
         assert s.n_head_kv == be.n_kv_heads and s.n_layers == be.n_layers
-        assert s.kv_bytes_per_token == be.kv_bytes_per_token()
+        assert s.kv_bytes_per_token == be.kv_bytes_per_token()  # 256 cells: inside the window
+        # Five layers in six attend to a 512-token window (llama.cpp's own count agrees).
+        assert (s.n_swa, s.swa_layers) == (512, 15) and be._n_swa == 512
     finally:
         be.close()
 

@@ -127,3 +127,25 @@ def test_admin_status_shows_template_and_pool(http):
     assert drafts["q2_k"]["kind"] == "model" and drafts["q2_k"]["bytes"] > 0
     assert "q4_0" not in drafts  # skipped by the family: not part of the pool
     assert all(d["compatible"] for d in drafts.values())  # a derived pool refuses nothing
+
+
+def test_tune_full_size_sliding_window_layers_live(client, plain, http):
+    """swa_full, live: at 4,096 tokens Gemma's window-sized cache (15 of 18 layers hold 1,024
+    cells) is under half of the full-size one; the answer is the same either way."""
+
+    def tune(changes: dict) -> dict:
+        r = http.post("/admin/tune", json=changes)
+        assert r.status_code == 200, r.text
+        st = http.get("/admin/status").json()
+        assert (
+            st["state"] == "ready"
+            and st["kv_cache"]["swa_full"] is r.json()["settings"]["swa_full"]
+        )
+        return st
+
+    window = tune({"n_ctx": 4096})["working_set"]["target"]["kv"]
+    full = tune({"swa_full": True})["working_set"]["target"]["kv"]
+    assert full > 2 * window
+    assert chat(client, "none").choices[0].message.content == plain.choices[0].message.content
+    assert http.post("/admin/tune", json={"swa_full": "yes"}).status_code == 400
+    tune({"swa_full": False, "n_ctx": 1024})
