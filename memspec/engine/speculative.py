@@ -16,17 +16,16 @@ own.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
-from memspec.backends.base import Backend, argmax_rows
+from memspec.backends.base import Backend, argmax_rows, common_prefix
 from memspec.engine.costs import BatchOption, CostModel, RoundCosts, plan_batch
-from memspec.engine.grammar import GrammarState
 from memspec.engine.sampling import (
     SamplingParams,
     TokenHistory,
@@ -146,89 +145,10 @@ class Generation:
 
 def accept_greedy(drafted: list[int], target_argmax: list[int]) -> list[int]:
     """Greedy: the draft tokens that are the target's argmax, then the target's next one.
-
-    target_argmax[i] is the target's choice at drafted[i]'s slot; one more entry than drafted
-    tokens gives the bonus token when everything is accepted. It may stop at the first entry
-    that disagrees (argmax_rows): nothing after it is read.
-    """
-    n = 0
-    while n < len(drafted) and drafted[n] == target_argmax[n]:
-        n += 1
+    target_argmax[i] is the target's choice at drafted[i]'s slot (one more entry: the bonus
+    token when all are accepted); it may stop at the first entry that disagrees (argmax_rows)."""
+    n = common_prefix(drafted, target_argmax)
     return drafted[:n] + [target_argmax[n]]
-
-
-def accept_greedy_grammar(
-    drafted: list[int],
-    logits: np.ndarray,
-    grammar: GrammarState | None,
-    params: SamplingParams | None = None,
-    history: TokenHistory | None = None,
-) -> list[int]:
-    """Greedy under a grammar: row i's argmax among the tokens the grammar allows after the
-    accepted prefix; the grammar advances on each token kept, never on a rejected one.
-    With logit_bias or penalties (params), each row is adjusted first, its history being
-    the tokens before it, this round's drafted ones included (as plain decoding sees them)."""
-
-    def choose(i: int) -> int:
-        row = logits[i]
-        if params is not None and params.adjusts_logits:
-            row = adjust_logits(row, params, history, drafted[:i])
-        if grammar is None:
-            return int(np.argmax(row))
-        choice = grammar.greedy(row)
-        grammar.accept(choice)
-        return choice
-
-    new: list[int] = []
-    for i, tok in enumerate(drafted):
-        choice = choose(i)
-        if choice != tok:
-            return new + [choice]
-        new.append(tok)
-    return new + [choose(len(drafted))]
-
-
-def accept_sampled(
-    drafted: list[int],
-    logits: np.ndarray,
-    proposal: Proposal | None,
-    params: SamplingParams,
-    rng: np.random.Generator,
-    grammar: GrammarState | None = None,
-    history: TokenHistory | None = None,
-) -> list[int]:
-    """Sampling: accept with min(1, p/q), else draw from norm(max(p - q, 0)); then the bonus.
-
-    logits[i] is the target's distribution at drafted[i]'s slot (one more row than drafted
-    tokens); rows after the first rejection are never read. A grammar masks each row (with its
-    state after the tokens kept so far) before p is formed, and advances on each token kept.
-    logit_bias and penalties adjust row i first, its history including drafted[:i].
-    """
-
-    def row(i: int) -> np.ndarray:
-        z = logits[i]
-        if params.adjusts_logits:
-            z = adjust_logits(z, params, history, drafted[:i])
-        return z if grammar is None else grammar.mask(z)
-
-    def keep(tok: int) -> int:
-        if grammar is not None:
-            grammar.accept(tok)
-        return tok
-
-    new: list[int] = []
-    for i, tok in enumerate(drafted):
-        q = proposal.probs[i] if proposal is not None and proposal.probs else None
-        if q is None and not truncates(params):  # a point mass: unnormalised weights do
-            accepted, resampled = accept_or_resample(tok, row(i), params, rng)
-        else:
-            p = probs_from_logits(row(i), params)
-            accepted = accept_draft_token(tok, p, q, rng)
-            resampled = tok if accepted else sample(residual(p, q, tok), rng)
-        if not accepted:
-            return new + [keep(resampled)]
-        new.append(keep(tok))
-    return new + [keep(draw(row(len(drafted)), params, rng))]
 
 
 def check_prompt(prompt: list[int], n_ctx: int, param: str = "prompt", hint: str = "") -> None:
@@ -269,8 +189,7 @@ class Sequence:
         self.grammar = params.grammar.start() if params.grammar is not None else None
         # What the penalties count (prompt tail, generated tokens), pushed as tokens emit.
         self.history = TokenHistory(params, prompt) if params.penalized else None
-        if params.logprobs is not None:
-            self.gen.logprobs = []
+        self.gen.logprobs = [] if params.logprobs is not None else None
         self._new_logprobs: list[TokenLogprob] = []
         # Greedy reads only each row's argmax unless a row must be changed or reported.
         self._argmax_only = (
@@ -336,9 +255,8 @@ class Sequence:
 
     def option(self) -> BatchOption:
         """This round's choice as the batch-level rule sees it."""
-        c = self._choice
+        c, draft = self._choice, self._choice.draft
         k = min(c.k, len(c.proposal.tokens)) if c.proposal is not None else c.k
-        draft = c.draft
         free = draft is None or draft.free
         return BatchOption(
             draft.id if draft is not None and k > 0 else None,
@@ -367,55 +285,91 @@ class Sequence:
         """2. The target scores [pending] + drafted on this slot alone: greedy reads only each
         row's argmax; sampling reads rows up to the first rejection, in place."""
         tokens = [self.ctx[-1]] + self.drafted
-        if self._argmax_only:
-            argmax0 = self.target.argmax_s
-            best = self.target.eval_argmax(tokens, self.drafted)  # rows up to a rejection
-            self.times.verify_s = self.times.lap()
-            # The argmax ran inside eval_argmax (on the backend's buffer): it is sampling.
-            self._argmax_s = self.target.argmax_s - argmax0
-            new = accept_greedy(self.drafted, best)
-        else:
-            logits = self.target.eval(tokens, copy=False)
-            self.times.verify_s = self.times.lap()
-            new = self._accept_rows(logits)
-        self._accept(new)
+        if not self._argmax_only:
+            return self.verify_rows(self.target.eval(tokens, copy=False))
+        argmax0 = self.target.argmax_s
+        best = self.target.eval_argmax(tokens, self.drafted)  # rows up to a rejection
+        self.times.verify_s = self.times.lap()
+        # The argmax ran inside eval_argmax (on the backend's buffer): it is sampling.
+        self._argmax_s = self.target.argmax_s - argmax0
+        self._accept(accept_greedy(self.drafted, best))
 
     def verify_rows(self, logits: np.ndarray) -> None:
         """2. The same with rows a batched pass returned for this sequence."""
         self.times.verify_s = self.times.lap()
         if self._argmax_only:
-            new = accept_greedy(self.drafted, argmax_rows(logits, self.drafted))
+            self._accept(accept_greedy(self.drafted, argmax_rows(logits, self.drafted)))
         else:
-            new = self._accept_rows(logits)
-        self._accept(new)
+            self._accept(self._accept_rows(logits))
 
     def _accept_rows(self, logits: np.ndarray) -> list[int]:
         """The accept rule on full rows: sampling, or greedy under a grammar, logit_bias or
         penalties; and the logprobs of the tokens it keeps, from the same rows."""
-        if self.params.greedy:
-            new = accept_greedy_grammar(
-                self.drafted, logits, self.grammar, self.params, self.history
-            )
-        else:
-            new = accept_sampled(
-                self.drafted,
-                logits,
-                self._proposal,
-                self.params,
-                self.rng,
-                self.grammar,
-                self.history,
-            )
+        new = self._accept_greedy(logits) if self.params.greedy else self._accept_sampled(logits)
         n_top = self.params.logprobs
         if n_top is not None:  # token j was chosen at row j
-            piece = self._piece
+            piece = self.target.detokenize
             self._new_logprobs = [
-                token_logprob(logits[j], tok, n_top, piece) for j, tok in enumerate(new)
+                token_logprob(logits[j], tok, n_top, lambda t: piece([t]))
+                for j, tok in enumerate(new)
             ]
         return new
 
-    def _piece(self, token: int) -> bytes:
-        return self.target.detokenize([token])
+    def _row(self, logits: np.ndarray, i: int) -> np.ndarray:
+        """Row i with logit_bias and penalties applied, its history being the tokens before it,
+        this round's drafted ones included (as plain decoding sees them)."""
+        if not self.params.adjusts_logits:
+            return logits[i]
+        return adjust_logits(logits[i], self.params, self.history, self.drafted[:i])
+
+    def _accept_greedy(self, logits: np.ndarray) -> list[int]:
+        """Greedy on whole rows: row i's argmax among the tokens the grammar allows after the
+        accepted prefix; the grammar advances on each token kept, never on a rejected one."""
+        grammar, drafted = self.grammar, self.drafted
+
+        def choose(i: int) -> int:
+            if grammar is None:
+                return int(np.argmax(self._row(logits, i)))
+            choice = grammar.greedy(self._row(logits, i))
+            grammar.accept(choice)
+            return choice
+
+        new: list[int] = []
+        for i, tok in enumerate(drafted):
+            choice = choose(i)
+            if choice != tok:
+                return new + [choice]
+            new.append(tok)
+        return new + [choose(len(drafted))]
+
+    def _accept_sampled(self, logits: np.ndarray) -> list[int]:
+        """Sampling: accept with min(1, p/q), else draw from norm(max(p - q, 0)); then the bonus.
+        Rows after the first rejection are never read. A grammar masks each row (in its state
+        after the tokens kept so far) before p is formed, and advances on each token kept."""
+        params, rng, grammar, proposal = self.params, self.rng, self.grammar, self._proposal
+
+        def row(i: int) -> np.ndarray:
+            z = self._row(logits, i)
+            return z if grammar is None else grammar.mask(z)
+
+        def keep(tok: int) -> int:
+            if grammar is not None:
+                grammar.accept(tok)
+            return tok
+
+        new: list[int] = []
+        for i, tok in enumerate(self.drafted):
+            q = proposal.probs[i] if proposal is not None and proposal.probs else None
+            if q is None and not truncates(params):  # a point mass: unnormalised weights do
+                accepted, resampled = accept_or_resample(tok, row(i), params, rng)
+            else:
+                p = probs_from_logits(row(i), params)
+                accepted = accept_draft_token(tok, p, q, rng)
+                resampled = tok if accepted else sample(residual(p, q, tok), rng)
+            if not accepted:
+                return new + [keep(resampled)]
+            new.append(keep(tok))
+        return new + [keep(draw(row(len(self.drafted)), params, rng))]
 
     def _accept(self, new: list[int]) -> None:
         """3. Keep the accepted prefix and the target's token; drop the rest from the KV."""
@@ -516,27 +470,19 @@ class Sequence:
 
 # A joining sequence's prompt chunk in a batched pass.
 PromptChunk = tuple[Sequence, list[int]]
+# One sequence's share of a batched pass: its tokens, and how many rows of logits it reads
+# back (the last `rows` of its tokens; 0: a prompt chunk, nothing to read).
+PassPart = tuple[Sequence, list[int], int]
 
 
-class PassPart(NamedTuple):
-    """One sequence's share of a batched pass: its tokens, and how many rows of logits it
-    reads back (the last `rows` of `tokens`; 0: a prompt chunk, nothing to read)."""
-
-    seq: Sequence
-    tokens: list[int]
-    rows: int
-
-
-@dataclass
-class BatchPlan:
-    """How a round shares the target's pass out: the sequences that draft and their depths,
-    and the prompt chunks of joining sequences that fill the room the verifications leave."""
-
-    deciding: list[Sequence]  # the sequences to propose and verify, in this order
-    ks: list[int | None]  # each one's draft depth (None: what its policy chose)
-    chunks: list[PromptChunk] = field(default_factory=list)  # prompt chunks: no rows
-    # a prompt's last chunk, its pending token to follow it in the same part (one row)
-    ending: list[PromptChunk] = field(default_factory=list)
+@contextlib.contextmanager
+def _fails_alone(s: Sequence) -> Iterator[None]:
+    """A step of one sequence's round: what it raises (its draft, its client's callback...)
+    fails that sequence's request, not the batch; speculative_generate re-raises it."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+        s.fail(e)
 
 
 def decode_round(
@@ -545,13 +491,11 @@ def decode_round(
     costs: CostModel | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
 ) -> tuple[int, int]:
-    """One round of every sequence in `sequences` (slots of `target`, which is their context's
-    root). Sequences still feeding their prompt get a chunk of it (`prefill_chunk` tokens
-    at most, all joiners together); the others choose, draft and are verified, all in one
-    forward pass. A sequence whose draft raises fails alone. A sequence alone feeds one chunk
-    a round, so a cancel, or a request joining, waits for one chunk, not the whole prompt.
-    With one sequence and no prompt to feed, this is the single-sequence round exactly.
-    Returns (sequences, tokens) the target's forward pass carried."""
+    """One round of `sequences` (slots of `target`, their context's root) in one forward pass.
+    Joining sequences get a chunk of their prompt (`prefill_chunk` tokens at most, together),
+    so a cancel, or a request joining, waits for one chunk, not the whole prompt. One sequence
+    with no prompt to feed is the single-sequence round exactly. Returns (sequences, tokens)
+    the target's forward pass carried."""
     for s in sequences:  # a client gone while its prompt is still being fed
         if s.to_prefill and not s.done and s.cancel is not None and s.cancel.is_set():
             s.gen.finish_reason, s.done = "cancelled", True
@@ -560,35 +504,26 @@ def decode_round(
     in_batch = sum(not s.done for s in sequences) > 1
     deciding: list[Sequence] = []
     for s in sequences:
-        if s.done or s.to_prefill:
-            continue
-        try:
-            if s.choose(in_batch):
-                deciding.append(s)
-        except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
-            s.fail(e)
-    batched = len(deciding) + len(feeding) > 1
-    if not batched and feeding:  # one sequence joining alone: a chunk of its prompt
-        return _prefill_alone(feeding[0], prefill_chunk)
+        if not s.done and not s.to_prefill:
+            with _fails_alone(s):
+                if s.choose(in_batch):
+                    deciding.append(s)
+    if len(deciding) + len(feeding) <= 1:  # the target to itself: a chunk, or a whole round
+        if feeding:
+            return _prefill_alone(feeding[0], prefill_chunk)
+        return _round_alone(target, deciding[0]) if deciding else (0, 0)
     # Pack: a batched pass shares its max_batch tokens out (draft depths, prompt chunks).
-    if batched:
-        plan = _pack_batch(target, deciding, feeding, costs, prefill_chunk)
-    else:
-        plan = BatchPlan(deciding, ks=[None] * len(deciding))
-    # Propose: each sequence's draft, up to its depth.
-    verifying: list[Sequence] = []
-    for s, k in zip(plan.deciding, plan.ks, strict=True):
-        try:
-            s.propose(k)
-            verifying.append(s)
-        except Exception as e:  # noqa: BLE001
-            s.fail(e)
-    for s, _ in plan.ending:
-        s.propose(0)  # no draft: only the bookkeeping of a round
-    # Verify, then accept and emit (Sequence.verify_alone / verify_rows, finish_round).
-    if not batched:
-        return _verify_alone(target, verifying)
-    return _verify_batched(target, verifying, plan, costs)
+    depths, chunks, ending = _pack_batch(target, deciding, feeding, costs, prefill_chunk)
+    # Propose: each sequence's draft, up to its depth ([pending] + drafted, to verify).
+    parts: list[PassPart] = []
+    for s, k in depths:
+        with _fails_alone(s):
+            tokens = s.propose(k)
+            parts.append((s, tokens, len(tokens)))
+    parts += [(s, chunk, 0) for s, chunk in chunks]
+    parts += [(s, chunk + s.propose(0), 1) for s, chunk in ending]  # no draft: its pending
+    # Verify all in one pass, then accept and emit (Sequence.verify_rows, finish_round).
+    return _verify_batched(target, parts, costs)
 
 
 def _prefill_alone(s: Sequence, prefill_chunk: int) -> tuple[int, int]:
@@ -600,33 +535,37 @@ def _prefill_alone(s: Sequence, prefill_chunk: int) -> tuple[int, int]:
     return 1, len(chunk)
 
 
+def _round_alone(target: Backend, s: Sequence) -> tuple[int, int]:
+    """A sequence alone in the round proposes as deep as its policy chose, and the target
+    verifies it in a pass of its own (Sequence.verify_alone); it accepts and emits."""
+    with _fails_alone(s):
+        n_tokens = len(s.propose())
+    if s.done:  # its draft failed
+        return 0, 0
+    decode0 = target.decode_s
+    with _fails_alone(s):
+        s.verify_alone()
+        s.finish_round(target.decode_s - decode0, batched=False)
+    return 1, n_tokens
+
+
 def _pack_batch(
     target: Backend,
     deciding: list[Sequence],
     feeding: list[Sequence],
     costs: CostModel | None,
     prefill_chunk: int,
-) -> BatchPlan:
-    """Share one batched pass out: a draft depth for each deciding sequence (the batch-level
-    rule's when there is a cost model), and the joining prompts' chunks in the room left."""
-    # A pass holds at most max_batch tokens: every verification (pending + drafted, no
-    # deeper than any sequence asked), then prompt chunks in the room prefill_chunk and
-    # the verifications leave. (Sizing the depth by the batch alone left the prompts
-    # n_batch mod n tokens a round: a request joining three others waited seconds.)
+) -> tuple[list[tuple[Sequence, int]], list[PromptChunk], list[PromptChunk]]:
+    """Share one batched pass's max_batch tokens out: (depths, chunks, ending). First every
+    verification (pending + drafted, no deeper than any sequence asked; the batch-level rule
+    re-plans the ks when there is a cost model), then prompt chunks in the room prefill_chunk
+    and the verifications leave (sizing the depth by the batch alone left the prompts n_batch
+    mod n tokens a round: a request joining three others waited seconds). `ending`: chunks
+    that end a prompt with room for its pending token, whose first token comes from this
+    pass (k = 0, the policy unasked), not from a round of its own after it."""
     asked = max((s._choice.k for s in deciding), default=0)
     depth = max(0, min(asked, (target.max_batch - len(deciding)) // max(len(deciding), 1)))
     room = min(max(prefill_chunk, 1), target.max_batch - len(deciding) * (depth + 1))
-    chunks, ending = _prompt_chunks(feeding, room)
-    fed = [len(chunk) for _, chunk in chunks] + [len(chunk) + 1 for _, chunk in ending]
-    deciding, ks = _plan_depths(deciding, costs, fed)
-    return BatchPlan(deciding, [min(k, depth) for k in ks], chunks, ending)
-
-
-def _prompt_chunks(
-    feeding: list[Sequence], room: int
-) -> tuple[list[PromptChunk], list[PromptChunk]]:
-    """The joining sequences' next prompt chunks, in order, `room` tokens in all: (chunks,
-    ending), the second those that end a prompt with room for its pending token too."""
     chunks: list[PromptChunk] = []
     ending: list[PromptChunk] = []
     for s in feeding:
@@ -634,94 +573,53 @@ def _prompt_chunks(
             break
         chunk = s.prefill(room)
         room -= len(chunk)
-        # The end of its prompt, and room for one more token: its pending token goes in
-        # the same part and its first token comes from this pass (k = 0, the policy
-        # unasked), not from a round of its own after it.
         if not s.to_prefill and room > 0 and s.choose(in_batch=True, ask=False):
             room -= 1
             ending.append((s, chunk))
         else:
             chunks.append((s, chunk))
-    return chunks, ending
-
-
-def _plan_depths(
-    deciding: list[Sequence], costs: CostModel | None, fed: list[int]
-) -> tuple[list[Sequence], list[int]]:
-    """The batch-level rule (costs.plan_batch) re-plans the deciding sequences' ks for the
-    batch as a whole, the prompt tokens `fed` in the same pass; without a cost model each
-    keeps its own. Returns the sequences still going (one whose option raises fails alone)
-    and their ks."""
-    options: list[BatchOption] = []
+    options: dict[Sequence, BatchOption] = {}
     for s in deciding:
-        try:
-            options.append(s.option())
-        except Exception as e:  # noqa: BLE001
-            s.fail(e)
-    deciding = [s for s in deciding if not s.done]
-    if costs is None or not deciding:
-        return deciding, [s._choice.k for s in deciding]
-    ks = list(plan_batch(options, costs, fed))
-    for s, o, k in zip(deciding, options, ks, strict=True):
+        with _fails_alone(s):
+            options[s] = s.option()
+    if costs is None or not options:
+        return [(s, min(s._choice.k, depth)) for s in options], chunks, ending
+    fed = [len(chunk) for _, chunk in chunks] + [len(chunk) + 1 for _, chunk in ending]
+    ks = plan_batch(list(options.values()), costs, fed)
+    for (s, o), k in zip(options.items(), ks, strict=True):
         s.planned(o.k if o.draft_id is not None else 0, k)
-    return deciding, ks
-
-
-def _verify_alone(target: Backend, verifying: list[Sequence]) -> tuple[int, int]:
-    """The target verifies each sequence in a pass of its own (in a round there is at most
-    one); each accepts and emits."""
-    decode0 = target.decode_s
-    for s in verifying:
-        try:
-            s.verify_alone()
-            s.finish_round(target.decode_s - decode0, batched=False)
-        except Exception as e:  # noqa: BLE001 - raised by speculative_generate
-            s.fail(e)
-    return len(verifying), len(verifying[0].drafted) + 1 if verifying else 0
-
-
-def _pass_parts(verifying: list[Sequence], plan: BatchPlan) -> list[PassPart]:
-    """The batched pass's parts in slot order (llama.cpp groups a ubatch's sequences by
-    increasing id): each verifying sequence's pending + drafted tokens, and the prompt
-    chunks (an ending one with its pending token, whose row gives the first token)."""
-    parts = [PassPart(s, [s.ctx[-1]] + s.drafted, len(s.drafted) + 1) for s in verifying]
-    parts += [PassPart(s, chunk, 0) for s, chunk in plan.chunks]
-    parts += [PassPart(s, chunk + [s.ctx[-1]], 1) for s, chunk in plan.ending]
-    parts.sort(key=lambda p: p.seq.target.seq_id)
-    return parts
+    return [(s, min(k, depth)) for s, k in zip(options, ks, strict=True)], chunks, ending
 
 
 def _verify_batched(
-    target: Backend, verifying: list[Sequence], plan: BatchPlan, costs: CostModel | None
+    target: Backend, parts: list[PassPart], costs: CostModel | None
 ) -> tuple[int, int]:
-    """One forward pass of the target over every part (target.eval_many); the batch's cost
-    observed, and each sequence handed its rows to accept and emit."""
-    decode0 = target.decode_s
-    parts = _pass_parts(verifying, plan)
+    """One forward pass of the target over every part (target.eval_many), in slot order
+    (llama.cpp groups a ubatch's sequences by increasing id); the batch's cost observed, and
+    each sequence handed its rows to accept and emit."""
     if not parts:  # every sequence of the round failed before its pass
         return 0, 0
-    items = [(p.seq.target, p.tokens, p.rows) for p in parts]
+    parts.sort(key=lambda p: p[0].target.seq_id)
+    decode0 = target.decode_s
     t = time.perf_counter()
     try:
-        outs = target.eval_many(items)
+        outs = target.eval_many([(s.target, tokens, rows) for s, tokens, rows in parts])
     except Exception as e:  # noqa: BLE001 - the pass failed: so does every request in it
-        for p in parts:
-            p.seq.fail(e)
+        for s, _, _ in parts:
+            s.fail(e)
         return 0, 0
     seconds = time.perf_counter() - t
-    n_tokens = sum(len(p.tokens) for p in parts)
-    if costs is not None and len({len(p.tokens) for p in parts}) == 1:
+    n_tokens = sum(len(tokens) for _, tokens, _ in parts)
+    if costs is not None and len({len(tokens) for _, tokens, _ in parts}) == 1:
         costs.observe_batch(n_tokens, seconds)  # one ubatch: what batch_s calibrates
     decode_s = target.decode_s - decode0
-    for p, out in zip(parts, outs, strict=True):
-        if not p.rows:
-            p.seq.gen.phases["prefill"] += seconds
+    for (s, _, rows), out in zip(parts, outs, strict=True):
+        if not rows:
+            s.gen.phases["prefill"] += seconds
             continue
-        try:
-            p.seq.verify_rows(out)
-            p.seq.finish_round(decode_s, batched=True)
-        except Exception as e:  # noqa: BLE001 - e.g. its client's callback: it fails alone
-            p.seq.fail(e)
+        with _fails_alone(s):
+            s.verify_rows(out)
+            s.finish_round(decode_s, batched=True)
     return len(parts), n_tokens
 
 
