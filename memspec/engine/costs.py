@@ -38,11 +38,8 @@ class RoundCosts:
 
 
 def expected_tokens(alpha: float, k: int, alpha_cont: float | None = None) -> float:
-    """Expected tokens per round (accepted prefix + the target's own token).
-
-    `alpha` is the first drafted token's acceptance, `alpha_cont` each later one's given the
-    previous was accepted (default: `alpha`, i.e. i.i.d. tokens).
-    """
+    """Expected tokens per round (accepted prefix + the target's own token) at α₁ = `alpha`,
+    α_c = `alpha_cont` (default: `alpha`, i.e. i.i.d. tokens)."""
     c = alpha if alpha_cont is None else alpha_cont
     if k <= 0:
         return 1.0
@@ -92,9 +89,7 @@ class CostModel:
     _verify_memo: dict[int, float] = field(default_factory=dict, repr=False)  # till observe()
 
     def observe(self, m: RoundCosts) -> None:
-        """One round as measured: the target verified drafted + 1 tokens in verify_s; the
-        draft (if a model draft, with a catch-up of `catchup_tokens`) took draft_s, of which
-        first_s (when known) was its first forward."""
+        """One round as measured (RoundCosts): the verify and draft estimates move to it."""
         batch = m.drafted + 1
         if m.verify_s > 0:
             self._verify_memo.clear()
@@ -120,9 +115,8 @@ class CostModel:
     def batch(self, n_tokens: int) -> float:
         """Seconds for a forward pass of n_tokens over several sequences: measured in use,
         else calibrated (without a batch calibration: the single-sequence verify cost)."""
-        seen = self._batch_seen.get(n_tokens)
-        if seen is not None:
-            return seen
+        if n_tokens in self._batch_seen:
+            return self._batch_seen[n_tokens]
         if not self.batch_s:
             return self.verify(n_tokens)
         pts = sorted(self.batch_s.items())
@@ -145,9 +139,7 @@ class CostModel:
         return self._draft_seen.get(draft_id, self.draft_s.get(draft_id, 0.0))
 
     def catchup_s(self, draft_id: str) -> float:
-        if draft_id in self.prefill_s:
-            return self.prefill_s[draft_id]
-        return CATCHUP_SHARE * self.draft_cost(draft_id)
+        return self.prefill_s.get(draft_id, CATCHUP_SHARE * self.draft_cost(draft_id))
 
     def with_catchup(self, rate: float, draft_id: str, gap: int, tokens_left: float) -> float:
         """A round's rate once catching up on `gap` context tokens, paid once, is spread over
@@ -157,20 +149,15 @@ class CostModel:
         return 1.0 / (1.0 / rate + self.catchup_s(draft_id) * gap / max(tokens_left, 1.0))
 
     def verify(self, batch: int) -> float:
-        hit = self._verify_memo.get(batch)
-        if hit is None:
-            hit = self._verify_memo[batch] = self._verify(batch)
-        return hit
-
-    def _verify(self, batch: int) -> float:
-        seen = self._verify_seen.get(batch)
-        if seen is not None:
-            return seen
-        scale = 1.0 if self._log_scale is None else math.exp(self._log_scale)
-        # A larger batch never costs less than a smaller one measured.
-        seen = self._verify_seen
-        floor = max((v for b, v in seen.items() if b < batch), default=0.0) if seen else 0.0
-        return max(self._calibrated_verify(batch) * scale, floor)
+        memo, seen = self._verify_memo, self._verify_seen
+        if batch not in memo and batch in seen:
+            memo[batch] = seen[batch]
+        elif batch not in memo:
+            scale = 1.0 if self._log_scale is None else math.exp(self._log_scale)
+            # A larger batch never costs less than a smaller one measured.
+            floor = max((v for b, v in seen.items() if b < batch), default=0.0)
+            memo[batch] = max(self._calibrated_verify(batch) * scale, floor)
+        return memo[batch]
 
     def _calibrated_verify(self, batch: int) -> float:
         if batch <= len(self.verify_s):
@@ -279,25 +266,19 @@ def plan_batch(options: list[BatchOption], costs: CostModel, fed: list[int] = ()
     Fixed choices (a request's own k) are kept as asked.
     """
 
-    def first_cost(o: BatchOption) -> float:
-        """What drafting at all costs a sequence this round: the draft's per-round overhead
-        and, for a draft behind the context, its catch-up (every sequence waits)."""
-        assert o.draft_id is not None
+    def drafting_s(o: BatchOption, k: int) -> float:
+        """What drafting k tokens costs a sequence this round, serially: its steps (a draft
+        that is not free), the draft's per-round overhead and, for a draft behind the
+        context, its catch-up (every sequence waits)."""
+        if o.draft_id is None or k == 0:
+            return 0.0
         catchup = costs.catchup_s(o.draft_id) * o.gap if not o.free and o.gap > 2 else 0.0
-        return costs.draft_overhead_s.get(o.draft_id, 0.0) + catchup
+        first = costs.draft_overhead_s.get(o.draft_id, 0.0) + catchup
+        return (0.0 if o.free else costs.draft_cost(o.draft_id) * k) + first
 
     # Per option and k (0..its cap): the expected tokens, and what drafting k costs serially.
     expect = [[expected_tokens(o.alpha, k, o.alpha_cont) for k in range(o.k + 1)] for o in options]
-    drafting = [
-        [0.0]
-        + [
-            (0.0 if o.free else costs.draft_cost(o.draft_id) * k) + first_cost(o)
-            for k in range(1, o.k + 1)
-        ]
-        if o.draft_id is not None
-        else [0.0] * (o.k + 1)
-        for o in options
-    ]
+    drafting = [[drafting_s(o, k) for k in range(o.k + 1)] for o in options]
 
     def rate(ks: list[int]) -> float:
         tokens = sum(e[k] for e, k in zip(expect, ks, strict=True))
@@ -358,10 +339,10 @@ class AcceptanceEstimator:
     current context rather than the whole history.
     """
 
+    COUNTS = ("acc", "seen", "cont_acc", "cont_seen")  # the tables counts() saves, as _<name>
+
     def __init__(self, prior_alpha: float = 0.5, prior_weight: float = 2.0, decay: float = 0.95):
-        self.prior_alpha = prior_alpha
-        self.prior_weight = prior_weight
-        self.decay = decay
+        self.prior_alpha, self.prior_weight, self.decay = prior_alpha, prior_weight, decay
         self._acc: dict[str, float] = {}
         self._seen: dict[str, float] = {}
         self._cont_acc: dict[str, float] = {}
@@ -409,17 +390,12 @@ class AcceptanceEstimator:
 
     def counts(self) -> dict[str, dict[str, float]]:
         """The decayed counts behind the estimates (priors are the runtime's, not saved)."""
-        return {
-            "acc": dict(self._acc),
-            "seen": dict(self._seen),
-            "cont_acc": dict(self._cont_acc),
-            "cont_seen": dict(self._cont_seen),
-        }
+        return {name: dict(getattr(self, "_" + name)) for name in self.COUNTS}
 
     def restore(self, counts: dict[str, dict[str, float]], keep: Callable[[str], bool]) -> int:
         """Take saved counts for the keys `keep` accepts; returns how many keys were taken."""
         taken = set()
-        for name in ("acc", "seen", "cont_acc", "cont_seen"):
+        for name in self.COUNTS:
             table: dict[str, float] = getattr(self, "_" + name)
             for key, value in counts.get(name, {}).items():
                 if keep(key) and isinstance(value, int | float) and 0 <= value < 1e6:
