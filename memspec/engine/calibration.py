@@ -79,6 +79,16 @@ def _median_time(fn, reps: int = REPS) -> float:
     return statistics.median(times)
 
 
+def _warm_context(backends: list[Backend], n_vocab: int = 10000) -> list[int]:
+    """CONTEXT_TOKENS tokens, the same every time, fed to each of `backends` from empty."""
+    rng = np.random.default_rng(0)
+    warm = [int(t) for t in rng.integers(100, min(10000, n_vocab), size=CONTEXT_TOKENS)]
+    for be in backends:
+        be.reset()
+        be.eval(warm, all_logits=False)
+    return warm
+
+
 def _file_key(path: Path) -> list:
     st = path.stat()
     return [path.name, st.st_size, st.st_mtime_ns]
@@ -116,10 +126,7 @@ def measure_verify(target: Backend, k_max: int, full_rows: bool = False) -> list
     one. Timed in a row on a box losing CPU to steal, the cache held 95 ms for 5 tokens and
     76 ms for 7; the rule then shunned k = 4, so the online correction never saw that size.
     Last, the medians are made non-decreasing (a larger batch never costs less)."""
-    rng = np.random.default_rng(0)
-    warm = [int(t) for t in rng.integers(100, min(10000, target.n_vocab), size=CONTEXT_TOKENS)]
-    target.reset()
-    target.eval(warm, all_logits=False)
+    warm = _warm_context([target], target.n_vocab)
     sizes = list(range(1, k_max + 2))
 
     def step(batch: int) -> float:
@@ -164,13 +171,9 @@ def measure_features_cost(target: Backend, k_max: int) -> tuple[list[float], lis
     each row's argmax, then last_features(). Returns (off, on); the twin is closed."""
     twin = type(target)(target.path, replace(target.options, features=not target.options.features))
     off, on = (twin, target) if target.options.features else (target, twin)
-    rng = np.random.default_rng(0)
-    warm = [int(t) for t in rng.integers(100, min(10000, target.n_vocab), size=CONTEXT_TOKENS)]
     times: dict[bool, list[float]] = {False: [], True: []}
     try:
-        for be in (off, on):
-            be.reset()
-            be.eval(warm, all_logits=False)
+        warm = _warm_context([off, on], target.n_vocab)
         for batch in range(1, k_max + 2):
             for features, be in ((False, off), (True, on)):
 
@@ -193,11 +196,7 @@ def measure_batch(target: Backend, max_tokens: int) -> dict[int, float]:
     slots (each at CONTEXT_TOKENS of context), for n = 1, 2, 4, ... max_tokens: the cost
     of a batched round (costs.plan_batch)."""
     slots = target.slots
-    rng = np.random.default_rng(0)
-    warm = [int(t) for t in rng.integers(100, min(10000, target.n_vocab), size=CONTEXT_TOKENS)]
-    for slot in slots:
-        slot.reset()
-        slot.eval(warm, all_logits=False)
+    warm = _warm_context(slots, target.n_vocab)
     sizes = sorted({min(2**i, max_tokens) for i in range(max_tokens.bit_length() + 1)})
     out: dict[int, float] = {}
     for n in sizes:
@@ -229,11 +228,9 @@ def measure(target: Backend, drafts: list[Draft], k_max: int) -> CostModel:
 def measure_draft(d: Draft, costs: CostModel, k_max: int) -> None:
     """Add one draft's cost to `costs`: seconds per token (models) or per round (lookups)."""
     rng = np.random.default_rng(0)
-    warm = [int(t) for t in rng.integers(100, 10000, size=CONTEXT_TOKENS)]
+    warm = _warm_context([d.backend] if isinstance(d, ModelBacked) else [])
     if isinstance(d, ModelBacked):
         be = d.backend
-        be.reset()
-        be.eval(warm, all_logits=False)
 
         def one() -> None:
             be.eval([warm[0]], all_logits=False)
@@ -256,23 +253,17 @@ def measure_draft_cached(target: Backend, d: Draft, costs: CostModel, k_max: int
     """measure_draft, cached beside the calibration: a draft loaded after start-up (a prefetch)
     is measured once per machine, not again by each fresh process while it decodes."""
     path = cache_dir() / f"{DRAFT_CACHE_PREFIX}{cache_key(target, [d], k_max, d.id)}.json"
+    tables = {"draft_s": costs.draft_s, "draft_overhead_s": costs.draft_overhead_s}
     if path.is_file():
         data = json.loads(path.read_text())
-        costs.draft_s.update(data["draft_s"])
-        costs.draft_overhead_s.update(data["draft_overhead_s"])
+        for name, table in tables.items():
+            table.update(data[name])
         return
     with OthersLoad() as load:
         measure_draft(d, costs, k_max)
-    if not _cacheable(load, f"draft {d.id}"):
-        return
-    entry = {
-        "draft_s": {d.id: costs.draft_s[d.id]} if d.id in costs.draft_s else {},
-        "draft_overhead_s": (
-            {d.id: costs.draft_overhead_s[d.id]} if d.id in costs.draft_overhead_s else {}
-        ),
-        "measured_at": time.time(),
-    }
-    _write_json(path, entry)
+    if _cacheable(load, f"draft {d.id}"):
+        entry = {name: {d.id: t[d.id]} if d.id in t else {} for name, t in tables.items()}
+        _write_json(path, entry | {"measured_at": time.time()})
 
 
 def calibrate(
