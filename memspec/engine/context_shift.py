@@ -10,6 +10,7 @@ assistant. What was dropped is reported in the response's `memspec` object.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,12 +49,10 @@ def shift_messages(
     starts = [i for i in range(system + 1, len(messages)) if messages[i].get("role") == "user"]
     if not starts:
         return None
-    rendered: dict[int, list[int]] = {}
 
+    @functools.cache
     def kept(start: int) -> list[int]:
-        if start not in rendered:
-            rendered[start] = render(messages[:system] + messages[start:])
-        return rendered[start]
+        return render(messages[:system] + messages[start:])
 
     def fewest(fits: Callable[[int], bool]) -> int | None:
         """The first start whose prompt fits (prompts shrink as turns go: bisect)."""

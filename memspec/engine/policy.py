@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from memspec.backends.base import common_prefix
 from memspec.engine.costs import AcceptanceEstimator, CostModel, RoundCosts, match_prior
 from memspec.engine.types import Choice, Draft, RoundPolicy
 
@@ -40,10 +41,7 @@ class DecisionRulePolicy:
         estimator: AcceptanceEstimator,
         k_max: int = 8,
     ):
-        self.drafts = drafts
-        self.costs = costs
-        self.estimator = estimator
-        self.k_max = k_max
+        self.drafts, self.costs, self.estimator, self.k_max = drafts, costs, estimator, k_max
         # Free (lookup) proposals, whole, chosen or not: (context length, key, tokens). Each
         # is scored against what the target then produced, so the estimate sees every run to
         # its end (a chosen proposal is verified only up to k), and a lookup whose estimate
@@ -56,22 +54,17 @@ class DecisionRulePolicy:
             actual = context[start : start + len(tokens)]
             if len(actual) < len(tokens):
                 continue  # not enough output yet to judge the whole proposal; drop it
-            matched = 0
-            while matched < len(tokens) and tokens[matched] == actual[matched]:
-                matched += 1
-            self.estimator.update(key, len(tokens), matched)
+            self.estimator.update(key, len(tokens), common_prefix(tokens, actual))
         self._shadow = [s for s in self._shadow if len(context) < s[0] + len(s[2])]
 
     def choose(self, context, k_room, params, rng) -> Choice:
         self._score_shadows(context)
         k_cap = min(self.k_max, k_room)
-        best = Choice(None, 0)
-        best_rate = self.costs.rate(None, 0.0, 0)
+        best, best_rate = Choice(None, 0), self.costs.rate(None, 0.0, 0)
         if k_cap <= 0:
             return best
         for draft in self.drafts:
-            proposal = None
-            limit = k_cap
+            proposal, limit = None, k_cap
             if draft.free:
                 proposal = draft.propose(context, k_cap, params, rng)
                 if not proposal.tokens:

@@ -377,9 +377,6 @@ def token_logprob(
     z = np.asarray(logits, dtype=np.float64)
     m = z.max()
     lse = m + np.log(np.exp(z - m).sum())
-    top: list[tuple[int, bytes, float]] = []
-    if n_top > 0:
-        n = min(n_top, len(z))
-        for t in top_k_order(z, n).tolist():
-            top.append((t, piece(t), float(z[t] - lse)))
+    ids = top_k_order(z, min(n_top, len(z))).tolist() if n_top > 0 else []
+    top = [(t, piece(t), float(z[t] - lse)) for t in ids]
     return TokenLogprob(token, piece(token), float(z[token] - lse), top)

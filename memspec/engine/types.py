@@ -142,4 +142,3 @@ class RoundPolicy(Protocol):
 
     def observe_costs(self, measured: RoundCosts) -> None:
         """Every round, as measured; a policy with a CostModel corrects it."""
-        ...
