@@ -102,11 +102,6 @@ def _vocab(path: str) -> _Vocab:
     return _Vocab(Path(path))
 
 
-def vocab_for(path: Path) -> _Vocab:
-    with _vocab_lock:
-        return _vocab(str(path))
-
-
 class Grammar:
     """A GBNF grammar checked against a target's vocabulary. InvalidRequest (param `param`)
     when llama.cpp cannot parse it."""
@@ -118,7 +113,8 @@ class Grammar:
                 param=param,
             )
         self.gbnf, self.root, self.param = gbnf, root, param
-        self.vocab = vocab_for(model_path)
+        with _vocab_lock:
+            self.vocab = _vocab(str(model_path))
         GrammarState(self, check=True).close()  # parse once now: a bad grammar is a 400
 
     def start(self) -> GrammarState:

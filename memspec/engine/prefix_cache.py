@@ -44,6 +44,10 @@ class _Entry:
     partition: str = ""
     last_used: float = field(default_factory=time.monotonic)
 
+    def held_for(self, backend: Backend, partition: str) -> bool:
+        """Whether `backend` (any slot of its context) may restore it for `partition`."""
+        return self.owner() is backend.kv_owner and self.partition == partition
+
 
 @dataclass
 class CacheStats:
@@ -107,7 +111,7 @@ class PrefixCache:
         best, best_n = None, live
         with self._lock:
             for e in self._entries:
-                if e.owner() is backend.kv_owner and e.partition == partition:
+                if e.held_for(backend, partition):
                     n = common_prefix(e.snapshot.tokens, prompt)
                     if n > best_n:
                         best, best_n = e, n
@@ -136,18 +140,13 @@ class PrefixCache:
         tokens, partition = backend.tokens, backend.kv_partition
         with self._lock:
             for e in self._entries:
-                if (
-                    e.owner() is backend.kv_owner
-                    and e.partition == partition
-                    and common_prefix(e.snapshot.tokens, tokens) == len(tokens)
-                ):
+                held = e.held_for(backend, partition)
+                if held and common_prefix(e.snapshot.tokens, tokens) == len(tokens):
                     e.last_used = time.monotonic()
                     return  # already held by a longer (or equal) snapshot
-        snap = backend.kv_snapshot()
-        if snap is None:
-            return
         cap = self._capacity()
-        if snap.nbytes > cap:
+        snap = backend.kv_snapshot()
+        if snap is None or snap.nbytes > cap:
             return
         with self._lock:
             # A snapshot that is a prefix of the new one is superseded by it.
@@ -155,8 +154,7 @@ class PrefixCache:
                 e
                 for e in self._entries
                 if not (
-                    e.owner() is backend.kv_owner
-                    and e.partition == partition
+                    e.held_for(backend, partition)
                     and common_prefix(e.snapshot.tokens, tokens) == len(e.snapshot.tokens)
                 )
             ]
