@@ -21,7 +21,9 @@ standard library's), so only `edit-tuning` may ever be added to one.
 
 The context is sized to the prompts: prompt + max_tokens, at most the target's trained context
 (SmolLM2: 8,192); `max_file_tokens` (default: what that leaves) skips the files longer than
-that (counted with their instruction, before the chat template).
+that (counted with their instruction, before the chat template). `max_tokens = "file"` gives
+each answer room for its whole file (the file's tokens + WHOLE_FILE_MARGIN), so the answer
+can repeat all of it and decoding, not the prompt, takes most of the time.
 """
 
 from __future__ import annotations
@@ -43,11 +45,14 @@ FILES = Path(__file__).resolve().parent / "data" / "edit_files.jsonl"
 # the instruction): a margin when the context is sized before the runtime exists.
 TEMPLATE_TOKENS = 96
 KV_PAD = 256  # llama.cpp pads the KV cache to this many cells
+# An answer that repeats the file also opens and closes its ```python block and may say a line.
+WHOLE_FILE_MARGIN = 64
 
 
 @dataclass(frozen=True)
 class EditPrompt(BenchPrompt):
     heldout: bool = True
+    answer_tokens: int | None = None  # this prompt's max_tokens (None: the run's)
     # package, version, path, sha256 (of the file as installed), chars; and tokens: the
     # user message's with the target's tokenizer (the file and its instruction)
     source: dict = field(default_factory=dict)
@@ -174,29 +179,41 @@ def count_tokens(target: Path, texts: list[str]) -> list[int]:
 def fit_context(
     prompts: list[EditPrompt],
     target: Path,
-    max_tokens: int,
+    max_tokens: int | str,
     n_ctx: int,
     max_file_tokens: int | None = None,
 ) -> tuple[list[EditPrompt], list[dict], int]:
     """The prompts whose file and answer fit the target's trained context (and
     `max_file_tokens`), the ones skipped with the reason, and the context to run them at:
-    `n_ctx` or, if more is needed, the longest prompt + max_tokens (padded, at most trained)."""
+    `n_ctx` or, if more is needed, the longest prompt + its answer (padded, at most trained).
+    `max_tokens = "file"`: each answer as long as its file (+ WHOLE_FILE_MARGIN)."""
     from memspec.memory.plan import trained_context
 
     trained = trained_context(target)
-    limit = max_file_tokens or trained - max_tokens - TEMPLATE_TOKENS
+    whole_file = max_tokens == "file"
+    if not whole_file and not isinstance(max_tokens, int):
+        raise ValueError(f"max_tokens {max_tokens!r}: a number of tokens or 'file'")
+    limit = max_file_tokens or (
+        (trained - TEMPLATE_TOKENS - WHOLE_FILE_MARGIN) // 2
+        if whole_file
+        else trained - int(max_tokens) - TEMPLATE_TOKENS
+    )
     counts = count_tokens(target, [p.text for p in prompts])
     kept: list[EditPrompt] = []
     skipped: list[dict] = []
     need = 0
     for p, n in zip(prompts, counts, strict=True):
-        fits = n <= limit and n + TEMPLATE_TOKENS + max_tokens <= trained
+        # The file's own tokens: a long-context prompt also holds the project's other files.
+        answer = (
+            p.source.get("file_tokens", n) + WHOLE_FILE_MARGIN if whole_file else int(max_tokens)
+        )
+        fits = p.source.get("file_tokens", n) <= limit and n + TEMPLATE_TOKENS + answer <= trained
         if not fits:
             why = f"{n} tokens: over --max-file-tokens {limit} or the trained context {trained}"
             skipped.append({"id": p.id, "path": p.source["path"], "reason": why})
             continue
         p.source["tokens"] = n  # a frozen dataclass; its dict is the report's
-        kept.append(p)
-        need = max(need, n + TEMPLATE_TOKENS + max_tokens)
+        kept.append(replace(p, answer_tokens=answer) if whole_file else p)
+        need = max(need, n + TEMPLATE_TOKENS + answer)
     padded = -(-need // KV_PAD) * KV_PAD
     return kept, skipped, max(n_ctx, min(padded, trained))

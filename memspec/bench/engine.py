@@ -27,6 +27,7 @@ import platform
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -197,7 +198,7 @@ def run_engine_bench(
     out: str,
     plot: str | None = None,
     per_category: int = 10,
-    max_tokens: int = 96,
+    max_tokens: int | str = 96,
     k_fixed: int = 4,
     categories: list[str] | None = None,
     workload: str = "mtbench",
@@ -210,8 +211,11 @@ def run_engine_bench(
     baseline). An unknown name is an error that lists the names there are.
     `max_file_tokens`: the edit workloads' longest file (default: what the target's trained
     context leaves beside max_tokens). `context_tokens`: the edit prompts made that long with
-    the project's other files before them (edit_workload.with_project_context)."""
+    the project's other files before them (edit_workload.with_project_context).
+    `max_tokens = "file"` (edit workloads): each answer as long as its file."""
     workloads = ["mtbench", "heldout"] if workload == "both" else [workload]
+    if max_tokens == "file" and any(w not in EDIT_WORKLOADS for w in workloads):
+        raise ValueError("max_tokens 'file' is for the edit workloads, whose answers are files")
     prompts: dict[str, list[BenchPrompt]] = {}
     edits: dict[str, dict] = {}  # per edit workload: its files, those skipped, the context
     for w in workloads:
@@ -253,7 +257,7 @@ def run_engine_bench(
         configs = [c for c in configs if c[0] == "none" or c[0] in only]
     peer = PeerPromptLookup(settings, k_fixed) if only is None or PEER in only else None
     servers, skipped = start_peer_servers(settings, peer_server, peer_draft_file, only)
-    params = SamplingParams(max_tokens=max_tokens)
+    params = SamplingParams(max_tokens=max_tokens if isinstance(max_tokens, int) else 0)
     results: dict[str, dict[str, list[dict]]] = {w: defaultdict(list) for w in workloads}
     try:
         # Warm up: every config once on a prompt outside the workloads, so draft loads and the
@@ -399,6 +403,9 @@ def _run_prompt(
     base: dict = {"id": p.id, "category": p.category, "prompt_tokens": len(prompt)}
     if isinstance(p, EditPrompt):
         base["heldout"] = p.heldout
+        if p.answer_tokens is not None:  # a whole file's answer
+            params = replace(params, max_tokens=p.answer_tokens)
+            base["max_tokens"] = p.answer_tokens
     plain_ids: list[int] = []
     for name, draft, k, policy in configs:
         fwd0 = _forward_s(rt)

@@ -50,6 +50,19 @@ def cmd_bench_reuse(args: argparse.Namespace) -> int:
     return 0
 
 
+def answer_budget(value: str) -> int | str:
+    """--max-tokens of `bench engine`: a positive number of tokens, or 'file'."""
+    if value == "file":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: a positive number of tokens, or 'file'")
+    return n
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from memspec.bench.engine import run_engine_bench
 
@@ -130,7 +143,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     e.add_argument("--categories", nargs="*", help="only these categories")
     e.add_argument(
-        "--max-tokens", type=int, help="tokens per answer (default 96; edit workloads 512)"
+        "--max-tokens",
+        type=answer_budget,
+        help="tokens per answer (default 96; edit workloads 512), or 'file' (edit workloads): "
+        "each answer as long as its file, so it can repeat all of it",
     )
     e.add_argument("--k", type=int, default=4, help="k for the fixed-k runs")
     e.add_argument(

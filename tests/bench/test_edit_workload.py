@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from memspec.bench.edit_workload import (
     EDIT_KINDS,
+    TEMPLATE_TOKENS,
+    WHOLE_FILE_MARGIN,
     count_tokens,
     edit_rows,
     fit_context,
     load_edit_workload,
     with_project_context,
 )
+from memspec.cli import main
 from memspec.paths import models_dir
 
 HELD_OUT = {
@@ -70,3 +75,30 @@ def test_a_long_context_precedes_the_file_with_the_projects_other_files():
         assert set(p.source["context_files"]) <= HELD_OUT and p.source["file_tokens"] < 2600
     (already,) = with_project_context(kept[:1], target, 100)  # a file longer than asked: as is
     assert already.text == kept[0].text
+
+
+def test_whole_file_answers_get_room_for_their_file():
+    target = models_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    prompts, _ = load_edit_workload("edit", per_category=1)
+    kept, skipped, n_ctx = fit_context(prompts, target, "file", 1024, max_file_tokens=2500)
+    assert kept and len(kept) + len(skipped) == 3
+    for p in kept:
+        assert p.answer_tokens == p.source["tokens"] + WHOLE_FILE_MARGIN
+        assert p.source["tokens"] + TEMPLATE_TOKENS + p.answer_tokens <= n_ctx <= 8192
+    # At a long context the answer is still one file's, not the whole prompt's.
+    long = with_project_context(kept, target, 4096)
+    again, over, n_ctx = fit_context(long, target, "file", 1024)
+    assert not over and n_ctx >= 4096
+    for p, short in zip(again, kept, strict=True):
+        assert p.answer_tokens == short.answer_tokens < p.source["tokens"]
+    with pytest.raises(ValueError, match="'file'"):
+        fit_context(prompts, target, "all", 1024)
+
+
+def test_bench_engine_refuses_file_answers_where_there_is_no_file(tmp_path, capsys):
+    out = tmp_path / "x.json"
+    args = ["bench", "engine", "--workload", "heldout", "--max-tokens", "file", "--out", str(out)]
+    assert main(args) == 2
+    assert "edit workloads" in capsys.readouterr().err and not out.exists()
+    with pytest.raises(SystemExit):
+        main(["bench", "engine", "--max-tokens", "0", "--out", str(out)])
