@@ -12,7 +12,9 @@ reports where its rounds' time went and, for one-draft configs, the rate the dec
 predicts from its costs and the measured acceptance, beside the rate measured. `lossless`:
 every config of memspec's gave plain decoding's tokens. `ceiling`: the speedup a free draft
 that is always right would give at its best k on the calibrated verify curve (decoding alone,
-and per workload with plain's prompt processing added).
+and per workload with plain's prompt processing added); for an edit workload also on the curve
+measured at its prompts' context (`ceiling_at_context`: a long context makes every verified
+row dearer, so the calibrated ceiling is an upper bound there).
 
 Peers in the same run: llama-cpp-python's prompt-lookup decoding, and llama.cpp's own
 `llama-server` (plain, n-gram speculation, a q4_0 draft model, both) when
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -43,6 +46,7 @@ from memspec.bench.peer_server import PeerServer, peer_configs
 from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
 from memspec.drafts.manifest import DraftManifest
+from memspec.engine.calibration import measure_verify
 from memspec.engine.costs import expected_tokens
 from memspec.engine.speculative import ROUND_PHASES
 from memspec.engine.types import SamplingParams
@@ -271,6 +275,7 @@ def run_engine_bench(
             estimators = {name: rt.new_estimator() for name, *_ in configs}
             for p in tqdm(prompts[w], desc=f"bench engine ({w})", unit="prompt"):
                 _run_prompt(rt, p, params, configs, estimators, results[w], peer, servers)
+        at_context = {w: ceiling_at_context(rt, results[w]["none"]) for w in edits}
     finally:
         if peer is not None:
             peer.close()
@@ -323,6 +328,9 @@ def run_engine_bench(
         section["ceiling_speedup"] = prefill_ceiling(plain, report["ceiling"]["speedup"])
         if w in edits:
             section.update(edits[w])
+            c = at_context[w]
+            c["with_prefill"] = prefill_ceiling(plain, c["speedup"])
+            section["ceiling_at_context"] = c
         report["workloads"][w] = section
     report["all_identical"] = all(s["all_identical"] for s in report["workloads"].values())
     report["lossless"] = report["all_identical"]
@@ -342,6 +350,16 @@ def decode_ceiling(verify_s: list[float]) -> dict:
         return {"k": 0, "speedup": 1.0}
     b = max(range(1, len(verify_s) + 1), key=lambda b: b / verify_s[b - 1])
     return {"k": b - 1, "speedup": round(b * verify_s[0] / verify_s[b - 1], 3)}
+
+
+def ceiling_at_context(rt: Runtime, plain: list[dict]) -> dict:
+    """decode_ceiling on the verify curve measured where these prompts decode: at the median
+    context of their plain runs (the prompt and half the answer). The calibrated curve is
+    measured at 128 tokens of context; a long one adds attention to every verified row."""
+    context = int(statistics.median(r["prompt_tokens"] + r["tokens"] // 2 for r in plain))
+    verify_s = measure_verify(rt.target, rt.settings.k_max, context_tokens=context)
+    verify_ms = [round(v * 1e3, 3) for v in verify_s]
+    return {"context_tokens": context, "verify_ms": verify_ms, **decode_ceiling(verify_s)}
 
 
 def prefill_ceiling(plain: list[dict], decode_speedup: float) -> float | None:
@@ -464,6 +482,9 @@ def print_speedup_table(workload: str, section: dict) -> None:
     if section.get("ceiling_speedup"):
         print(f"ceiling (a free draft always right, prompt processing included): "
               f"{section['ceiling_speedup']:.2f}")  # fmt: skip
+    if c := section.get("ceiling_at_context"):
+        print(f"  on the verify curve at {c['context_tokens']} tokens of context: "
+              f"{c['with_prefill']:.2f} ({c['speedup']:.2f} decoding, k={c['k']})")  # fmt: skip
     print(f"{'config':34s} {'overall':>13s} " + " ".join(f"{c[:8]:>8s}" for c in cats))
     for name, e in section["configs"].items():
         o = e["overall"]

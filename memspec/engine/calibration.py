@@ -79,10 +79,12 @@ def _median_time(fn, reps: int = REPS) -> float:
     return statistics.median(times)
 
 
-def _warm_context(backends: list[Backend], n_vocab: int = 10000) -> list[int]:
-    """CONTEXT_TOKENS tokens, the same every time, fed to each of `backends` from empty."""
+def _warm_context(
+    backends: list[Backend], n_vocab: int = 10000, tokens: int = CONTEXT_TOKENS
+) -> list[int]:
+    """`tokens` tokens, the same every time, fed to each of `backends` from empty."""
     rng = np.random.default_rng(0)
-    warm = [int(t) for t in rng.integers(100, min(10000, n_vocab), size=CONTEXT_TOKENS)]
+    warm = [int(t) for t in rng.integers(100, min(10000, n_vocab), size=tokens)]
     for be in backends:
         be.reset()
         be.eval(warm, all_logits=False)
@@ -116,17 +118,21 @@ def cache_key(target: Backend, drafts: list[Draft], k_max: int, extra: str = "")
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
-def measure_verify(target: Backend, k_max: int, full_rows: bool = False) -> list[float]:
-    """Seconds to verify 1..k_max+1 tokens at CONTEXT_TOKENS of context, reading what greedy
+def measure_verify(
+    target: Backend, k_max: int, full_rows: bool = False, context_tokens: int = CONTEXT_TOKENS
+) -> list[float]:
+    """Seconds to verify 1..k_max+1 tokens at `context_tokens` of context, reading what greedy
     acceptance reads (each row's argmax); `full_rows`: copying every row out instead (what
-    verification cost before it read rows in place: the gap grows with the vocabulary).
+    verification cost before it read rows in place: the gap grows with the vocabulary). The
+    calibration measures at CONTEXT_TOKENS; a long context adds attention over its cache to
+    every row, so the curve there is steeper (`bench engine` measures it at its prompts').
 
     The sizes are timed in turns (1, 2, ..., then back down), not each one's repetitions in a
     row: a burst of load from elsewhere then falls on every size alike instead of inflating
     one. Timed in a row on a box losing CPU to steal, the cache held 95 ms for 5 tokens and
     76 ms for 7; the rule then shunned k = 4, so the online correction never saw that size.
     Last, the medians are made non-decreasing (a larger batch never costs less)."""
-    warm = _warm_context([target], target.n_vocab)
+    warm = _warm_context([target], target.n_vocab, context_tokens)
     sizes = list(range(1, k_max + 2))
 
     def step(batch: int) -> float:
@@ -136,7 +142,7 @@ def measure_verify(target: Backend, k_max: int, full_rows: bool = False) -> list
         else:
             target.eval_argmax(warm[:batch])
         seconds = time.perf_counter() - t
-        target.truncate(CONTEXT_TOKENS)
+        target.truncate(context_tokens)
         return seconds
 
     for batch in sizes:  # warm-up

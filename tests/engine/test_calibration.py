@@ -57,6 +57,19 @@ def test_measured_verify_costs_rise_with_the_batch(small_backend):
     assert all(b >= a > 0 for a, b in zip(verify_s, verify_s[1:], strict=False))
 
 
+def test_verify_costs_are_measured_at_the_context_asked_for(small_backend, monkeypatch):
+    # `bench engine` measures the curve where its long prompts decode: every verify pass
+    # appends at that many tokens of cache, and rolls back to it.
+    cut_to: list[int] = []
+    truncate = small_backend.truncate
+    monkeypatch.setattr(small_backend, "truncate", lambda n: (cut_to.append(n), truncate(n)))
+    verify_s = calibration.measure_verify(small_backend, k_max=3, context_tokens=200)
+    assert len(verify_s) == 4
+    assert all(b >= a > 0 for a, b in zip(verify_s, verify_s[1:], strict=False))
+    # Every pass rolled back to 200 tokens (0: the resets before and after).
+    assert cut_to.count(200) == 4 * (1 + calibration.REPS) and set(cut_to) == {0, 200}
+
+
 def test_a_calibration_measured_on_a_busy_box_is_used_but_not_cached(
     small_backend, tmp_path, monkeypatch
 ):
