@@ -204,10 +204,9 @@ def fit_context(
     need = 0
     for p, n in zip(prompts, counts, strict=True):
         # The file's own tokens: a long-context prompt also holds the project's other files.
-        answer = (
-            p.source.get("file_tokens", n) + WHOLE_FILE_MARGIN if whole_file else int(max_tokens)
-        )
-        fits = p.source.get("file_tokens", n) <= limit and n + TEMPLATE_TOKENS + answer <= trained
+        file_n = p.source.get("file_tokens", n)
+        answer = file_n + WHOLE_FILE_MARGIN if whole_file else int(max_tokens)
+        fits = file_n <= limit and n + TEMPLATE_TOKENS + answer <= trained
         if not fits:
             why = f"{n} tokens: over --max-file-tokens {limit} or the trained context {trained}"
             skipped.append({"id": p.id, "path": p.source["path"], "reason": why})
