@@ -148,6 +148,7 @@ def speedup_summary(rows: list[dict], plain_rows: list[dict]) -> dict:
     return {
         "tokens_per_s": round(tps, 2),  # prompt processing included
         "prefill_s": round(sum(r.get("prefill_s", 0.0) for r in rows), 3),
+        "decode_ms_per_token": decode_ms_per_token(rows),
         "speedup": round(tps / plain_tps, 3),
         # The worst prompt's own ratio to plain: "never loses" is about this, not the mean.
         "worst_prompt_speedup": worst_prompt(rows, plain_rows),
@@ -160,6 +161,16 @@ def speedup_summary(rows: list[dict], plain_rows: list[dict]) -> dict:
         "engine_overhead_share": round(1 - forward / secs, 4) if forward else None,
         "prompts": len(rows),
     }
+
+
+def decode_ms_per_token(rows: list[dict]) -> float | None:
+    """Decoding's time per generated token (the prompt's share taken out): where two configs'
+    rates part, this says whether decoding or prompt processing parted them. None for a peer
+    that does not time its prompt apart."""
+    if not rows or any("prefill_s" not in r for r in rows):
+        return None
+    decode_s = sum(r["seconds"] - r["prefill_s"] for r in rows)
+    return round(decode_s / max(sum(r["tokens"] for r in rows), 1) * 1e3, 3)
 
 
 def worst_prompt(rows: list[dict], plain_rows: list[dict]) -> float | None:
@@ -455,18 +466,17 @@ def _run_prompt(
             }
         )
     for name, server in servers.items():
-        ids, secs, drafted, accepted = server.complete(
-            prompt, params.max_tokens, rt.target.eos_token_ids
-        )
+        done = server.complete(prompt, params.max_tokens, rt.target.eos_token_ids)
         results[name].append(
             {
                 **base,
-                "tokens": len(ids),
-                "seconds": secs,
-                "tokens_per_s": round(len(ids) / max(secs, 1e-9), 2),
-                "proposed": drafted,
-                "accepted": accepted,
-                "identical": ids == plain_ids,
+                "tokens": len(done.tokens),
+                "seconds": done.seconds,
+                "tokens_per_s": round(len(done.tokens) / max(done.seconds, 1e-9), 2),
+                "prefill_s": round(done.prefill_s, 4),
+                "proposed": done.drafted,
+                "accepted": done.accepted,
+                "identical": done.tokens == plain_ids,
             }
         )
 
@@ -485,13 +495,18 @@ def print_speedup_table(workload: str, section: dict) -> None:
     if c := section.get("ceiling_at_context"):
         print(f"  on the verify curve at {c['context_tokens']} tokens of context: "
               f"{c['with_prefill']:.2f} ({c['speedup']:.2f} decoding, k={c['k']})")  # fmt: skip
-    print(f"{'config':34s} {'overall':>13s} " + " ".join(f"{c[:8]:>8s}" for c in cats))
+    # ms/tok: decoding's time per token, the prompt's share taken out (decode_ms_per_token).
+    print(
+        f"{'config':34s} {'overall':>13s} {'ms/tok':>7s} " + " ".join(f"{c[:8]:>8s}" for c in cats)
+    )
     for name, e in section["configs"].items():
         o = e["overall"]
+        ms = o.get("decode_ms_per_token")
         cells = " ".join(f"{e['per_category'][c]['speedup']:8.2f}" for c in cats)
         same = "" if o["identical_to_plain"] else "  (outputs differ!)"
         print(
-            f"{name:34s} {o['speedup']:6.2f} ({o['worst_prompt_speedup'] or 0:4.2f}) {cells}{same}"
+            f"{name:34s} {o['speedup']:6.2f} ({o['worst_prompt_speedup'] or 0:4.2f}) "
+            f"{'-' if ms is None else f'{ms:.1f}':>7s} {cells}{same}"
         )
 
 

@@ -4,7 +4,8 @@ Built by `scripts/setup.sh --peer` (scripts/build_peer.sh) from the llama.cpp th
 llama-cpp-python vendors, with the same CMake flags as the installed library, and linked as
 `data/bin/llama-server` (or named by $MEMSPEC_LLAMA_SERVER). Its rate is llama-server's own
 timing of prompt processing plus decoding (`timings.prompt_ms + predicted_ms`), the same span
-as memspec's `elapsed_s`: no process start, no model load, no HTTP.
+as memspec's `elapsed_s`: no process start, no model load, no HTTP. The prompt's share is kept
+apart (`prefill_s`), as memspec's is, so a gap can be placed in prefill or in decoding.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from memspec.config import Settings, env_llama_server
 from memspec.paths import data_dir, resolve_model_path
@@ -49,6 +50,29 @@ def kv_flags(settings: Settings) -> list[str]:
         "-ctk", kv.type_k, "-ctv", kv.type_v, "-ctkd", draft.type_k, "-ctvd", draft.type_v,
         *(["--swa-full"] if kv.swa_full else []),
     ]  # fmt: skip
+
+
+class PeerCompletion(NamedTuple):
+    """One greedy /completion answer, as the bench records it."""
+
+    tokens: list[int]  # as memspec counts them (generated_tokens)
+    seconds: float  # prompt processing and decoding, llama-server's own timing
+    prefill_s: float  # its prompt processing alone
+    drafted: int
+    accepted: int
+
+
+def completion(out: dict, eos: frozenset[int]) -> PeerCompletion:
+    """What the bench reads of llama-server's /completion answer."""
+    t = out.get("timings", {})
+    prefill_s = t.get("prompt_ms", 0.0) / 1e3
+    return PeerCompletion(
+        tokens=generated_tokens(out, eos),
+        seconds=prefill_s + t.get("predicted_ms", 0.0) / 1e3,
+        prefill_s=prefill_s,
+        drafted=t.get("draft_n", 0),
+        accepted=t.get("draft_n_accepted", 0),
+    )
 
 
 def generated_tokens(out: dict, eos: frozenset[int]) -> list[int]:
@@ -104,18 +128,9 @@ class PeerServer:
 
     def complete(
         self, prompt: list[int], max_tokens: int, eos: frozenset[int], **fields: Any
-    ) -> tuple[list[int], float, int, int]:
-        """Greedy completion of token ids: (tokens, seconds, drafted, accepted); the tokens
-        as memspec counts them (generated_tokens)."""
-        out = self.complete_json(prompt, max_tokens, **fields)
-        t = out.get("timings", {})
-        seconds = (t.get("prompt_ms", 0.0) + t.get("predicted_ms", 0.0)) / 1e3
-        return (
-            generated_tokens(out, eos),
-            seconds,
-            t.get("draft_n", 0),
-            t.get("draft_n_accepted", 0),
-        )
+    ) -> PeerCompletion:
+        """Greedy completion of token ids, timed by llama-server itself."""
+        return completion(self.complete_json(prompt, max_tokens, **fields), eos)
 
     def complete_json(self, prompt: list[int], max_tokens: int, **fields: Any) -> dict:
         """Greedy completion of token ids: llama-server's whole answer (`tokens`, `timings`).

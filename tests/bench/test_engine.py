@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from memspec.bench.engine import decode_ms_per_token
 from memspec.cli import main
 
 ARGS = [
@@ -25,6 +26,10 @@ def test_bench_engine_only_the_configs_asked_for(tmp_path, settings):
         (run,) = entry["runs"]
         assert run["category"] == "code" and run["tokens"] == 16, name
         assert run["identical"] is True, name
+        # Decoding's share per token: less than the whole (the prompt's share taken out).
+        overall = entry["overall"]
+        whole_ms = overall["seconds"] / overall["tokens"] * 1e3
+        assert 0 < overall["decode_ms_per_token"] < whole_ms, name
     assert section["configs"]["q4_0 adaptive-k"]["runs"][0]["drafts_used"].keys() <= {"q4_0"}
 
 
@@ -33,3 +38,14 @@ def test_bench_engine_unknown_config_names_the_known_ones(tmp_path, settings, ca
     err = capsys.readouterr().err
     assert "unknown bench configs ['bogus']" in err and "q4_0 adaptive-k" in err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_decode_time_per_token_needs_every_rows_prompt_share():
+    rows = [
+        {"seconds": 2.0, "prefill_s": 1.0, "tokens": 10},
+        {"seconds": 1.0, "prefill_s": 0.5, "tokens": 5},
+    ]
+    assert decode_ms_per_token(rows) == 100.0
+    # A peer that times only the whole (llama-cpp-python's prompt lookup): not guessed.
+    assert decode_ms_per_token([*rows, {"seconds": 1.0, "tokens": 5}]) is None
+    assert decode_ms_per_token([]) is None

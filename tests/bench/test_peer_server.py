@@ -7,7 +7,7 @@ import stat
 import sys
 import textwrap
 
-from memspec.bench.peer_server import PeerServer, generated_tokens, kv_flags
+from memspec.bench.peer_server import PeerServer, completion, generated_tokens, kv_flags
 
 # Logs 256 KiB (llama-server logs every request) before it answers /health: a pipe nobody
 # reads holds 64 KiB, so the server blocked in write() and never answered.
@@ -65,3 +65,22 @@ def test_the_peer_runs_memspecs_kv_cache(settings):
     assert flags == {"-fa": "on", "-ctk": "q8_0", "-ctv": "q8_0", "-ctkd": "q8_0", "-ctvd": "q8_0"}
     draft = quant.model_copy(update={"draft_kv_type_k": "q4_0", "draft_kv_type_v": "q4_0"})
     assert kv_flags(draft)[-4:] == ["-ctkd", "q4_0", "-ctvd", "q4_0"]
+
+
+def test_the_prompts_share_of_llama_servers_time_is_kept_apart():
+    """The bench compares decoding apart from prompt processing: llama-server's own timings
+    give both, and its seconds are their sum (the span memspec's elapsed_s covers)."""
+    out = {
+        "tokens": [5, 6, 2],
+        "timings": {
+            "prompt_ms": 1500.0,
+            "predicted_ms": 250.0,
+            "draft_n": 4,
+            "draft_n_accepted": 3,
+        },
+    }
+    done = completion(out, frozenset({2}))
+    assert done.tokens == [5, 6]
+    assert done.prefill_s == 1.5 and done.seconds == 1.75
+    assert (done.drafted, done.accepted) == (4, 3)
+    assert completion({}, frozenset()).seconds == 0.0  # an answer without timings
