@@ -65,7 +65,8 @@ class CostModel:
     limits, a cache written while the box was busy. So every round's measured verify and draft
     time corrects the estimates (observe): a batch size seen in use is estimated from its own
     running mean; one not seen yet from its calibration times the running measured/calibrated
-    ratio of the sizes seen. Every decision reads the estimates of the moment (no memo).
+    ratio of the sizes seen. Every decision reads the estimates of the moment: a verify
+    estimate is kept only until the next round's measurement moves it (_verify_memo).
     """
 
     verify_s: list[float]
