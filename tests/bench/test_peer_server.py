@@ -3,19 +3,28 @@ on demand): its log must never block it."""
 
 from __future__ import annotations
 
+import os
 import stat
 import sys
 import textwrap
 
-from memspec.bench.peer_server import PeerServer, completion, generated_tokens, kv_flags
+import memspec
+from memspec.bench.peer_server import (
+    PeerServer,
+    completion,
+    generated_tokens,
+    kv_flags,
+    peer_environment,
+)
 
 # Logs 256 KiB (llama-server logs every request) before it answers /health: a pipe nobody
 # reads holds 64 KiB, so the server blocked in write() and never answered.
 FAKE_SERVER = textwrap.dedent(
     f"""\
     #!{sys.executable}
-    import http.server, sys
+    import http.server, os, sys
     port = int(sys.argv[sys.argv.index("--port") + 1])
+    sys.stderr.write("GGML_CPU_TILED_MM=%s\\n" % os.environ.get("GGML_CPU_TILED_MM", "unset"))
     sys.stderr.write("request log line\\n" * 16384)
     sys.stderr.flush()
 
@@ -84,3 +93,23 @@ def test_the_prompts_share_of_llama_servers_time_is_kept_apart():
     assert done.prefill_s == 1.5 and done.seconds == 1.75
     assert (done.drafted, done.accepted) == (4, 3)
     assert completion({}, frozenset()).seconds == 0.0  # an answer without timings
+
+
+def test_the_peer_runs_llama_cpps_own_kernels(tmp_path, settings, monkeypatch):
+    """Importing memspec turns ggml's tiled K-quant matmul off (GGML_CPU_TILED_MM=0) for
+    lossless verification; llama-server as a user runs it has it on, and the bench compares
+    against that: the peer is started without memspec's setting."""
+    assert os.environ["GGML_CPU_TILED_MM"] == "0"  # memspec's, in this process
+    binary = tmp_path / "llama-server"
+    binary.write_text(FAKE_SERVER)
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(memspec, "TILED_MM_SET_BY_MEMSPEC", True)
+    server = PeerServer(binary, settings, [], timeout_s=20)
+    try:  # it answered /health: its first line is written
+        server.log.seek(0)
+        assert server.log.readline() == b"GGML_CPU_TILED_MM=unset\n"
+    finally:
+        server.close()
+    # An operator who set it themselves gets their setting in the peer too.
+    monkeypatch.setattr(memspec, "TILED_MM_SET_BY_MEMSPEC", False)
+    assert peer_environment()["GGML_CPU_TILED_MM"] == "0"
