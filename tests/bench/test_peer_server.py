@@ -3,7 +3,6 @@ on demand): its log must never block it."""
 
 from __future__ import annotations
 
-import os
 import stat
 import sys
 import textwrap
@@ -99,7 +98,7 @@ def test_the_peer_runs_llama_cpps_own_kernels(tmp_path, settings, monkeypatch):
     """Importing memspec turns ggml's tiled K-quant matmul off (GGML_CPU_TILED_MM=0) for
     lossless verification; llama-server as a user runs it has it on, and the bench compares
     against that: the peer is started without memspec's setting."""
-    assert os.environ["GGML_CPU_TILED_MM"] == "0"  # memspec's, in this process
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "0")  # as importing memspec set it
     binary = tmp_path / "llama-server"
     binary.write_text(FAKE_SERVER)
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
