@@ -495,9 +495,11 @@ def print_speedup_table(workload: str, section: dict) -> None:
     if c := section.get("ceiling_at_context"):
         print(f"  on the verify curve at {c['context_tokens']} tokens of context: "
               f"{c['with_prefill']:.2f} ({c['speedup']:.2f} decoding, k={c['k']})")  # fmt: skip
+    width = max([34, *(len(name) for name in section["configs"])])  # peer names run long
     # ms/tok: decoding's time per token, the prompt's share taken out (decode_ms_per_token).
     print(
-        f"{'config':34s} {'overall':>13s} {'ms/tok':>7s} " + " ".join(f"{c[:8]:>8s}" for c in cats)
+        f"{'config':{width}s} {'overall':>13s} {'ms/tok':>7s} "
+        + " ".join(f"{c[:8]:>8s}" for c in cats)
     )
     for name, e in section["configs"].items():
         o = e["overall"]
@@ -505,7 +507,7 @@ def print_speedup_table(workload: str, section: dict) -> None:
         cells = " ".join(f"{e['per_category'][c]['speedup']:8.2f}" for c in cats)
         same = "" if o["identical_to_plain"] else "  (outputs differ!)"
         print(
-            f"{name:34s} {o['speedup']:6.2f} ({o['worst_prompt_speedup'] or 0:4.2f}) "
+            f"{name:{width}s} {o['speedup']:6.2f} ({o['worst_prompt_speedup'] or 0:4.2f}) "
             f"{'-' if ms is None else f'{ms:.1f}':>7s} {cells}{same}"
         )
 
