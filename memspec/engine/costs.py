@@ -17,7 +17,6 @@ i.i.d. α fitted to that mix under-drafts the runs and over-drafts the misses.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -35,6 +34,7 @@ class RoundCosts:
     catchup_tokens: int  # context tokens the draft fed before proposing
     verify_s: float  # the target's seconds verifying
     first_s: float = 0.0  # of draft_s, its first forward's (the catch-up); 0: not known
+    context: int = 0  # the sequence's tokens when it was verified (its context band)
 
 
 def expected_tokens(alpha: float, k: int, alpha_cont: float | None = None) -> float:
@@ -56,17 +56,33 @@ CATCHUP_SHARE = 0.25
 COST_EMA = 0.1
 
 
+# Verify costs are learnt per context band: attention grows with rows × context and changes
+# the curve's shape at long contexts, so one band's measurements say little about another's
+# (Gemma 3 270M: nearly flat at 128 tokens of context; at 17k, 22.5 ms for one row and 194
+# for nine, where a draft cannot pay). Band 0 holds every context below BAND_START.
+BAND_START = 2048
+
+
+def context_band(context: int) -> int:
+    """0 below BAND_START tokens of context, then one band per doubling (2-4k is 1, 4-8k 2)."""
+    return (max(context, 0) // BAND_START).bit_length()
+
+
 @dataclass
 class CostModel:
     """Costs on this device: verify_s[b-1] is the calibrated time for a target batch of b,
     draft_s a model draft's calibrated time per proposed token.
 
-    Calibration happens once (and is cached), but the machine changes: other load, thermal
-    limits, a cache written while the box was busy. So every round's measured verify and draft
-    time corrects the estimates (observe): a batch size seen in use is estimated from its own
-    running mean; one not seen yet from its calibration times the running measured/calibrated
-    ratio of the sizes seen. Every decision reads the estimates of the moment: a verify
-    estimate is kept only until the next round's measurement moves it (_verify_memo).
+    Calibration happens once (and is cached), at a short context, but the machine changes
+    (other load, thermal limits, a cache written while the box was busy) and so does the
+    curve's shape with the context. So every round's measured verify and draft time corrects
+    the estimates (observe), verify times per context band (context_band): a batch size seen
+    in the band is estimated from its own running mean; one between two sizes seen from its
+    calibration plus their excess over calibration, interpolated; one beyond them from its
+    calibration times the nearest size's measured/calibrated ratio. A band with nothing
+    measured yet borrows the nearest shorter band's measurements. Every decision reads the
+    estimates of the moment: a verify estimate is kept only until the next round's
+    measurement moves it (_verify_memo).
     """
 
     verify_s: list[float]
@@ -80,24 +96,22 @@ class CostModel:
     # interpolated, beyond them extended from the last two.
     batch_s: dict[int, float] = field(default_factory=dict)
     _batch_seen: dict[int, float] = field(default_factory=dict, repr=False)
-    _verify_seen: dict[int, float] = field(default_factory=dict, repr=False)
+    _verify_seen: dict[int, dict[int, float]] = field(default_factory=dict, repr=False)  # band
     _draft_seen: dict[str, float] = field(default_factory=dict, repr=False)
     # A round's first draft forward (it also feeds the target's correction token) as measured
     # in use. Where the draft's threads sat idle through a long verify (a target split over
     # RPC workers) it costs far more than a later step: measured 46 ms against 19 ms for q8_0.
     _first_seen: dict[str, float] = field(default_factory=dict, repr=False)
-    _log_scale: float | None = field(default=None, repr=False)  # mean log(measured / calib.)
-    _verify_memo: dict[int, float] = field(default_factory=dict, repr=False)  # till observe()
+    # (band, batch) -> estimate, till observe()
+    _verify_memo: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
 
     def observe(self, m: RoundCosts) -> None:
         """One round as measured (RoundCosts): the verify and draft estimates move to it."""
         batch = m.drafted + 1
         if m.verify_s > 0:
             self._verify_memo.clear()
-            self._update(self._verify_seen, batch, m.verify_s)
-            ratio = math.log(m.verify_s / max(self._calibrated_verify(batch), 1e-9))
-            old = self._log_scale
-            self._log_scale = ratio if old is None else old + COST_EMA * (ratio - old)
+            band = self._verify_seen.setdefault(context_band(m.context), {})
+            self._update(band, batch, m.verify_s)
         d = m.draft_id
         if d in self.draft_s and m.drafted > 0 and m.draft_s > 0 and m.catchup_tokens <= 2:
             if m.first_s <= 0:
@@ -149,16 +163,38 @@ class CostModel:
             return rate
         return 1.0 / (1.0 / rate + self.catchup_s(draft_id) * gap / max(tokens_left, 1.0))
 
-    def verify(self, batch: int) -> float:
-        memo, seen = self._verify_memo, self._verify_seen
-        if batch not in memo and batch in seen:
-            memo[batch] = seen[batch]
-        elif batch not in memo:
-            scale = 1.0 if self._log_scale is None else math.exp(self._log_scale)
-            # A larger batch never costs less than a smaller one measured.
-            floor = max((v for b, v in seen.items() if b < batch), default=0.0)
-            memo[batch] = max(self._calibrated_verify(batch) * scale, floor)
-        return memo[batch]
+    def verify(self, batch: int, context: int = 0) -> float:
+        """Seconds for the target to verify `batch` tokens at `context` tokens of context."""
+        key = (context_band(context), batch)
+        if key not in self._verify_memo:
+            self._verify_memo[key] = self._estimate_verify(*key)
+        return self._verify_memo[key]
+
+    def _estimate_verify(self, band: int, batch: int) -> float:
+        seen = self._band_seen(band)
+        if batch in seen:
+            return seen[batch]
+        if not seen:
+            return self._calibrated_verify(batch)
+        calibrated = self._calibrated_verify
+        below = max((b for b in seen if b < batch), default=None)
+        above = min((b for b in seen if b > batch), default=None)
+        if below is None or above is None:  # beyond the sizes seen: the nearest one's ratio
+            near = above if below is None else below
+            return calibrated(batch) * seen[near] / max(calibrated(near), 1e-9)
+        # Between two sizes seen, what they cost above calibration, interpolated: exact where
+        # the band adds a cost linear in rows (attention at a long context).
+        excess = [seen[b] - calibrated(b) for b in (below, above)]
+        share = (batch - below) / (above - below)
+        return calibrated(batch) + excess[0] + share * (excess[1] - excess[0])
+
+    def _band_seen(self, band: int) -> dict[int, float]:
+        """The band's measured verify times; a band with none, the nearest shorter band's (a
+        sequence has just left it), else none (calibration is band 0's)."""
+        for shorter in range(band, -1, -1):
+            if self._verify_seen.get(shorter):
+                return self._verify_seen[shorter]
+        return {}
 
     def _calibrated_verify(self, batch: int) -> float:
         if batch <= len(self.verify_s):
@@ -167,15 +203,17 @@ class CostModel:
         slope = self.verify_s[-1] - self.verify_s[-2] if len(self.verify_s) > 1 else 0.0
         return self.verify_s[-1] + slope * (batch - len(self.verify_s))
 
-    def round_seconds(self, draft_id: str | None, k: int, load_s: float = 0.0) -> float:
+    def round_seconds(
+        self, draft_id: str | None, k: int, load_s: float = 0.0, context: int = 0
+    ) -> float:
         if draft_id is None or k == 0:
-            return self.verify(1)
+            return self.verify(1, context)
         step = self.draft_cost(draft_id)
         return (
             self._first_seen.get(draft_id, step)
             + step * (k - 1)
             + self.draft_overhead_s.get(draft_id, 0.0)
-            + self.verify(k + 1)
+            + self.verify(k + 1, context)
             + load_s
         )
 
@@ -186,11 +224,13 @@ class CostModel:
         k: int,
         load_s: float = 0.0,
         alpha_cont: float | None = None,
+        context: int = 0,
     ) -> float:
-        """Expected tokens per second of one round."""
+        """Expected tokens per second of one round at `context` tokens of context."""
         if draft_id is None or k == 0:
-            return 1.0 / self.verify(1)
-        return expected_tokens(alpha, k, alpha_cont) / self.round_seconds(draft_id, k, load_s)
+            return 1.0 / self.verify(1, context)
+        seconds = self.round_seconds(draft_id, k, load_s, context)
+        return expected_tokens(alpha, k, alpha_cont) / seconds
 
     def best_k(
         self,
@@ -199,17 +239,19 @@ class CostModel:
         k_max: int,
         alpha_cont: float | None = None,
         force: bool = False,
+        context: int = 0,
     ) -> tuple[int, float]:
-        """The k (0 = don't draft) maximising tokens/s for this draft at acceptance alpha.
+        """The k (0 = don't draft) maximising tokens/s for this draft at acceptance alpha, at
+        `context` tokens of context.
 
         force: at least k = 1 when k_max allows, for a draft that must be tried (bandits)."""
-        best_k, best_rate = 0, self.rate(None, alpha, 0)
+        best_k, best_rate = 0, self.rate(None, alpha, 0, context=context)
         for k in range(1, k_max + 1):
-            r = expected_tokens(alpha, k, alpha_cont) / self.round_seconds(draft_id, k)
+            r = self.rate(draft_id, alpha, k, alpha_cont=alpha_cont, context=context)
             if r > best_rate:
                 best_k, best_rate = k, r
         if force and best_k == 0 and k_max > 0:
-            return 1, self.rate(draft_id, alpha, 1, alpha_cont=alpha_cont)
+            return 1, self.rate(draft_id, alpha, 1, alpha_cont=alpha_cont, context=context)
         return best_k, best_rate
 
 

@@ -59,8 +59,8 @@ class DecisionRulePolicy:
 
     def choose(self, context, k_room, params, rng) -> Choice:
         self._score_shadows(context)
-        k_cap = min(self.k_max, k_room)
-        best, best_rate = Choice(None, 0), self.costs.rate(None, 0.0, 0)
+        k_cap, n = min(self.k_max, k_room), len(context)
+        best, best_rate = Choice(None, 0), self.costs.rate(None, 0.0, 0, context=n)
         if k_cap <= 0:
             return best
         for draft in self.drafts:
@@ -77,7 +77,7 @@ class DecisionRulePolicy:
             else:
                 key = draft.id
             alpha, cont = self.estimator.alpha(key), self.estimator.alpha_cont(key)
-            k, rate = self.costs.best_k(draft.id, alpha, limit, cont)
+            k, rate = self.costs.best_k(draft.id, alpha, limit, cont, context=n)
             if k > 0 and not draft.free:  # a model draft behind the context pays to catch up
                 rate = self.costs.with_catchup(
                     rate, draft.id, draft.catchup_tokens(context), k_room

@@ -390,7 +390,9 @@ class Sequence:
         if not batched:  # a batched pass's time is the batch's (costs.observe_batch)
             used = c.draft.id if drafted and c.draft is not None else None
             gap = proposal.catchup_tokens if proposal is not None else 0
-            costs = RoundCosts(used, len(drafted), t.propose_s, gap, t.verify_s, catchup)
+            costs = RoundCosts(
+                used, len(drafted), t.propose_s, gap, t.verify_s, catchup, len(self.ctx)
+            )
             self.policy.observe_costs(costs)
         for phase, seconds in (
             ("choose", t.choose_s),

@@ -1,4 +1,10 @@
-from memspec.engine.costs import AcceptanceEstimator, CostModel, RoundCosts, expected_tokens
+from memspec.engine.costs import (
+    AcceptanceEstimator,
+    CostModel,
+    RoundCosts,
+    context_band,
+    expected_tokens,
+)
 
 
 def test_expected_tokens():
@@ -146,3 +152,42 @@ def test_a_dear_first_forward_is_charged_once_per_round():
     plain = CostModel(verify_s=verify, draft_s={"d": 0.019})
     plain.observe(RoundCosts("d", 2, 0.050, 1, 0.121))
     assert abs(plain.round_seconds("d", 2) - (2 * plain.draft_cost("d") + 0.121)) < 1e-9
+
+
+def test_context_bands():
+    assert [context_band(n) for n in (0, 2047, 2048, 4095, 4096, 16_384, 17_218)] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        4,
+        4,
+    ]
+
+
+def test_verify_costs_are_learnt_per_context_band():
+    """Gemma 3 270M at 17k tokens of context: 22.5 ms for one row, about 215 ms for nine in
+    use, where the 128-token calibration was nearly flat. Scaling that flat curve by one
+    factor kept the rule drafting at 17k (its decoding lost to plain's: 26.6 against 21.8 ms
+    a token); learnt in the band, the rule stops there and still drafts at a short context."""
+    flat = [0.0050 + 0.0005 * b for b in range(9)]  # rows 1..9 at 128 tokens
+    costs = CostModel(verify_s=flat)
+    long = 17_000
+    # Nothing measured at 17k yet: the calibrated curve stands in, and the rule drafts.
+    assert costs.best_k("pl", 0.99, 8, 0.99, context=long)[0] == 8
+    for _ in range(20):
+        costs.observe(RoundCosts(None, 0, 0.0, 0, 0.0225, context=long))
+    # One row measured: the other sizes keep the calibrated shape, scaled by its ratio.
+    assert abs(costs.verify(9, long) - flat[8] * 0.0225 / flat[0]) < 1e-9
+    assert costs.best_k("pl", 0.99, 8, 0.99, context=long)[0] == 8  # the round that explores
+    costs.observe(RoundCosts("pl", 8, 0.0, 0, 0.215, context=long))
+    # Between the sizes measured, their excess over calibration is interpolated: the
+    # linear curve of attention at a long context.
+    assert abs(costs.verify(5, long) - (0.0225 + 4 * (0.215 - 0.0225) / 8)) < 1e-9
+    assert costs.best_k("pl", 0.99, 8, 0.99, context=long)[0] == 0
+    # The short band keeps its calibration, and a band measured by nothing borrows the
+    # nearest shorter one measured.
+    assert costs.verify(9, 500) == flat[8]
+    assert costs.best_k("pl", 0.99, 8, 0.99, context=500)[0] == 8
+    assert costs.verify(9, 40_000) == costs.verify(9, long)
