@@ -155,15 +155,8 @@ def test_a_dear_first_forward_is_charged_once_per_round():
 
 
 def test_context_bands():
-    assert [context_band(n) for n in (0, 2047, 2048, 4095, 4096, 16_384, 17_218)] == [
-        0,
-        0,
-        1,
-        1,
-        2,
-        4,
-        4,
-    ]
+    bands = {0: 0, 2047: 0, 2048: 1, 4095: 1, 4096: 2, 16_384: 4, 17_218: 4}
+    assert {n: context_band(n) for n in bands} == bands
 
 
 def test_verify_costs_are_learnt_per_context_band():
