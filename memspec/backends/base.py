@@ -79,9 +79,9 @@ class KVSnapshot:
 
     tokens: tuple[int, ...]
     data: bytes
-    # How many leading positions the multi-row kernel computed (repacked weights: see
+    # How many leading positions the multi-row kernels computed (the row rule: see
     # backends/llama_cpp.py), so a restored cache is extended the way a cold one would be.
-    gemm_prefix: int = 0
+    block_prefix: int = 0
 
     @property
     def nbytes(self) -> int:

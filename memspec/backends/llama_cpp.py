@@ -8,19 +8,22 @@ Lossless needs batch invariance: a position's logits must not depend on how many
 its batch, or a verification of k+1 tokens can flip a near-tie that single-token decoding
 resolves the other way. llama.cpp's CPU matmuls are invariant (one dot product per output, the
 same order for any batch) except three paths that sum in another order for a batch than for
-one row, all kept out of a target:
+one row:
 - llamafile's sgemm, which `scripts/setup.sh` builds out (`-DGGML_LLAMAFILE=OFF`);
-- the tiled K-quant matmul (Q3_K..Q6_K, taken from 8 rows on), off through its switch
-  `GGML_CPU_TILED_MM=0`, which importing memspec sets before the library first reads it;
 - weight repacking (Q4_0, Q4_K, IQ4_NL...): a matmul over a batch runs its rows in groups of
-  4 through a gemm kernel and the rest (fewer than 4) through gemv, which sum in another order
-  (logits differ by up to ~0.7 on Qwen2.5-Coder 1.5B Q4_K_M). A target keeps the repack's
-  speed with the *row rule* (BackendOptions.batch_invariant), which gives every position the
-  kernel a cold plain decoding gives it: a prompt pass of positions [start, end) computes
-  [0, end - end % 4) through gemm in groups aligned at position 0 and the rest through gemv
-  (`prompt_pass_start` says what must be computed again for that); generation passes go in
-  passes of at most 3 rows, all gemv. Each sequence keeps how far its gemm prefix reaches.
-`batch_invariant()` says whether this process has the first two off.
+  4 through a gemm kernel and the rest (fewer than 4) through gemv (logits differ by up to
+  ~0.7 on Qwen2.5-Coder 1.5B Q4_K_M);
+- ggml's tiled K-quant matmul (x86; Q2_K..Q6_K and IQ types llama.cpp did not repack, Q6_K in
+  a Q4_K_M file): a pass of 8 rows or more goes through it whole, fewer through vec_dot.
+A target keeps the last two's prompt speed (the tiled matmul: 1.27x prompt tokens/s on the
+1.5B, `memspec bench kernels`) under the *row rule* (BackendOptions.batch_invariant), which
+gives every position the kernels a cold plain decoding gives it: a prompt pass that ends at
+`end` computes [0, end - end % 8) in passes of whole blocks of 8 rows aligned at position 0
+(gemm and tiled on every row) and the rest as generation rows; generation passes have at most
+3 rows (7 without repacked weights), gemv and vec_dot as in a single-token decode.
+`prompt_pass_start` says what of a cached sequence must be computed again for that; each
+sequence keeps how far its block prefix reaches. `batch_invariant()` says whether this
+process has llamafile out and the tiled matmul not forced below its floor.
 
 Features (BackendOptions.features): the final hidden state of each returned row, read from
 llama.cpp's embeddings mode (its `t_embd`, the output layer's input), on only for the batches
@@ -33,6 +36,7 @@ import contextlib
 import ctypes
 import io
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -55,32 +59,62 @@ from memspec.kv_cache import ggml_type, sliding_window
 
 
 def batch_invariant() -> bool:
-    """Whether llama.cpp's CPU kernels give a position the same logits in any batch shape
-    (for a model loaded without weight repacking)."""
+    """Whether llama.cpp's CPU kernels, under the row rule, give a position the same logits in
+    any batch shape: llamafile's sgemm built out, and the tiled matmul not forced below 8 rows
+    (GGML_CPU_TILED_MM_FORCE, a test switch of ggml's)."""
     import llama_cpp
 
     info = llama_cpp.llama_print_system_info().decode(errors="replace")
-    return "LLAMAFILE = 1" not in info and os.environ.get("GGML_CPU_TILED_MM") == "0"
+    return "LLAMAFILE = 1" not in info and not _env_flag("GGML_CPU_TILED_MM_FORCE", False)
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    """A ggml switch as ggml reads it: unset is the default, else atoi(value) != 0."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    leading = re.match(r"\s*[+-]?(\d+)", value)
+    return leading is not None and int(leading.group(1)) != 0
 
 
 # llama.cpp's repacked matmul runs a batch's rows in groups of GEMM_ROWS through its gemm
 # kernel and the remainder through gemv (ggml-cpu/repack.cpp, forward_mul_mat_one_chunk).
 GEMM_ROWS = 4
+# ggml's tiled K-quant matmul takes a whole pass of at least TILED_MIN_ROWS rows
+# (ggml-cpu/tiled/tiled.cpp, ggml_tiled_min_batch), for the weight types in TILED_TYPES that
+# were not repacked; GGML_CPU_TILED_MM=0 turns it off.
+TILED_MIN_ROWS = 8
+TILED_TYPES = frozenset(
+    {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S"}
+    | {"IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"}
+)
+# A pass of whole blocks (a multiple of BLOCK_ROWS rows) meets gemm and the tiled matmul on
+# every row; a pass of fewer than GEMM_ROWS rows meets neither.
+BLOCK_ROWS = 8
 
 
-def prompt_pass_start(n_past: int, end: int, gemm_prefix: int) -> int:
+def tiled_weights(path: Path) -> bool:
+    """Whether ggml's tiled matmul may take some of this model's weights in this process."""
+    from memspec.memory.gguf_info import read_shape
+
+    if not _env_flag("GGML_CPU_TILED_MM", True):
+        return False
+    return not TILED_TYPES.isdisjoint(read_shape(path).bytes_by_type)
+
+
+def prompt_pass_start(n_past: int, end: int, block_prefix: int) -> int:
     """Where a prompt pass that extends a sequence of `n_past` cached positions to `end` must
-    start so that every position gets the kernel a cold pass over [0, end) gives it: gemm
-    below `body` = end rounded down to GEMM_ROWS, in groups aligned at 0; gemv from there.
-    `gemm_prefix`: how many leading cached positions gemm computed (the rest, gemv)."""
-    body = end - end % GEMM_ROWS
+    start so that every position gets the kernels a cold pass over [0, end) gives it: whole
+    blocks below `body` = end rounded down to BLOCK_ROWS, aligned at 0; rows from there.
+    `block_prefix`: how many leading cached positions blocks computed (the rest, rows)."""
+    body = end - end % BLOCK_ROWS
     start = n_past
-    if gemm_prefix < min(n_past, body):  # cached positions gemv computed that need gemm
-        start = gemm_prefix
-    if n_past > body and gemm_prefix > body:  # cached positions gemm computed that need gemv
+    if block_prefix < min(n_past, body):  # cached positions rows computed that need blocks
+        start = block_prefix
+    if n_past > body and block_prefix > body:  # cached positions blocks computed that need rows
         start = min(start, body)
-    if start < body:  # llama.cpp groups rows from the pass's first one
-        start -= start % GEMM_ROWS
+    if start < body:  # blocks are aligned at position 0
+        start -= start % BLOCK_ROWS
     return start
 
 
@@ -225,9 +259,13 @@ class LlamaCppBackend(SequenceContext):
             shared.notes["repacked"] = options.weight_repack and _repacked(buf.getvalue())
         self.repacked = bool(shared.notes.get("repacked", False))
         self.shares_weights = not shared.fresh
-        # The row rule (module docstring): only where repacked weights make the batch matter.
-        self._row_rule = self.repacked and options.batch_invariant and not options.features
-        self._gemm_prefix = [0] * n_seq  # per sequence: positions gemm computed
+        # The row rule (module docstring): only where repacked weights or the tiled matmul
+        # make the batch matter. A generation pass stays below both kernels' floors.
+        self.tiled = tiled_weights(path)
+        multi_row = self.repacked or self.tiled
+        self._row_rule = multi_row and options.batch_invariant and not options.features
+        self._row_pass = GEMM_ROWS - 1 if self.repacked else TILED_MIN_ROWS - 1
+        self._block_prefix = [0] * n_seq  # per sequence: positions whole blocks computed
         # A sliding window whose layers keep only it (KVCache.swa_full off): 0 when none.
         n_swa = llama_cpp.llama_model_n_swa(self._llm._model.model)
         self._n_swa = 0 if options.kv_cache.swa_full else max(0, n_swa)
@@ -284,9 +322,15 @@ class LlamaCppBackend(SequenceContext):
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """One sequence's tokens in chunks of n_batch: its logits (and features) rows."""
         if self._row_rule:
+            rows = len(tokens) if all_logits else 1
             if all_logits:
-                return self._forward_rows([(seq_id, n_past, tokens)], copy)[0], None
-            return self._forward_prompt(seq_id, n_past, tokens, copy), None
+                at, rest, last = n_past, tokens, None
+            else:
+                at, rest, last = self._prompt_blocks(seq_id, n_past, tokens)
+            if not rest:  # the prompt ended on a whole block: its pass gave the last logits
+                assert last is not None
+                return (last.copy() if copy else last), None
+            return self._forward_rows([(seq_id, at, rest, rows)], copy)[0], None
         ctx = self._llm._ctx
         features = self.options.features
         rows, feats = [], []
@@ -335,22 +379,26 @@ class LlamaCppBackend(SequenceContext):
         rows[0].flags.writeable = copy  # a view of llama.cpp's buffer is read-only
         return rows[0], out_features
 
-    def _forward_prompt(
-        self, seq_id: int, n_past: int, tokens: list[int], copy: bool
-    ) -> np.ndarray:
-        """A prompt pass under the row rule: computed again from prompt_pass_start (cached
-        positions whose kernel a cold pass would not have given them), in n_batch chunks (a
-        multiple of GEMM_ROWS, so the groups stay aligned). The last position's logits."""
+    def _prompt_blocks(
+        self, seq_id: int, n_past: int, tokens: list[int]
+    ) -> tuple[int, list[int], np.ndarray | None]:
+        """A prompt pass's whole blocks under the row rule: from prompt_pass_start (cached
+        positions whose kernels a cold pass would not have given them are computed again) to
+        the last multiple of BLOCK_ROWS, in n_batch chunks of whole blocks. Returns where the
+        rest starts and its tokens, to go as generation rows, and the last block's logits row
+        (a read-only view of llama.cpp's buffer) when a block was run."""
         end = n_past + len(tokens)
-        start = prompt_pass_start(n_past, end, self._gemm_prefix[seq_id])
+        body = end - end % BLOCK_ROWS
+        start = prompt_pass_start(n_past, end, self._block_prefix[seq_id])
         held = self._slots[seq_id].tokens  # the sequence's cached tokens (n_past of them)
         if start < n_past:
             self._truncate_seq(seq_id, start)
             tokens = [*held[start:n_past], *tokens]
         ctx = self._llm._ctx
+        step = max(BLOCK_ROWS, self._n_batch - self._n_batch % BLOCK_ROWS)
         out: np.ndarray | None = None
-        for i in range(start, end, self._n_batch):
-            chunk = tokens[i - start : i - start + self._n_batch]
+        for i in range(start, body, step):
+            chunk = tokens[i - start : min(i + step, body) - start]
             self._fill_batch([(seq_id, i, chunk, 1)])
             t = time.perf_counter()
             try:
@@ -360,68 +408,79 @@ class LlamaCppBackend(SequenceContext):
                 del held[min(i, n_past) :]  # the sequence's tokens: what its cache holds
                 raise
             self.decode_s += time.perf_counter() - t
-            self._gemm_prefix[seq_id] = min(end - end % GEMM_ROWS, i + len(chunk))
+            self._block_prefix[seq_id] = i + len(chunk)
             out = np.ctypeslib.as_array(ctx.get_logits(), shape=(1, self.n_vocab))
-        assert out is not None
-        if copy:
-            return out.copy()
-        out.flags.writeable = False
-        return out
+            out.flags.writeable = False
+        first_row = max(start, body)
+        return first_row, tokens[first_row - start :], out
 
     def _forward_rows(
-        self, entries: list[tuple[int, int, list[int]]], copy: bool
+        self, entries: list[tuple[int, int, list[int], int]], copy: bool
     ) -> list[np.ndarray]:
-        """Generation rows under the row rule: every row's logits, in passes of fewer than
-        GEMM_ROWS rows (all gemv, as a single-token decode), packed across entries."""
-        rows = [(seq, past + i, tok) for seq, past, toks in entries for i, tok in enumerate(toks)]
-        per_pass = GEMM_ROWS - 1
+        """(seq_id, n_past, tokens, rows) entries as generation rows under the row rule: in
+        passes of at most `_row_pass` rows (one-row kernels, as a single-token decode), packed
+        across entries. Each entry's last `rows` logits."""
+        rows = [
+            (seq, past + i, tok, i >= len(toks) - n)
+            for seq, past, toks, n in entries
+            for i, tok in enumerate(toks)
+        ]
+        per_pass = self._row_pass
         ctx = self._llm._ctx
         lone = len(rows) <= per_pass and not copy  # one pass, read in place
         outs: list[np.ndarray] = []
         for at in range(0, len(rows), per_pass):
             part = rows[at : at + per_pass]
-            self._fill_batch([(seq, pos, [tok], 1) for seq, pos, tok in part])
+            wanted = any(want for *_, want in part)
+            if not wanted:  # llama.cpp outputs a row at least: a pass of prompt rows, its last
+                part[-1] = (*part[-1][:3], True)
+            n_out = self._fill_batch([(seq, pos, [tok], int(w)) for seq, pos, tok, w in part])
             t = time.perf_counter()
             try:
                 ctx.decode(self._llm._batch)
             except Exception:
-                for seq, past, _ in entries:
+                for seq, past, _, _ in entries:
                     self._truncate_seq(seq, past)
+                    del self._slots[seq].tokens[past:]  # prompt rows computed again, if any
                 raise
             self.decode_s += time.perf_counter() - t
-            out = np.ctypeslib.as_array(ctx.get_logits(), shape=(len(part), self.n_vocab))
-            # The next pass overwrites the buffer: only a lone pass may stay a view.
-            outs.append(out if lone else out.copy())
-        logits = outs[0] if len(outs) == 1 else np.concatenate(outs)
+            if wanted:
+                out = np.ctypeslib.as_array(ctx.get_logits(), shape=(n_out, self.n_vocab))
+                # The next pass overwrites the buffer: only a lone pass may stay a view.
+                outs.append(out if lone else out.copy())
+        if not outs:
+            logits = np.zeros((0, self.n_vocab), dtype=np.float32)
+        else:
+            logits = outs[0] if len(outs) == 1 else np.concatenate(outs)
         logits.flags.writeable = not lone  # a view of llama.cpp's buffer is read-only
         result, at = [], 0
-        for _, _, toks in entries:
-            result.append(logits[at : at + len(toks)])
-            at += len(toks)
+        for *_, n in entries:
+            result.append(logits[at : at + n])
+            at += n
         return result
 
     def _forward_many(
         self, entries: list[tuple[int, int, list[int], int]]
     ) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
         if self._row_rule:
-            # An entry's tokens without logits are prompt (a pass of its own each), those
-            # with logits generation rows (verified, or a prompt's last token): in that order.
+            # An entry's tokens without logits are prompt (whole blocks in passes of their own
+            # each), the rest generation rows (a prompt's last partial block, verified tokens).
             try:
+                gen = []
                 for seq, past, tokens, rows in entries:
+                    at, rest = past, tokens
                     if len(tokens) > rows:
-                        self._forward_prompt(seq, past, tokens[: len(tokens) - rows], copy=False)
-                gen = [
-                    (seq, past + len(tokens) - rows, tokens[len(tokens) - rows :])
-                    for seq, past, tokens, rows in entries
-                    if rows
-                ]
-                outs = iter(self._forward_rows(gen, copy=False) if gen else [])
+                        at, rest, _ = self._prompt_blocks(seq, past, tokens[: len(tokens) - rows])
+                        rest = [*rest, *tokens[len(tokens) - rows :]]
+                    gen.append((seq, at, rest, rows))
+                outs = self._forward_rows([g for g in gen if g[2]], copy=False)
             except Exception:  # no entry's tokens are added: neither is its cache
                 for seq, past, _, _ in entries:
                     self._truncate_seq(seq, min(past, len(self._slots[seq].tokens)))
                 raise
             empty = np.zeros((0, self.n_vocab), dtype=np.float32)
-            return [next(outs) if rows else empty for *_, rows in entries], [None] * len(entries)
+            got = iter(outs)
+            return [next(got) if g[2] else empty for g in gen], [None] * len(entries)
         total = sum(len(tokens) for _, _, tokens, _ in entries)
         if total > self._n_batch:
             raise ValueError(f"a batch of {total} tokens exceeds n_batch {self._n_batch}")
@@ -494,13 +553,13 @@ class LlamaCppBackend(SequenceContext):
             self._embeddings_on = on
 
     def _truncate_seq(self, seq_id: int, n: int) -> None:
-        self._gemm_prefix[seq_id] = min(self._gemm_prefix[seq_id], n)
+        self._block_prefix[seq_id] = min(self._block_prefix[seq_id], n)
         if not self._llm._ctx.kv_cache_seq_rm(seq_id, n, -1):
             raise RuntimeError(f"llama.cpp refused to truncate sequence {seq_id} to {n}")
 
     def _reusable_seq(self, seq_id: int, n: int, end: int) -> int:
         if self._row_rule:
-            n = prompt_pass_start(n, end, min(self._gemm_prefix[seq_id], n))
+            n = prompt_pass_start(n, end, min(self._block_prefix[seq_id], n))
         return n if self._window_held(seq_id, n) else 0
 
     def _window_held(self, seq_id: int, n: int) -> bool:
@@ -528,7 +587,7 @@ class LlamaCppBackend(SequenceContext):
         return KVSnapshot(
             tokens=tuple(tokens),
             data=ctypes.string_at(buf, n),
-            gemm_prefix=min(self._gemm_prefix[seq_id], len(tokens)),
+            block_prefix=min(self._block_prefix[seq_id], len(tokens)),
         )
 
     def _restore_seq(self, seq_id: int, snapshot: KVSnapshot) -> bool:
@@ -541,7 +600,7 @@ class LlamaCppBackend(SequenceContext):
         if llama_cpp.llama_state_seq_set_data(self._llm._ctx.ctx, src, len(src), seq_id) == 0:
             self._truncate_seq(seq_id, 0)  # a failed load leaves it unknown
             return False
-        self._gemm_prefix[seq_id] = snapshot.gemm_prefix
+        self._block_prefix[seq_id] = snapshot.block_prefix
         return True
 
     def close(self) -> None:
@@ -561,9 +620,10 @@ class LlamaCppBackend(SequenceContext):
             # Offloaded layers run GPU kernels, whose invariance this does not establish; RPC
             # workers (memspec rpc-worker, set up from the same build) run the CPU's.
             "weight_repack": self.repacked,
+            "tiled_matmul": self.tiled,
             "batch_invariant": batch_invariant()
             and (self.options.n_gpu_layers == 0 or bool(self.options.rpc))
-            and (not self.repacked or self._row_rule),
+            and (self._row_rule or not (self.repacked or self.tiled)),
         }
 
     def kv_layout(self) -> tuple[object, ...] | None:

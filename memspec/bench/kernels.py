@@ -7,9 +7,10 @@ GGML_CPU_TILED_MM once per process) and measures, on one prompt of real text:
 - the verify curve (ms per pass of n rows after a rollback, as verification runs them);
 - whether every pass size gives the logits of single steps bit for bit (and the largest gap).
 
-Configurations: the target's weights as stored (`plain`), repacked under the row rule
-(`repack+rule`, the daemon's default), repacked without it (`repack`: what a server that does
-not promise bit-exactness runs), and repacked with ggml's tiled K-quant matmul (`repack+tiled`,
+Configurations: the target's weights as stored with neither multi-row kernel (`plain`),
+repacked under the row rule with ggml's tiled K-quant matmul off (`repack+rule`, wave 3's
+default) and on (`repack+tiled+rule`, the daemon's default), and without the rule (`repack`,
+`repack+tiled`: what a server that does not promise bit-exactness runs; the second is
 llama-server's kernels). Ratios are to `plain` from the same run.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 CONFIGS: dict[str, tuple[str, bool, bool]] = {
     "plain": ("0", False, True),
     "repack+rule": ("0", True, True),
+    "repack+tiled+rule": ("1", True, True),
     "repack": ("0", True, False),
     "repack+tiled": ("1", True, False),
 }

@@ -5,8 +5,10 @@ llama-cpp-python vendors, with the same CMake flags as the installed library, an
 `data/bin/llama-server` (or named by $MEMSPEC_LLAMA_SERVER). Its rate is llama-server's own
 timing of prompt processing plus decoding (`timings.prompt_ms + predicted_ms`), the same span
 as memspec's `elapsed_s`: no process start, no model load, no HTTP. The prompt's share is kept
-apart (`prefill_s`), as memspec's is, so a gap can be placed in prefill or in decoding. It runs
-llama.cpp's own kernels (peer_environment), not the batch-invariant ones memspec chooses.
+apart (`prefill_s`), as memspec's is, so a gap can be placed in prefill or in decoding. It
+runs llama.cpp's own kernels on every pass (a verification's rows through gemm and the tiled
+matmul too), where memspec keeps the row rule (backends/llama_cpp.py) for bit-exact
+verification.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import memspec
 from memspec.config import Settings, env_llama_server
 from memspec.paths import data_dir, resolve_model_path
 
@@ -86,18 +87,6 @@ def generated_tokens(out: dict, eos: frozenset[int]) -> list[int]:
     return tokens
 
 
-def peer_environment() -> dict[str, str]:
-    """The peer's environment: ours without the GGML_CPU_TILED_MM=0 that importing memspec
-    set, so llama-server runs its own kernels (the tiled K-quant matmul on: prompt processing
-    49.3 against 43.7 tokens/s on the 1.5B at 1 thread, docs/scheduling.md; not
-    batch-invariant), as its users run it. An operator's own
-    setting is kept."""
-    env = dict(os.environ)
-    if memspec.TILED_MM_SET_BY_MEMSPEC:
-        env.pop("GGML_CPU_TILED_MM", None)
-    return env
-
-
 class PeerServer:
     def __init__(self, binary: Path, settings: Settings, flags: list[str], timeout_s: float = 120):
         with socket.socket() as s:
@@ -112,9 +101,7 @@ class PeerServer:
         # Its log goes to a file, not a pipe: nobody reads a pipe while it serves, and once
         # 64 KiB of per-request log filled it, llama-server blocked in write() mid-benchmark.
         self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=self.log, env=peer_environment()
-        )
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:

@@ -164,12 +164,15 @@ def test_truncate_and_reeval_gives_the_same_features(on, toks):
 
 def test_gemma_features_batch_invariant_and_logits_unchanged():
     """Gemma 3 270M Q4_K_M (262k vocabulary, K-quant weights): features of a batch equal single
-    steps, logits are those of a features-off load, features @ output rows give the logits."""
+    steps, logits are those of a features-off load, features @ output rows give the logits.
+    The batch has 7 rows: from 8 on ggml's tiled matmul takes its Q6_K weights, which sums in
+    another order, and a features target runs without the row rule (backends/llama_cpp.py)."""
     path = require_gemma()
     on = load_backend(path, BackendOptions(n_ctx=64, n_threads=1, features=True))
     off = load_backend(path, BackendOptions(n_ctx=64, n_threads=1))
     try:
-        toks = on.tokenize(TEXT)[:12]
+        assert not on.describe()["batch_invariant"]  # the tiled matmul, without the rule
+        toks = on.tokenize(TEXT)[:11]
         assert np.array_equal(on.eval(toks[:4], all_logits=False), off.eval(toks[:4], False))
         batch = on.eval(toks[4:])
         feats = on.last_features()

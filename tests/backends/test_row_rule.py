@@ -1,6 +1,7 @@
-"""The row rule (backends/llama_cpp.py): a target with llama.cpp's repacked weights gives
-every position the kernel a cold plain decoding gives it, whatever its cache held before, how
-its prompt was chunked, and what shared its passes."""
+"""The row rule (backends/llama_cpp.py): a target whose multi-row kernels (repacked weights'
+gemm, ggml's tiled K-quant matmul) make the batch matter gives every position the kernels a
+cold plain decoding gives it, whatever its cache held before, how its prompt was chunked, and
+what shared its passes."""
 
 from __future__ import annotations
 
@@ -10,45 +11,53 @@ import numpy as np
 import pytest
 
 from memspec.backends.base import BackendOptions, load_backend
-from memspec.backends.llama_cpp import GEMM_ROWS, prompt_pass_start
+from memspec.backends.llama_cpp import BLOCK_ROWS, GEMM_ROWS, TILED_MIN_ROWS, prompt_pass_start
+
+ROW_PASS = GEMM_ROWS - 1  # the rule's generation passes on repacked weights
+CHUNK = 16  # n_batch, small enough that prompts here come in several chunks
 
 
 class KernelMap:
-    """Which kernel llama.cpp's repacked matmul gives each cached position: a pass of n rows
-    runs its first n - n % 4 through gemm in groups from its first row, the rest through gemv."""
+    """Which kernels llama.cpp gives each cached position: a pass of n rows runs its first
+    n - n % 4 through the repacked gemm in groups from its first row and the rest through gemv,
+    and all of them through the tiled matmul if n >= 8, else through vec_dot."""
 
     def __init__(self) -> None:
-        self.kernels: list[str] = []
-        self.gemm_prefix = 0
+        self.kernels: list[tuple[str, str]] = []
+        self.block_prefix = 0
 
     def run_pass(self, n: int) -> None:
         gemm = n - n % GEMM_ROWS
-        self.kernels += ["gemm"] * gemm + ["gemv"] * (n - gemm)
+        tiled = "tiled" if n >= TILED_MIN_ROWS else "vec_dot"
+        self.kernels += [("gemm", tiled)] * gemm + [("gemv", tiled)] * (n - gemm)
 
-    def prompt(self, n: int) -> None:  # what _forward_prompt does
+    def prompt(self, n: int) -> None:  # what _prompt_blocks and then _forward_rows do
         end = len(self.kernels) + n
-        start = prompt_pass_start(len(self.kernels), end, self.gemm_prefix)
+        body = end - end % BLOCK_ROWS
+        start = prompt_pass_start(len(self.kernels), end, self.block_prefix)
         self.truncate(start)
-        self.run_pass(end - start)
-        self.gemm_prefix = end - end % GEMM_ROWS
+        for i in range(start, body, CHUNK):
+            self.run_pass(min(CHUNK, body - i))
+            self.block_prefix = len(self.kernels)
+        self.generate(end - len(self.kernels))
 
     def generate(self, n: int) -> None:  # what _forward_rows does: passes of < 4 rows
-        for _ in range(n):
-            self.run_pass(1)
+        for i in range(0, n, ROW_PASS):
+            self.run_pass(min(ROW_PASS, n - i))
 
     def truncate(self, n: int) -> None:
         del self.kernels[n:]
-        self.gemm_prefix = min(self.gemm_prefix, n)
+        self.block_prefix = min(self.block_prefix, n)
 
     def reuse(self, n: int, end: int) -> int:  # what _reusable_seq does
-        kept = prompt_pass_start(n, end, min(self.gemm_prefix, n))
+        kept = prompt_pass_start(n, end, min(self.block_prefix, n))
         self.truncate(kept)
         return kept
 
 
-def cold(end: int) -> list[str]:
-    body = end - end % GEMM_ROWS
-    return ["gemm"] * body + ["gemv"] * (end - body)
+def cold(end: int) -> list[tuple[str, str]]:
+    body = end - end % BLOCK_ROWS
+    return [("gemm", "tiled")] * body + [("gemv", "vec_dot")] * (end - body)
 
 
 def test_every_prompt_pass_leaves_the_kernels_of_a_cold_one():
@@ -61,7 +70,7 @@ def test_every_prompt_pass_leaves_the_kernels_of_a_cold_one():
         for _ in range(rng.randint(1, 8)):
             op = rng.choice(["prompt", "chunks", "generate", "truncate", "reuse"])
             if op == "prompt":
-                seq.prompt(rng.randint(1, 40))
+                seq.prompt(rng.randint(1, 60))
             elif op == "chunks":
                 for _ in range(rng.randint(2, 5)):
                     seq.prompt(rng.randint(1, 9))
@@ -82,16 +91,20 @@ def test_every_prompt_pass_leaves_the_kernels_of_a_cold_one():
     assert recomputed > 0  # the histories did need positions computed again
 
 
-@pytest.fixture(scope="module")
-def repacked():
-    """Gemma 3 270M Q4_K_M, repacked, under the row rule, two sequence slots."""
+@pytest.fixture(scope="module", params=["repacked", "stored"])
+def ruled(request):
+    """Gemma 3 270M Q4_K_M under the row rule, two sequence slots: repacked (gemm and, for its
+    Q6_K weights, the tiled matmul) and as stored (the tiled matmul for all of them)."""
     from launcher import require_gemma
 
+    repack = request.param == "repacked"
     options = BackendOptions(
-        n_ctx=512, n_threads=1, n_seq=2, weight_repack=True, batch_invariant=True
+        n_ctx=512, n_threads=1, n_seq=2, weight_repack=repack, batch_invariant=True
     )
     be = load_backend(require_gemma(), options)
-    assert be.describe()["weight_repack"] and be.describe()["batch_invariant"]
+    described = be.describe()
+    assert described["weight_repack"] == repack and described["tiled_matmul"]
+    assert described["batch_invariant"]
     yield be
     be.close()
 
@@ -107,8 +120,8 @@ def _rows(be, tokens):
     return np.concatenate([be.eval([t]).copy() for t in tokens])
 
 
-def test_cached_chunked_and_batched_prompts_give_cold_logits(repacked):
-    be = repacked
+def test_cached_chunked_and_batched_prompts_give_cold_logits(ruled):
+    be = ruled
     toks = be.tokenize(TEXT)
     assert len(toks) >= 70
     prompt, gen = toks[:41], toks[41:57]
@@ -119,8 +132,8 @@ def test_cached_chunked_and_batched_prompts_give_cold_logits(repacked):
         return _rows(be, gen)
 
     ref = reference()
-    # Verification passes of every size.
-    for k in (2, 3, 4, 5, 8):
+    # Verification passes of every size (from 8 rows on, ones the tiled matmul would take).
+    for k in (2, 3, 4, 5, 8, 9):
         be.truncate(len(prompt))
         got = np.concatenate([be.eval(gen[i : i + k]) for i in range(0, len(gen), k)])
         assert np.array_equal(got, ref), f"verify k={k}"
@@ -153,20 +166,23 @@ def test_cached_chunked_and_batched_prompts_give_cold_logits(repacked):
     be.reset()
     be.eval(prompt, all_logits=False)
     snapshot = be.kv_snapshot()
-    assert snapshot is not None and snapshot.gemm_prefix == len(prompt) - len(prompt) % 4
+    assert snapshot is not None and snapshot.block_prefix == len(prompt) - len(prompt) % 8
     slot1.kv_restore(snapshot)
     assert np.array_equal(_rows(slot1, gen), ref), "restored snapshot"
 
 
-def test_a_lone_generation_pass_is_read_in_place(repacked):
-    """Greedy decoding reads each row's argmax off llama.cpp's buffer: a pass of fewer than 4
-    rows is one decode and comes back as a read-only view, not a copy."""
-    be = repacked
+def test_a_lone_generation_pass_is_read_in_place(ruled):
+    """Greedy decoding reads each row's argmax off llama.cpp's buffer: a pass within the rule's
+    row limit (3 rows repacked, 7 as stored) is one decode and comes back as a read-only view,
+    not a copy."""
+    be = ruled
+    row_pass = GEMM_ROWS - 1 if be.describe()["weight_repack"] else TILED_MIN_ROWS - 1
     be.reset()
     toks = be.tokenize(TEXT)
     be.eval(toks[:20], all_logits=False)
-    view = be.eval(toks[20:23], copy=False)
+    view = be.eval(toks[20 : 20 + row_pass], copy=False)
     assert not view.flags.writeable and not view.flags.owndata
-    longer = be.eval(toks[23:28], copy=False)  # two decodes: copied out of the buffer
-    assert longer.shape[0] == 5 and longer.flags.writeable
+    at = 20 + row_pass
+    longer = be.eval(toks[at : at + row_pass + 2], copy=False)  # two decodes: copied out
+    assert longer.shape[0] == row_pass + 2 and longer.flags.writeable
     assert not np.shares_memory(longer, view)

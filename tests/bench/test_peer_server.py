@@ -4,16 +4,15 @@ on demand): its log must never block it."""
 from __future__ import annotations
 
 import stat
+import subprocess
 import sys
 import textwrap
 
-import memspec
 from memspec.bench.peer_server import (
     PeerServer,
     completion,
     generated_tokens,
     kv_flags,
-    peer_environment,
 )
 
 # Logs 256 KiB (llama-server logs every request) before it answers /health: a pipe nobody
@@ -95,20 +94,19 @@ def test_the_prompts_share_of_llama_servers_time_is_kept_apart():
 
 
 def test_the_peer_runs_llama_cpps_own_kernels(tmp_path, settings, monkeypatch):
-    """Importing memspec turns ggml's tiled K-quant matmul off (GGML_CPU_TILED_MM=0) for
-    lossless verification; llama-server as a user runs it has it on, and the bench compares
-    against that: the peer is started without memspec's setting."""
-    monkeypatch.setenv("GGML_CPU_TILED_MM", "0")  # as importing memspec set it
+    """memspec leaves ggml's tiled K-quant matmul on (the row rule keeps verification exact
+    beside it), so llama-server, started from memspec's process, runs it as its users do:
+    importing memspec sets no GGML_CPU_TILED_MM, and the peer inherits none."""
+    monkeypatch.delenv("GGML_CPU_TILED_MM", raising=False)
+    probe = "import os, memspec.cli; print(os.environ.get('GGML_CPU_TILED_MM', 'unset'))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.stdout.strip() == "unset", done.stderr
     binary = tmp_path / "llama-server"
     binary.write_text(FAKE_SERVER)
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setattr(memspec, "TILED_MM_SET_BY_MEMSPEC", True)
     server = PeerServer(binary, settings, [], timeout_s=20)
     try:  # it answered /health: its first line is written
         server.log.seek(0)
         assert server.log.readline() == b"GGML_CPU_TILED_MM=unset\n"
     finally:
         server.close()
-    # An operator who set it themselves gets their setting in the peer too.
-    monkeypatch.setattr(memspec, "TILED_MM_SET_BY_MEMSPEC", False)
-    assert peer_environment()["GGML_CPU_TILED_MM"] == "0"
