@@ -15,7 +15,7 @@ one row:
   ~0.7 on Qwen2.5-Coder 1.5B Q4_K_M);
 - ggml's tiled K-quant matmul (x86; Q2_K..Q6_K and IQ types llama.cpp did not repack, Q6_K in
   a Q4_K_M file): a pass of 8 rows or more goes through it whole, fewer through vec_dot.
-A target keeps the last two's prompt speed (the tiled matmul: 1.27x prompt tokens/s on the
+A target keeps the last two's prompt speed (the tiled matmul: 1.25x prompt tokens/s on the
 1.5B, `memspec bench kernels`) under the *row rule* (BackendOptions.batch_invariant), which
 gives every position the kernels a cold plain decoding gives it: a prompt pass that ends at
 `end` computes [0, end - end % 8) in passes of whole blocks of 8 rows aligned at position 0
@@ -93,15 +93,6 @@ TILED_TYPES = frozenset(
 BLOCK_ROWS = 8
 
 
-def tiled_weights(path: Path) -> bool:
-    """Whether ggml's tiled matmul may take some of this model's weights in this process."""
-    from memspec.memory.gguf_info import read_shape
-
-    if not _env_flag("GGML_CPU_TILED_MM", True):
-        return False
-    return not TILED_TYPES.isdisjoint(read_shape(path).bytes_by_type)
-
-
 def prompt_pass_start(n_past: int, end: int, block_prefix: int) -> int:
     """Where a prompt pass that extends a sequence of `n_past` cached positions to `end` must
     start so that every position gets the kernels a cold pass over [0, end) gives it: whole
@@ -121,6 +112,11 @@ def prompt_pass_start(n_past: int, end: int, block_prefix: int) -> int:
 def _repacked(load_log: str) -> bool:
     """Whether llama.cpp put any weights in its repacked buffer (its load log names it)."""
     return "CPU_REPACK model buffer size" in load_log
+
+
+def _weight_types(load_log: str) -> set[str]:
+    """The weight types the model's file holds (its load log lists them: `- type q6_K: ...`)."""
+    return {m.upper() for m in re.findall(r"- type\s+(\w+):\s+\d+ tensors", load_log)}
 
 
 _params_lock = threading.Lock()
@@ -202,7 +198,8 @@ class LlamaCppBackend(SequenceContext):
                     options.weight_repack, n_seq, devices, weights_key(path, options), options.role
                 ),
             ):
-                # verbose: the load log (in buf) says whether any weights were repacked.
+                # verbose: the load log (in buf) says which weight types the file holds and
+                # whether any were repacked.
                 self._llm = llama_cpp.Llama(
                     model_path=str(path),
                     n_ctx=options.n_ctx * n_seq,  # n_ctx per sequence
@@ -218,13 +215,13 @@ class LlamaCppBackend(SequenceContext):
                     type_v=ggml_type(options.kv_cache.type_v),
                     flash_attn=options.kv_cache.flash_attn,
                     swa_full=options.kv_cache.swa_full,
-                    verbose=options.weight_repack,
+                    verbose=True,
                     **extra,
                 )
-                if options.weight_repack:
-                    from llama_cpp._logger import set_verbose
+                from llama_cpp._logger import set_verbose
 
-                    set_verbose(False)  # llama.cpp's later logs stay quiet
+                set_verbose(False)  # llama.cpp's later logs stay quiet
+                self._llm.verbose = False  # and llama-cpp-python's own
         except Exception as e:  # llama.cpp reports a corrupt file as a bare ValueError
             raise ModelLoadError(f"failed to load {path.name}: {e}", param="model") from e
         # What each slot holds (llama.cpp rounds a sequence's context up to 256 cells).
@@ -257,11 +254,14 @@ class LlamaCppBackend(SequenceContext):
         shared: SharedModel = self._llm._model
         if shared.fresh:
             shared.notes["repacked"] = options.weight_repack and _repacked(buf.getvalue())
+            shared.notes["weight_types"] = _weight_types(buf.getvalue())
         self.repacked = bool(shared.notes.get("repacked", False))
         self.shares_weights = not shared.fresh
         # The row rule (module docstring): only where repacked weights or the tiled matmul
         # make the batch matter. A generation pass stays below both kernels' floors.
-        self.tiled = tiled_weights(path)
+        weight_types: set[str] = shared.notes.get("weight_types", set())
+        tiled_on = _env_flag("GGML_CPU_TILED_MM", True)
+        self.tiled = tiled_on and not TILED_TYPES.isdisjoint(weight_types)
         multi_row = self.repacked or self.tiled
         self._row_rule = multi_row and options.batch_invariant and not options.features
         self._row_pass = GEMM_ROWS - 1 if self.repacked else TILED_MIN_ROWS - 1
