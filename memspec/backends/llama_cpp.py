@@ -27,7 +27,9 @@ process has llamafile out and the tiled matmul not forced below its floor.
 
 Features (BackendOptions.features): the final hidden state of each returned row, read from
 llama.cpp's embeddings mode (its `t_embd`, the output layer's input), on only for the batches
-whose rows are returned. The graph is the same with it on, so logits keep their bits.
+whose rows are returned. The graph is the same with it on, so logits keep their bits; under
+the row rule that holds for generation passes only (each row on one-row kernels, whatever a
+pass outputs), so a prompt that ends on a whole block returns no feature.
 """
 
 from __future__ import annotations
@@ -263,7 +265,7 @@ class LlamaCppBackend(SequenceContext):
         tiled_on = _env_flag("GGML_CPU_TILED_MM", True)
         self.tiled = tiled_on and not TILED_TYPES.isdisjoint(weight_types)
         multi_row = self.repacked or self.tiled
-        self._row_rule = multi_row and options.batch_invariant and not options.features
+        self._row_rule = multi_row and options.batch_invariant
         self._row_pass = GEMM_ROWS - 1 if self.repacked else TILED_MIN_ROWS - 1
         self._block_prefix = [0] * n_seq  # per sequence: positions whole blocks computed
         # A sliding window whose layers keep only it (KVCache.swa_full off): 0 when none.
@@ -321,6 +323,7 @@ class LlamaCppBackend(SequenceContext):
         self, seq_id: int, n_past: int, tokens: list[int], all_logits: bool, copy: bool
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """One sequence's tokens in chunks of n_batch: its logits (and features) rows."""
+        features = self.options.features
         if self._row_rule:
             rows = len(tokens) if all_logits else 1
             if all_logits:
@@ -328,11 +331,13 @@ class LlamaCppBackend(SequenceContext):
             else:
                 at, rest, last = self._prompt_blocks(seq_id, n_past, tokens)
             if not rest:  # the prompt ended on a whole block: its pass gave the last logits
+                # (and no features: in embeddings mode the block's last layer would run on
+                # all 8 rows, other kernels than the one row it gives the logits)
                 assert last is not None
                 return (last.copy() if copy else last), None
-            return self._forward_rows([(seq_id, at, rest, rows)], copy)[0], None
+            outs, feats = self._forward_rows([(seq_id, at, rest, rows)], copy, features)
+            return outs[0], feats[0]
         ctx = self._llm._ctx
-        features = self.options.features
         rows, feats = [], []
         starts = list(range(0, len(tokens), self._n_batch))
         if features and not all_logits and len(tokens) - starts[-1] > 1:
@@ -397,6 +402,8 @@ class LlamaCppBackend(SequenceContext):
         ctx = self._llm._ctx
         step = max(BLOCK_ROWS, self._n_batch - self._n_batch % BLOCK_ROWS)
         out: np.ndarray | None = None
+        if self.options.features:  # embeddings mode would output (and pay for) every row
+            self._set_embeddings(False)
         for i in range(start, body, step):
             chunk = tokens[i - start : min(i + step, body) - start]
             self._fill_batch([(seq_id, i, chunk, 1)])
@@ -415,11 +422,13 @@ class LlamaCppBackend(SequenceContext):
         return first_row, tokens[first_row - start :], out
 
     def _forward_rows(
-        self, entries: list[tuple[int, int, list[int], int]], copy: bool
-    ) -> list[np.ndarray]:
+        self, entries: list[tuple[int, int, list[int], int]], copy: bool, features: bool = False
+    ) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
         """(seq_id, n_past, tokens, rows) entries as generation rows under the row rule: in
         passes of at most `_row_pass` rows (one-row kernels, as a single-token decode), packed
-        across entries. Each entry's last `rows` logits."""
+        across entries. Each entry's last `rows` logits, and their features if `features`
+        (embeddings mode then outputs every row of a pass: below the kernels' floors each row
+        runs the one-row kernels however many a pass outputs, so the logits keep their bits)."""
         rows = [
             (seq, past + i, tok, i >= len(toks) - n)
             for seq, past, toks, n in entries
@@ -427,14 +436,21 @@ class LlamaCppBackend(SequenceContext):
         ]
         per_pass = self._row_pass
         ctx = self._llm._ctx
-        lone = len(rows) <= per_pass and not copy  # one pass, read in place
+        lone = len(rows) <= per_pass and not copy and not features  # one pass, read in place
         outs: list[np.ndarray] = []
+        embs: list[np.ndarray] = []
         for at in range(0, len(rows), per_pass):
             part = rows[at : at + per_pass]
-            wanted = any(want for *_, want in part)
-            if not wanted:  # llama.cpp outputs a row at least: a pass of prompt rows, its last
-                part[-1] = (*part[-1][:3], True)
-            n_out = self._fill_batch([(seq, pos, [tok], int(w)) for seq, pos, tok, w in part])
+            wanted = [want for *_, want in part]
+            if self.options.features:
+                self._set_embeddings(features and any(wanted))
+            if self._embeddings_on:
+                asked = [True] * len(part)
+            else:  # llama.cpp outputs a row at least: a pass of prompt rows, its last
+                asked = wanted if any(wanted) else [False] * (len(part) - 1) + [True]
+            n_out = self._fill_batch(
+                [(row[0], row[1], [row[2]], int(a)) for row, a in zip(part, asked, strict=True)]
+            )
             t = time.perf_counter()
             try:
                 ctx.decode(self._llm._batch)
@@ -444,20 +460,30 @@ class LlamaCppBackend(SequenceContext):
                     del self._slots[seq].tokens[past:]  # prompt rows computed again, if any
                 raise
             self.decode_s += time.perf_counter() - t
-            if wanted:
+            if any(wanted):
                 out = np.ctypeslib.as_array(ctx.get_logits(), shape=(n_out, self.n_vocab))
-                # The next pass overwrites the buffer: only a lone pass may stay a view.
-                outs.append(out if lone else out.copy())
+                if self._embeddings_on:  # every row out: the wanted ones (copies)
+                    emb = np.ctypeslib.as_array(ctx.get_embeddings(), shape=(n_out, self.n_embd))
+                    embs.append(emb[wanted])
+                    outs.append(out[wanted])
+                else:  # the next pass overwrites the buffer: only a lone pass may stay a view
+                    outs.append(out if lone else out.copy())
         if not outs:
             logits = np.zeros((0, self.n_vocab), dtype=np.float32)
         else:
             logits = outs[0] if len(outs) == 1 else np.concatenate(outs)
         logits.flags.writeable = not lone  # a view of llama.cpp's buffer is read-only
-        result, at = [], 0
+        feats = np.concatenate(embs) if features and embs else None
+        if feats is not None:
+            feats.flags.writeable = False
+        result: list[np.ndarray] = []
+        result_feats: list[np.ndarray | None] = []
+        at = 0
         for *_, n in entries:
             result.append(logits[at : at + n])
+            result_feats.append(feats[at : at + n] if feats is not None and n else None)
             at += n
-        return result
+        return result, result_feats
 
     def _forward_many(
         self, entries: list[tuple[int, int, list[int], int]]
@@ -473,14 +499,17 @@ class LlamaCppBackend(SequenceContext):
                         at, rest, _ = self._prompt_blocks(seq, past, tokens[: len(tokens) - rows])
                         rest = [*rest, *tokens[len(tokens) - rows :]]
                     gen.append((seq, at, rest, rows))
-                outs = self._forward_rows([g for g in gen if g[2]], copy=False)
+                # Features for a pass of one sequence only, as below.
+                features = self.options.features and len(entries) == 1 and entries[0][3] > 0
+                outs, feats = self._forward_rows([g for g in gen if g[2]], False, features)
             except Exception:  # no entry's tokens are added: neither is its cache
                 for seq, past, _, _ in entries:
                     self._truncate_seq(seq, min(past, len(self._slots[seq].tokens)))
                 raise
             empty = np.zeros((0, self.n_vocab), dtype=np.float32)
-            got = iter(outs)
-            return [next(got) if g[2] else empty for g in gen], [None] * len(entries)
+            got = iter(zip(outs, feats, strict=True))
+            pairs = [next(got) if g[2] else (empty, None) for g in gen]
+            return [o for o, _ in pairs], [f for _, f in pairs]
         total = sum(len(tokens) for _, _, tokens, _ in entries)
         if total > self._n_batch:
             raise ValueError(f"a batch of {total} tokens exceeds n_batch {self._n_batch}")

@@ -8,6 +8,8 @@ the logits bit-identical, and that it is off (and says so) unless asked for.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType
@@ -163,26 +165,41 @@ def test_truncate_and_reeval_gives_the_same_features(on, toks):
 
 
 def test_gemma_features_batch_invariant_and_logits_unchanged():
-    """Gemma 3 270M Q4_K_M (262k vocabulary, K-quant weights): features of a batch equal single
-    steps, logits are those of a features-off load, features @ output rows give the logits.
-    The batch has 7 rows: from 8 on ggml's tiled matmul takes its Q6_K weights, which sums in
-    another order, and a features target runs without the row rule (backends/llama_cpp.py)."""
+    """Gemma 3 270M Q4_K_M (262k vocabulary, K-quant weights, repacked): a features target
+    keeps the row rule, so features and logits of a 9-row batch (one the tiled matmul would
+    take whole) equal single steps, logits are those of a features-off load, and features @
+    output rows give the logits. A prompt that ends on a whole block of the rule returns its
+    logits and no feature (its pass ran the block kernels; embeddings mode would run its last
+    layer on all 8 rows)."""
     path = require_gemma()
-    on = load_backend(path, BackendOptions(n_ctx=64, n_threads=1, features=True))
-    off = load_backend(path, BackendOptions(n_ctx=64, n_threads=1))
+    ruled = BackendOptions(n_ctx=64, n_threads=1, weight_repack=True, batch_invariant=True)
+    on = load_backend(path, replace(ruled, features=True))
+    off = load_backend(path, ruled)
     try:
-        assert not on.describe()["batch_invariant"]  # the tiled matmul, without the rule
-        toks = on.tokenize(TEXT)[:11]
-        assert np.array_equal(on.eval(toks[:4], all_logits=False), off.eval(toks[:4], False))
-        batch = on.eval(toks[4:])
+        assert on.describe()["batch_invariant"] and on.describe()["weight_repack"]
+        toks = on.tokenize(TEXT)[:20]
+        assert len(toks) == 20
+        # A prompt of 11 (a block, then 3 rows): the last row's feature, as a cold single step.
+        assert np.array_equal(on.eval(toks[:11], all_logits=False), off.eval(toks[:11], False))
+        prompt_feature = on.last_features()
+        assert prompt_feature.shape == (1, on.n_embd)
+        on.truncate(10)
+        on.eval([toks[10]])
+        assert np.array_equal(on.last_features(), prompt_feature)
+        batch = on.eval(toks[11:])
         feats = on.last_features()
-        assert np.array_equal(batch, off.eval(toks[4:]))
-        on.truncate(4)
+        assert np.array_equal(batch, off.eval(toks[11:]))
+        on.truncate(11)
         singles = []
-        for t in toks[4:]:
+        for t in toks[11:]:
             on.eval([t])
             singles.append(on.last_features())
         assert np.array_equal(np.concatenate(singles), feats)
+        # A prompt of 16, two whole blocks: the logits of a features-off load, no feature.
+        on.reset()
+        off.reset()
+        assert np.array_equal(on.eval(toks[:16], all_logits=False), off.eval(toks[:16], False))
+        assert on.last_features().shape == (0, on.n_embd)
         # ggml multiplies a Q8_0 matrix by activations quantized to Q8_0 as well: quantized
         # so, the features give the logits to float rounding (raw, only to ~0.2 in 25).
         cols = slice(0, 2048)  # a slice of the 262k-row output matrix is enough to check

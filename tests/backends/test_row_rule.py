@@ -91,15 +91,21 @@ def test_every_prompt_pass_leaves_the_kernels_of_a_cold_one():
     assert recomputed > 0  # the histories did need positions computed again
 
 
-@pytest.fixture(scope="module", params=["repacked", "stored"])
+@pytest.fixture(scope="module", params=["repacked", "stored", "repacked+features"])
 def ruled(request):
     """Gemma 3 270M Q4_K_M under the row rule, two sequence slots: repacked (gemm and, for its
-    Q6_K weights, the tiled matmul) and as stored (the tiled matmul for all of them)."""
+    Q6_K weights, the tiled matmul), as stored (the tiled matmul for all of them), and
+    repacked with features on (a head's target: embeddings mode on its generation passes)."""
     from launcher import require_gemma
 
-    repack = request.param == "repacked"
+    repack = request.param != "stored"
     options = BackendOptions(
-        n_ctx=512, n_threads=1, n_seq=2, weight_repack=repack, batch_invariant=True
+        n_ctx=512,
+        n_threads=1,
+        n_seq=2,
+        weight_repack=repack,
+        batch_invariant=True,
+        features=request.param.endswith("features"),
     )
     be = load_backend(require_gemma(), options)
     described = be.describe()
@@ -174,14 +180,17 @@ def test_cached_chunked_and_batched_prompts_give_cold_logits(ruled):
 def test_a_lone_generation_pass_is_read_in_place(ruled):
     """Greedy decoding reads each row's argmax off llama.cpp's buffer: a pass within the rule's
     row limit (3 rows repacked, 7 as stored) is one decode and comes back as a read-only view,
-    not a copy."""
+    not a copy (a features target's rows are a copy)."""
     be = ruled
     row_pass = GEMM_ROWS - 1 if be.describe()["weight_repack"] else TILED_MIN_ROWS - 1
     be.reset()
     toks = be.tokenize(TEXT)
     be.eval(toks[:20], all_logits=False)
     view = be.eval(toks[20 : 20 + row_pass], copy=False)
-    assert not view.flags.writeable and not view.flags.owndata
+    if be.options.features:  # its rows picked out of all that embeddings mode outputs
+        assert view.flags.writeable
+    else:
+        assert not view.flags.writeable and not view.flags.owndata
     at = 20 + row_pass
     longer = be.eval(toks[at : at + row_pass + 2], copy=False)  # two decodes: copied out
     assert longer.shape[0] == row_pass + 2 and longer.flags.writeable
