@@ -473,7 +473,7 @@ class LlamaCppBackend(SequenceContext):
         else:
             logits = outs[0] if len(outs) == 1 else np.concatenate(outs)
         logits.flags.writeable = not lone  # a view of llama.cpp's buffer is read-only
-        feats = np.concatenate(embs) if features and embs else None
+        feats = np.concatenate(embs) if embs else None  # rows only a features pass keeps
         if feats is not None:
             feats.flags.writeable = False
         result: list[np.ndarray] = []
@@ -488,6 +488,12 @@ class LlamaCppBackend(SequenceContext):
     def _forward_many(
         self, entries: list[tuple[int, int, list[int], int]]
     ) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+        # Features only for a pass of one sequence: embeddings mode outputs (and buffers
+        # logits for) every token of a pass, which for a batch with prompt chunks in it cost
+        # more than the head they serve could win (measured: 8 streams at 36 tokens/s with
+        # features on against 81 off). A head then has no feature after a batched pass and
+        # proposes nothing (output unchanged) until its sequence runs alone again.
+        features = self.options.features and len(entries) == 1 and entries[0][3] > 0
         if self._row_rule:
             # An entry's tokens without logits are prompt (whole blocks in passes of their own
             # each), the rest generation rows (a prompt's last partial block, verified tokens).
@@ -499,8 +505,6 @@ class LlamaCppBackend(SequenceContext):
                         at, rest, _ = self._prompt_blocks(seq, past, tokens[: len(tokens) - rows])
                         rest = [*rest, *tokens[len(tokens) - rows :]]
                     gen.append((seq, at, rest, rows))
-                # Features for a pass of one sequence only, as below.
-                features = self.options.features and len(entries) == 1 and entries[0][3] > 0
                 outs, feats = self._forward_rows([g for g in gen if g[2]], False, features)
             except Exception:  # no entry's tokens are added: neither is its cache
                 for seq, past, _, _ in entries:
@@ -514,12 +518,6 @@ class LlamaCppBackend(SequenceContext):
         if total > self._n_batch:
             raise ValueError(f"a batch of {total} tokens exceeds n_batch {self._n_batch}")
         ctx = self._llm._ctx
-        # Features only for a pass of one sequence: embeddings mode outputs (and buffers
-        # logits for) every token of a pass, which for a batch with prompt chunks in it cost
-        # more than the head they serve could win (measured: 8 streams at 36 tokens/s with
-        # features on against 81 off). A head then has no feature after a batched pass and
-        # proposes nothing (output unchanged) until its sequence runs alone again.
-        features = self.options.features and len(entries) == 1 and entries[0][3] > 0
         if self.options.features:
             self._set_embeddings(features)
         if features:  # embeddings mode outputs every token (see _forward_seq)
