@@ -35,6 +35,12 @@ class ModelLoadError(MemSpecError):
     """A model file is missing, corrupt, not a GGUF, or could not be loaded."""
 
 
+class UnusableModelFile(ModelLoadError):
+    """A file in the models dir is not a GGUF this daemon can load (no GGUF magic, truncated,
+    tensors past its end, a symlink out of the models dir, a directory): the request that
+    names it is at fault (422), and the file stays marked bad until its size or mtime change."""
+
+
 class BudgetExceeded(MemSpecError):
     """The memory budget cannot hold what was asked for."""
 

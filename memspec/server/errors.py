@@ -26,6 +26,7 @@ from memspec.errors import (
     MemSpecError,
     ModelDoesNotFit,
     ModelLoadError,
+    UnusableModelFile,
     UnknownDraft,
     UnknownModel,
 )
@@ -107,6 +108,7 @@ HTTP_ERRORS: dict[type[MemSpecError], HttpError] = {
     PayloadTooLarge: HttpError(413, _CLIENT, "request_too_large"),
     UnsupportedMediaType: HttpError(415, _CLIENT, "unsupported_media_type"),
     QueueFull: HttpError(429, "rate_limit_error", "queue_full"),
+    UnusableModelFile: HttpError(422, _CLIENT, "model_file_unusable"),
     ModelLoadError: HttpError(500, _SERVER, "model_load_failed"),
     PredictorError: HttpError(500, _SERVER, "predictor_unavailable"),
     EngineError: HttpError(500, _SERVER, "engine_error"),
