@@ -26,9 +26,9 @@ from memspec.errors import (
     MemSpecError,
     ModelDoesNotFit,
     ModelLoadError,
-    UnusableModelFile,
     UnknownDraft,
     UnknownModel,
+    UnusableModelFile,
 )
 from memspec.predictor.model import PredictorError
 from memspec.pull import ModelNotFound, PullCancelled, PullError
