@@ -38,6 +38,12 @@ DRAFT_CACHE_PREFIX = "calibration-draft-"  # one file per draft measured after s
 BUSY_SHARE = 0.25
 MIN_LOAD_WALL_S = 0.5  # a shorter measurement is not judged (nor much exposed to others)
 
+# What this process measured, by cache file name, cached on disk or not: a model that is
+# unloaded and loaded again (a switch between models under one budget) never measures again,
+# even when its first measurement ran too busy to be written to disk (under load a 1.5B's
+# curve took over a minute of each reload).
+_measured: dict[str, dict] = {}
+
 log = logging.getLogger(__name__)
 
 
@@ -260,15 +266,18 @@ def measure_draft_cached(target: Backend, d: Draft, costs: CostModel, k_max: int
     is measured once per machine, not again by each fresh process while it decodes."""
     path = cache_dir() / f"{DRAFT_CACHE_PREFIX}{cache_key(target, [d], k_max, d.id)}.json"
     tables = {"draft_s": costs.draft_s, "draft_overhead_s": costs.draft_overhead_s}
-    if path.is_file():
+    data = _measured.get(str(path))
+    if data is None and path.is_file():
         data = json.loads(path.read_text())
+    if data is not None:
         for name, table in tables.items():
             table.update(data[name])
         return
     with OthersLoad() as load:
         measure_draft(d, costs, k_max)
+    entry = {name: {d.id: t[d.id]} if d.id in t else {} for name, t in tables.items()}
+    _measured[str(path)] = entry
     if _cacheable(load, f"draft {d.id}"):
-        entry = {name: {d.id: t[d.id]} if d.id in t else {} for name, t in tables.items()}
         _write_json(path, entry | {"measured_at": time.time()})
 
 
@@ -283,15 +292,19 @@ def calibrate(
     if force:  # drafts measured when they were loaded later are measured again too
         for old in cache_dir().glob(f"{DRAFT_CACHE_PREFIX}*.json"):
             old.unlink(missing_ok=True)
-    if not force and path.is_file():
+        _measured.clear()
+    data = None if force else _measured.get(str(path))
+    if data is None and not force and path.is_file():
         data = json.loads(path.read_text())
-        costs = CostModel(data["verify_s"])
+    if data is not None:
+        costs = CostModel(list(data["verify_s"]))
         costs.batch_s = {int(n): s for n, s in data.get("batch_s", {}).items()}
     else:
         with OthersLoad() as load:
             costs = measure(target, [], k_max)
+        entry = {"verify_s": list(costs.verify_s), "batch_s": dict(costs.batch_s)}
+        _measured[str(path)] = entry
         if _cacheable(load, "the verify curve"):
-            entry = {"verify_s": costs.verify_s, "batch_s": costs.batch_s}
             _write_json(path, entry | {"measured_at": time.time(), "others_cpu": load.share})
     for d in drafts:
         measure_draft_cached(target, d, costs, k_max)
@@ -302,8 +315,8 @@ def _cacheable(load: OthersLoad, what: str) -> bool:
     if load.share <= BUSY_SHARE:
         return True
     log.warning(
-        "calibration of %s ran while other processes took %.0f%% of the CPU: used now, not "
-        "cached (measured again at the next start)",
+        "calibration of %s ran while other processes took %.0f%% of the CPU: used by this "
+        "process (reloads included), not cached on disk (measured again at the next start)",
         what,
         100 * load.share,
     )

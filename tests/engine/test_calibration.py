@@ -98,3 +98,14 @@ def test_a_calibration_measured_on_a_busy_box_is_used_but_not_cached(
     costs = calibration.calibrate(small_backend, [PromptLookupDraft()], 2)
     assert len(costs.verify_s) == 3 and costs.draft_overhead_s
     assert not list(tmp_path.glob("calibration-*.json"))
+
+    # ...but this process keeps them: a reload of the model (a switch between models under one
+    # budget) measures nothing again, busy or not.
+    def no_measure(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("measured again on a reload")
+
+    monkeypatch.setattr(calibration, "measure", no_measure)
+    monkeypatch.setattr(calibration, "measure_draft", no_measure)
+    again = calibration.calibrate(small_backend, [PromptLookupDraft()], 2)
+    assert again.verify_s == costs.verify_s
+    assert again.draft_overhead_s == costs.draft_overhead_s
