@@ -11,19 +11,33 @@ where the family is known, else the file stem as an id; a second file with a nam
 is served under its stem. The directory is read again on every call (cheap: a listing, and
 each header read once per file version), so a model pulled while the daemon runs is servable
 at once.
+
+Only usable files are models: one bad file must not hide the others or fail a listing. A
+candidate that is a directory or not a regular file, a symlink that leaves the models dir
+(unless the follow_symlinks setting allows it), a header that memspec.drafts.gguf_header's
+check_gguf refuses (no magic, truncated, tensors past the end) or that names no model shape,
+or a file llama.cpp failed to load (`mark_bad`, from the engine) is kept in a bad table
+instead, with its reason, until its size or mtime change:
+
+    catalog.bad_models()      # [{"file", "name", "reason"}] for the admin status
+    catalog.unusable("x")     # UnusableModelFile (422) when "x" names a bad file, else None
+    catalog.mark_bad(path, "llama.cpp could not load it")
 """
 
 from __future__ import annotations
 
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from memspec.backends.chat import ChatTemplate, resolve_chat_template
 from memspec.config import Settings
 from memspec.drafts.family import family_dir
-from memspec.drafts.gguf_header import open_header, scalar
-from memspec.errors import ModelLoadError
+from memspec.drafts.gguf_header import check_gguf, open_header, scalar
+from memspec.errors import ModelLoadError, UnusableModelFile
+from memspec.memory.gguf_info import read_shape
 from memspec.model_id import as_model_id, model_aliases, ollama_name, served_model_id
 from memspec.paths import models_dir, resolve_model_path
 
@@ -41,15 +55,40 @@ class ServableModel:
 
 
 @dataclass(frozen=True)
+class BadModelFile:
+    """A models-dir file that is not served, and why."""
+
+    file: str  # its name in the models dir
+    name: str  # what it would be served as
+    path: Path
+    reason: str  # structural, never the file's content
+    aliases: frozenset[str]  # the names a request may use for it (`name` included)
+
+    def row(self) -> dict[str, Any]:
+        return {"file": self.file, "name": self.name, "reason": self.reason}
+
+    def error(self) -> UnusableModelFile:
+        return UnusableModelFile(
+            f"model file {self.file} is not a usable GGUF: {self.reason}", param="model"
+        )
+
+
+@dataclass(frozen=True)
 class _Header:
     general_name: str | None
     metadata: dict[str, str]
+
+
+_FileKey = tuple[str, int, int]  # (resolved path, size, mtime_ns): one version of a file
+MAX_REASON = 200  # characters of a reason kept (a message quotes at most this much)
 
 
 class ModelCatalog:
     def __init__(self, settings: Settings):
         self._settings = settings
         self._headers: dict[tuple[Path, int, int], _Header] = {}
+        self._verdicts: dict[_FileKey, str | None] = {}  # file version -> problem (None: ok)
+        self._marked: dict[_FileKey, str] = {}  # mark_bad: file version -> reason
         self._lock = threading.Lock()
 
     def use_settings(self, settings: Settings) -> None:
@@ -65,12 +104,48 @@ class ModelCatalog:
         return served_model_id(self._settings.model_name, self.default_path)
 
     def models(self) -> list[ServableModel]:
-        """The configured target first, then every other model in the models dir by name."""
+        """The configured target first, then every other usable model in the models dir by
+        name (bad files are left out: bad_models)."""
+        return self._scan()[0]
+
+    def bad_models(self) -> list[dict[str, Any]]:
+        """The models-dir files not served, each {"file", "name", "reason"} (admin status)."""
+        return [b.row() for b in self._scan()[1]]
+
+    def unusable(self, name: str | None) -> UnusableModelFile | None:
+        """The error for a request naming a bad file (by the name it would be served as, its
+        file name or stem, or NAME:latest); None when no bad file answers to `name`."""
+        if not name:
+            return None
+        bad = self._scan()[1]
+        found = next((b for b in bad if b.name == name), None) or next(
+            (b for b in bad if name in b.aliases), None
+        )
+        return found.error() if found is not None else None
+
+    def mark_bad(self, path: Path, reason: str) -> None:
+        """The engine could not load `path`: it is left out, with `reason`, until its size or
+        mtime change (a fixed or replaced file is tried again)."""
+        key = _file_key(Path(path))
+        if key is not None:
+            with self._lock:
+                self._marked[key] = _clean(reason)
+
+    def _scan(self) -> tuple[list[ServableModel], list[BadModelFile]]:
         default = self.default_path
         rows = [self._model(self.default_name, default, True)]
         taken = {rows[0].name}
-        for path in sorted(models_dir().glob("*.gguf")):
-            if path.resolve() == default.resolve() or not self._is_model(path):
+        default_key = _file_key(default)
+        bad: list[tuple[Path, str]] = []
+        if default_key is not None and (marked := self._marked_reason(default_key)):
+            bad.append((default, marked))  # still served as the default (it is configured)
+        root = models_dir()
+        for path in sorted(root.glob("*.gguf")):
+            if _same_file(path, default) or not self._is_model(path):
+                continue
+            problem = self._problem(path, root)
+            if problem is not None:
+                bad.append((path, problem))
                 continue
             name = ollama_name(path)
             if name is None or name in taken:
@@ -79,7 +154,17 @@ class ModelCatalog:
                 continue
             taken.add(name)
             rows.append(self._model(name, path, False))
-        return rows
+        # A bad file's name never takes a good one's: good files are named first.
+        bad_rows = []
+        for path, reason in bad:
+            if path is default:
+                name = self.default_name
+            elif (name := ollama_name(path)) is None or name in taken:
+                name = as_model_id(path.stem) or path.stem
+            taken.add(name)
+            aliases = model_aliases(name, None, path)
+            bad_rows.append(BadModelFile(path.name, name, path, reason, aliases))
+        return rows, bad_rows
 
     def find(self, name: str | None) -> ServableModel | None:
         """The model a request names (None or "": the default); None if none answers to it."""
@@ -115,6 +200,40 @@ class ModelCatalog:
         built_draft = path.with_name(path.name + ".build.json").is_file()
         return not built_draft or (family_dir(path) / "family.json").is_file()
 
+    def _problem(self, path: Path, root: Path) -> str | None:
+        """Why the candidate `path` cannot be served (None: it can). Nothing is opened that
+        is not a regular file inside the models dir (or a symlink the settings follow)."""
+        if path.is_symlink() and not self._settings.follow_symlinks:
+            try:
+                inside = path.resolve().is_relative_to(root.resolve())
+            except (OSError, RuntimeError):  # a symlink loop
+                return "a symlink that cannot be resolved"
+            if not inside:
+                return "a symlink that leaves the models dir (the follow_symlinks setting is off)"
+        try:
+            st = path.stat()
+        except OSError:
+            return "a broken symlink" if path.is_symlink() else "cannot be read"
+        if stat.S_ISDIR(st.st_mode):
+            return "a directory, not a file"
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+        marked = self._marked_reason(key)
+        if marked is not None:
+            return marked
+        with self._lock:
+            if key in self._verdicts:
+                return self._verdicts[key]
+        problem = _header_problem(path)
+        with self._lock:
+            self._verdicts[key] = problem
+        return problem
+
+    def _marked_reason(self, key: _FileKey) -> str | None:
+        with self._lock:
+            return self._marked.get(key)
+
     def _header(self, path: Path) -> _Header:
         try:
             st = path.stat()
@@ -139,3 +258,43 @@ class ModelCatalog:
 
 def default_file(settings: Settings) -> str:
     return Path(settings.target).name
+
+
+def _file_key(path: Path) -> _FileKey | None:
+    try:
+        st = path.stat()
+        return str(path.resolve()), st.st_size, st.st_mtime_ns
+    except (OSError, RuntimeError):
+        return None
+
+
+def _same_file(path: Path, other: Path) -> bool:
+    try:
+        return path.resolve() == other.resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        return False
+
+
+def _header_problem(path: Path) -> str | None:
+    """Why a regular file's header is not a servable model's (None: it is). check_gguf checks
+    the structure within the file; the model shape is what every listing reads (/api/tags'
+    details, the memory footprint), so a file without one is refused here, not there."""
+    try:
+        check_gguf(path)
+    except ModelLoadError as e:
+        # check_gguf's messages start "<file> is not a valid GGUF file: " (the reason follows)
+        return _clean(e.message.partition(" is not a valid GGUF file: ")[2] or e.message)
+    try:
+        read_shape(path)
+    except ModelLoadError as e:
+        return _clean(f"no model shape in its header ({e.message.removeprefix(path.name + ': ')})")
+    except Exception as e:  # assorted numpy/struct errors on odd values: a bad file, not a 500
+        return _clean(f"its header cannot be read ({type(e).__name__})")
+    return None
+
+
+def _clean(reason: str) -> str:
+    """One printable line of at most MAX_REASON characters: a reason may quote a header's
+    key or value, never a file's raw bytes."""
+    text = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in reason)
+    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."

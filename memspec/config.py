@@ -59,6 +59,9 @@ class Settings(BaseSettings):
         "set then keeps what the policy predicts is worth most)",
     )
     manifest_dir: Path | None = None  # default: drafts/ in the checkout
+    follow_symlinks: bool = Field(
+        False, description="follow symlinks that leave the models dir (serve what they point to)"
+    )
     # Several models under one budget (memspec.scheduler.residency): any model in the models
     # dir is served by name; the target is the default and the one loaded at start.
     keep_alive: str = Field(

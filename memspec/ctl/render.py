@@ -160,6 +160,8 @@ def status(st: dict[str, Any], url: str, prev: dict[str, Any] | None = None) -> 
         ("requests", f"{served if served is not None else '-'}{delta}"),
         ("tok/s", f"{_num(st.get('tokens_per_s_recent'), '.1f')} (recent)"),
         *_model_lines(st.get("models") or [], st.get("residency")),
+        # Models-dir files not served: the operator sees why (the daemon serves the rest).
+        *[("bad file", f"{b.get('file')}: {b.get('reason')}") for b in st.get("bad_models") or []],
     ]
     return kv_table(pairs) + "\n\n" + drafts_table(st.get("drafts") or [])
 

@@ -216,7 +216,8 @@ def _check_header(c: _Cursor) -> None:
         if not key or key in keys:
             raise _Bad(f"key {i}: {'empty' if not key else 'duplicate'} key {key[:80]!r}")
         keys.add(key)
-        value = _skip_value(c, c.u32(f"type of {key!r}"), key)
+        shown = key[:80]  # a message names at most 80 characters of a key, never the whole file
+        value = _skip_value(c, c.u32(f"type of {shown!r}"), shown)
         if key == "general.alignment":
             if value is None or value <= 0 or value & (value - 1):
                 raise _Bad(f"general.alignment {value} is not a power of two")

@@ -224,6 +224,8 @@ def status(ctx: ServerContext) -> dict[str, Any]:
         # not, its bytes and share, keep_alive expiry, loads and evictions.
         "residency": s.residency,
         "models": _retry(w.models_status, []),
+        # Files in the models dir that are not served (not a usable GGUF), and why.
+        "bad_models": w.catalog.bad_models(),
     }
 
 

@@ -186,6 +186,10 @@ def check_model(ctx: ServerContext, model: str | None) -> str:
         return served
     found = ctx.worker.catalog.find(model)
     if found is None:
+        # A file that is there but bad: say why (422), not that it does not exist.
+        unusable = ctx.worker.catalog.unusable(model)
+        if unusable is not None:
+            raise unusable
         raise UnknownModel(
             f"The model {model!r} does not exist; this server serves {served!r} and the other "
             "models in its models dir (see /v1/models)",
