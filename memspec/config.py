@@ -81,6 +81,13 @@ class Settings(BaseSettings):
         description="longest a request for a model that must load waits while another model "
         "still has requests queued (residency memspec)",
     )
+    queue_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        le=86400,
+        description="longest a request waits in the queue (for a slot or for its model to "
+        "load) before it gets a 503 saying why, with Retry-After",
+    )
     pinned_models: list[str] = Field(
         default_factory=list, description="models never unloaded once loaded (names)"
     )

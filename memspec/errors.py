@@ -41,6 +41,11 @@ class UnusableModelFile(ModelLoadError):
     names it is at fault (422), and the file stays marked bad until its size or mtime change."""
 
 
+class LoadAbandoned(MemSpecError):
+    """Every request that waited for a model's load went away while it loaded: the load
+    stopped at its next stage rather than finish a model nobody is waiting for."""
+
+
 class BudgetExceeded(MemSpecError):
     """The memory budget cannot hold what was asked for."""
 

@@ -11,6 +11,7 @@ whose fields `generate()` decodes (tools that hold token ids call `generate()` d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -18,7 +19,7 @@ import math
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,14 @@ from memspec.engine.speculative import (
     decode_round,
 )
 from memspec.engine.types import Draft, ModelBacked, RoundPolicy, SamplingParams
-from memspec.errors import BudgetExceeded, InvalidRequest, ModelLoadError, UnknownDraft
+from memspec.errors import (
+    BudgetExceeded,
+    InvalidRequest,
+    LoadAbandoned,
+    MemSpecError,
+    ModelLoadError,
+    UnknownDraft,
+)
 from memspec.memory.footprint import (
     Footprint,
     embedding_footprint,
@@ -135,6 +143,29 @@ class GenerationRequest:
     context_shift: dict[str, int] | None = None
 
 
+
+# A load checks between its stages (target, drafts, calibration) whether anyone still waits
+# for it: the engine thread sets the check while it loads a model for waiting requests.
+_load_check = threading.local()
+
+
+@contextlib.contextmanager
+def abandon_when(gone: Callable[[], bool]) -> Iterator[None]:
+    """Runtimes built on this thread inside the block stop with LoadAbandoned (closing what
+    they loaded) at their next stage once `gone()` is true."""
+    _load_check.gone = gone
+    try:
+        yield
+    finally:
+        _load_check.gone = None
+
+
+def _stage(what: str) -> None:
+    gone = getattr(_load_check, "gone", None)
+    if gone is not None and gone():
+        raise LoadAbandoned(f"load stopped before {what}: every request for the model has gone")
+
+
 class Runtime:
     def __init__(
         self,
@@ -151,6 +182,7 @@ class Runtime:
         self.settings = settings
         pool = settings_pool_dir(settings)
         self.manifest_errors: dict[str, str] = {}  # manifests left out (file stem -> why)
+        self.preload_errors: dict[str, str] = {}  # drafts named at start but left out (id -> why)
         self.manifests: dict[str, DraftManifest] = load_manifests(pool, self.manifest_errors)
         for name, why in self.manifest_errors.items():
             log.error("draft manifest %s left out: %s", name, why)
@@ -238,6 +270,7 @@ class Runtime:
         # A head drafts from the target's features: a target with one it can use loads them.
         if any(self._usable_head(m) for m in self.manifests.values()):
             self.options = replace(self.options, features=True)
+        _stage("the target")
         self.target: Backend = target or load_backend(target_path, self.options, settings.backend)
         # Which of the target's sequence slots hold a sequence (the daemon takes and releases).
         self.slot_table = SlotTable(self.target.slots, lead=LEAD_SLOT)
@@ -265,6 +298,7 @@ class Runtime:
             last = self.memory.resident
             self.preload_ids = last + [i for i in self.preload_ids if i not in last]
         try:
+            _stage("the drafts")
             # Only the preload ids are loaded, weightless ones included: "auto" then uses
             # exactly what the configuration names until something else is loaded.
             self.working_set = WorkingSet(
@@ -278,6 +312,7 @@ class Runtime:
             resident = list(self.drafts.values())
             self.working_set.release_leases()
             if calibrate_costs:
+                _stage("calibration")
                 self.costs = calibrate(self.target, resident, settings.k_max)
                 self._measure_loads = True
             predictor = load_or_fallback(predictor_path(target_path, settings.predictor))
@@ -365,7 +400,12 @@ class Runtime:
             if draft_id in self.skipped_drafts and draft_id not in self.manifests:
                 log.warning("not preloading %s: %s", draft_id, self.skipped_drafts[draft_id])
                 continue
-            self.manifest(draft_id)
+            try:  # a draft refused (its manifest left out, an unknown id) is skipped, not fatal
+                self.manifest(draft_id)
+            except MemSpecError as e:
+                log.error("draft %s left out at start: %s", draft_id, e.message)
+                self.preload_errors[draft_id] = e.message
+                continue
             reason = self.incompatible.get(draft_id)
             if reason is not None:
                 log.warning("not preloading %s: %s", draft_id, reason)
@@ -376,6 +416,7 @@ class Runtime:
                 log.warning("not preloading %s: %s", draft_id, e.message)
             except ModelLoadError as e:
                 log.warning("draft %s failed to load: %s", draft_id, e.message)
+                self.preload_errors[draft_id] = e.message
         ws.wait_idle(timeout=30.0)
 
     def _on_draft_loaded(self, draft: Draft) -> None:

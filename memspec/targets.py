@@ -26,7 +26,15 @@ from memspec.backends.base import BackendOptions
 from memspec.backends.shared_weights import SHARED_MODELS, weights_key
 from memspec.catalog import ModelCatalog, ServableModel
 from memspec.config import Settings
-from memspec.errors import BudgetExceeded, ModelDoesNotFit, UnknownModel
+from memspec.errors import (
+    BudgetExceeded,
+    LoadAbandoned,
+    MemSpecError,
+    ModelDoesNotFit,
+    ModelLoadError,
+    UnknownModel,
+    UnusableModelFile,
+)
 from memspec.memory.footprint import Footprint, target_footprint, vocab_bytes
 from memspec.memory.gguf_info import read_shape
 from memspec.memory.heap import return_freed_memory
@@ -54,6 +62,9 @@ class ModelStats:
     last_used: float = 0.0  # monotonic
     expires_at: float | None = None  # monotonic; None: no expiry
     last_evicted_why: str = ""
+    served: int = 0  # requests admitted since its last load
+    abandoned: int = 0  # loads stopped because every request waiting for them had gone
+    wasted: int = 0  # loads evicted before they served a request
 
 
 class Targets:
@@ -74,6 +85,9 @@ class Targets:
         self.runtimes: dict[str, Runtime] = {}
         self.stats: dict[str, ModelStats] = {}
         self._needs: dict[tuple[Any, ...], Footprint] = {}  # per file and context shape
+        # Why a model requests wait for could not be sized (its file unreadable): the worker
+        # fails those requests instead of scheduling them (views() leaves the model out).
+        self.view_errors: dict[str, MemSpecError] = {}
 
     # --- what is resident -------------------------------------------------------------------
     def runtime(self, name: str) -> Runtime | None:
@@ -150,13 +164,18 @@ class Targets:
         """The residency policy's view: every resident model, and every one requests wait for."""
         out: list[ModelView] = []
         pinned = set(settings.pinned_models)
+        self.view_errors = {}
         for name in dict.fromkeys([*self.runtimes, *queued]):
             rt = self.runtimes.get(name)
             if rt is None:
                 model = self.catalog.find(name)
                 if model is None:
                     continue
-                size = self.need_bytes(model, settings) - self.weights_held(model, settings)
+                try:  # reads its header: a file gone bad since it was listed fails here
+                    size = self.need_bytes(model, settings) - self.weights_held(model, settings)
+                except MemSpecError as e:
+                    self.view_errors[name] = self._unusable(model, e)
+                    continue
             else:
                 size = rt.budget_bytes
             st = self.stat(name)
@@ -180,7 +199,9 @@ class Targets:
         free budget as its share; BudgetExceeded (a 503 with the numbers) if it cannot fit."""
         model = self.catalog.find(name)
         if model is None:
-            raise UnknownModel(f"The model {name!r} does not exist (see /api/tags)", param="model")
+            raise self.catalog.unusable(name) or UnknownModel(
+                f"The model {name!r} does not exist (see /api/tags)", param="model"
+            )
         for victim in victims:
             self.unload(victim, "evict")
         for rt in list(self.runtimes.values()):
@@ -200,12 +221,19 @@ class Targets:
                 param="model",
             )
         t0 = time.monotonic()
-        # Its share pays for the weights a draft elsewhere held: that draft stops paying below.
-        rt = self._factory(self.model_settings(model, settings, free + held))
         st = self.stat(name)
+        try:
+            # Its share pays for the weights a draft elsewhere held: that draft stops paying.
+            rt = self._factory(self.model_settings(model, settings, free + held))
+        except LoadAbandoned:
+            st.abandoned += 1
+            raise
+        except MemSpecError as e:
+            raise self._unusable(model, e) from e
         st.last_load_s = time.monotonic() - t0
         st.load_s_total += st.last_load_s
         st.loads += 1
+        st.served = 0
         st.last_used = time.monotonic()
         self.runtimes[name] = rt
         self._reprice_drafts(model.path, loaded=name)
@@ -219,6 +247,22 @@ class Targets:
         if self._on_change is not None:
             self._on_change(name, "load")
         return rt
+
+    def _unusable(self, model: ServableModel, error: MemSpecError) -> MemSpecError:
+        """A load or header read of `model` failed: a file that is gone is an unknown model;
+        one that cannot be loaded is marked bad (until its size or mtime change: a second
+        request fails at once) and its requests are at fault (422). Budget errors pass."""
+        if not isinstance(error, ModelLoadError) or isinstance(error, UnusableModelFile):
+            return error
+        if not model.path.is_file():
+            return UnknownModel(
+                f"model file {model.path.name} left the models dir while it was loaded",
+                param="model",
+            )
+        self.catalog.mark_bad(model.path, error.message)
+        return UnusableModelFile(
+            f"model file {model.path.name} could not be loaded: {error.message}", param="model"
+        )
 
     def adopt(self, name: str, rt: Runtime, load_s: float) -> None:
         """A runtime loaded elsewhere (the daemon's first, with the whole budget)."""
@@ -255,6 +299,10 @@ class Targets:
         st.last_evicted_why = why
         if why == "evict":
             st.evictions += 1
+            if st.served == 0:  # loaded for nothing: what the switch logic must avoid
+                st.wasted += 1
+                if self._on_change is not None:
+                    self._on_change(name, "wasted")
         try:
             # Closed under its lock: a caller on another thread (/tokenize) finishes first.
             # The embedding context goes before: an embedding takes the lock per input.
@@ -312,6 +360,8 @@ class Targets:
                     "share_bytes": rt.budget_bytes if rt is not None else 0,
                     "expires_at": expires,  # unix seconds; None: no expiry (or not resident)
                     "loads": st.loads,
+                    "loads_abandoned": st.abandoned,
+                    "loads_wasted": st.wasted,
                     "evictions": st.evictions,
                     "load_s_total": round(st.load_s_total, 3),
                 }

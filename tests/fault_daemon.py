@@ -10,7 +10,8 @@ engine failure would happen:
     FAULT:slow       sleep 0.1 s per token (holds the engine: queue and disconnect tests)
     FAULT:hang       never return (a stuck engine: watchdog pings must stop)
 
-FAULT_LOAD_DELAY_S=N in the environment makes building the runtime take N s longer; while the
+FAULT_LOAD_DELAY_S=N in the environment makes building the runtime take N s longer (only for
+targets whose file name contains FAULT_SLOW_LOAD_MODEL, when that is set); while the
 file <MEMSPEC_DATA_DIR>/fault-raise-<draft id> exists, loading that draft raises inside the
 working set's loader (the test creates and removes the file while the daemon runs).
 
@@ -25,6 +26,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from memspec.config import Settings
@@ -86,7 +88,9 @@ class FaultyRuntime(Runtime):
 
 
 def runtime_factory(settings: Settings) -> Runtime:
-    time.sleep(float(os.environ.get("FAULT_LOAD_DELAY_S", "0")))
+    slow = os.environ.get("FAULT_SLOW_LOAD_MODEL")
+    if not slow or slow in Path(settings.target).name:
+        time.sleep(float(os.environ.get("FAULT_LOAD_DELAY_S", "0")))
     return FaultyRuntime(settings, batched=True)
 
 

@@ -150,6 +150,18 @@ class Metrics:
             ["model", "why"],
             registry=r,
         )
+        self.model_loads_wasted = Counter(
+            "memspec_model_loads_wasted",
+            "Loads of a model evicted before it served a request (a switch that did not pay)",
+            ["model"],
+            registry=r,
+        )
+        self.model_loads_abandoned = Counter(
+            "memspec_model_loads_abandoned",
+            "Loads stopped part way because every request waiting for the model had gone",
+            ["model"],
+            registry=r,
+        )
         self.model_stall = Counter(
             "memspec_model_stall_seconds",
             "Request-seconds spent waiting on a model's load (the requests waiting for it and "
@@ -196,9 +208,16 @@ class Metrics:
         self.model_stall.labels(model).inc(seconds * max(1, stalled_requests))
 
     def observe_model_change(self, model: str, what: str) -> None:
-        """A model loaded ("load") or unloaded ("evict", "expire", "unload")."""
+        """A model loaded ("load") or unloaded ("evict", "expire", "unload"), an eviction of
+        a load that served nothing ("wasted"), or a load stopped part way ("abandoned")."""
         if what == "load":
             self.model_loads.labels(model).inc()
+            return
+        if what == "wasted":
+            self.model_loads_wasted.labels(model).inc()
+            return
+        if what == "abandoned":
+            self.model_loads_abandoned.labels(model).inc()
             return
         self.model_unloads.labels(model, what).inc()
         if what == "evict":

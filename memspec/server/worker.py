@@ -40,8 +40,15 @@ from memspec.catalog import ModelCatalog
 from memspec.config import Settings
 from memspec.engine.prefix_cache import PrefixCache
 from memspec.engine.speculative import Sequence
-from memspec.errors import DeviceUnavailable, MemSpecError, ModelDoesNotFit, ModelLoadError
-from memspec.runtime import ClientRequest, Runtime
+from memspec.errors import (
+    DeviceUnavailable,
+    LoadAbandoned,
+    MemSpecError,
+    ModelDoesNotFit,
+    ModelLoadError,
+    UnknownModel,
+)
+from memspec.runtime import ClientRequest, Runtime, abandon_when
 from memspec.scheduler.residency import (
     DemandEstimate,
     ModelView,
@@ -328,12 +335,28 @@ class EngineWorker:
             self._on_ready()
         try:
             self._loop()
+        except BaseException as e:  # a bug: said in /health, then the daemon exits (restarted)
+            log.exception("the engine thread died")
+            self.state, self.error = EngineState.FAILED, f"engine thread died: {e!r}"
+            self._fail_everything(e)
+            if self._on_fatal is not None:
+                self._on_fatal(e)
         finally:
             self.state = EngineState.STOPPING
             try:
                 self.targets.close()
             finally:
                 self.state = EngineState.STOPPED
+
+    def _fail_everything(self, error: BaseException) -> None:
+        """Every waiting and running request fails with `error` (the engine cannot go on)."""
+        with self._cond:
+            jobs = [*self._queue, *self._admitting, *(j for j, _ in self._active.values())]
+            jobs += list(self._control)
+            self._queue.clear()
+            self._control.clear()
+        for job in jobs:
+            job.post(Failed(error))
 
     def _load_when_devices_answer(self) -> Runtime | None:
         """The first load; while an RPC worker the target is split over cannot be reached, the
@@ -381,6 +404,8 @@ class EngineWorker:
         self._check_batch_invariance(rt)
         for name, why in getattr(rt, "manifest_errors", {}).items():
             self.warnings.append(f"draft manifest {name} left out: {why}")
+        for name, why in getattr(rt, "preload_errors", {}).items():
+            self.warnings.append(f"draft {name} not loaded at start: {why}")
         return rt
 
     def _check_batch_invariance(self, rt: Runtime) -> None:
@@ -441,7 +466,7 @@ class EngineWorker:
                     control = self._current = self._control.popleft()
                     self._control_ran = True
                 elif not control_turn:
-                    admit, load = self._schedule()  # the admitted join _admitting
+                    admit, load = self._schedule_or_fail()  # the admitted join _admitting
                     if admit or not self._queue:
                         self._control_ran = False
                 if control is None and not admit and load is None and not self._active:
@@ -477,6 +502,22 @@ class EngineWorker:
         (the admitted count as in flight). Requests for a model that cannot fit even with
         every other model unloaded fail with a 503."""
         waiting = [j for j in self._queue if not j.cancel.is_set()]  # the rest: clients left
+        now = time.monotonic()
+        timeout = self.settings.queue_timeout_s
+        for job in [j for j in waiting if now - j.enqueued_at > timeout]:
+            waiting.remove(job)
+            loading = "" if job.model in self.targets.runtimes else " (its model is not loaded)"
+            job.post(
+                Failed(
+                    NotReady(
+                        f"waited {now - job.enqueued_at:.0f} s in the queue for model "
+                        f"{job.model!r}{loading}, more than queue_timeout_s {timeout:g}; "
+                        "retry later",
+                        code="queue_timeout",
+                        retry_after_s=self.retry_after_s(),
+                    )
+                )
+            )
         policy = self.residency
         free = {name: rt.slot_table.free() for name, rt in self.targets.runtimes.items()}
         admit: list[GenerateJob] = []
@@ -500,6 +541,19 @@ class EngineWorker:
         self._queue = deque(j for j in keep if j.model not in self._failed_models)
         return admit, load
 
+    def _schedule_or_fail(self) -> tuple[list[GenerateJob], str | None]:
+        """_schedule; if it raises (a bug), the waiting requests fail with the error rather
+        than the engine thread (which would take every model down)."""
+        try:
+            return self._schedule()
+        except Exception as e:  # noqa: BLE001 - the engine must go on serving
+            log.exception("scheduling the waiting requests failed")
+            waiting = list(self._queue)
+            self._queue.clear()
+            for job in waiting:
+                job.post(Failed(e))
+            return [], None
+
     def _plan_switch(
         self, absent: dict[str, float], queued: Counter[str]
     ) -> tuple[str | None, set[str]]:
@@ -512,8 +566,10 @@ class EngineWorker:
         now = time.monotonic()
         views = self._views(queued)
         want = next((v for v in views if v.name == name), None)
-        if want is None:  # gone from the models dir since it was asked for
-            self._fail_model(name, ModelLoadError(f"model {name!r} is no longer in the models dir"))
+        if want is None:  # gone from the models dir since it was asked for, or gone bad
+            gone = UnknownModel(f"model {name!r} is no longer in the models dir", param="model")
+            error = self.targets.view_errors.get(name) or self.catalog.unusable(name) or gone
+            self._fail_model(name, error)
             return None, set()
         policy = self.residency
         budget = self.budget_bytes
@@ -555,7 +611,13 @@ class EngineWorker:
         stalled = len(waiting) + len(self._active)  # requests that wait while it loads
         t0 = time.monotonic()
         try:
-            self._make_resident_or_raise(name)
+            with abandon_when(lambda: not self._waited_for(name)):
+                self._make_resident_or_raise(name)
+        except LoadAbandoned as e:  # its clients gave up: nothing loaded is kept or thrown away
+            log.info("loading model %s stopped after %.1f s: %s", name, time.monotonic() - t0,
+                     e.message)  # fmt: skip
+            self._model_changed(name, "abandoned")
+            return
         except Exception as e:  # noqa: BLE001 - its requests fail; the others go on
             error = e if isinstance(e, MemSpecError) else ModelLoadError(str(e), param="model")
             log.error("loading model %s failed: %s", name, getattr(error, "message", error))
@@ -566,6 +628,11 @@ class EngineWorker:
             return
         if self.metrics is not None:
             self.metrics.observe_model_load(name, time.monotonic() - t0, stalled)
+
+    def _waited_for(self, name: str) -> bool:
+        """Some request still waits for `name` (its client has not gone)."""
+        with self._cond:
+            return any(j.model == name and not j.cancel.is_set() for j in self._queue)
 
     @contextlib.contextmanager
     def _beating(self) -> Iterator[None]:
@@ -621,7 +688,7 @@ class EngineWorker:
             log.info("not loading %s ahead of need: %s", ahead, e.message)
 
     def _model_changed(self, name: str, what: str) -> None:
-        if what != "load":
+        if what in ("evict", "expire", "unload"):
             self.prefix_cache.drop_partition(name)
         if self.metrics is not None:
             self.metrics.observe_model_change(name, what)
@@ -654,7 +721,8 @@ class EngineWorker:
         views = self._views(queued)
         want = next((v for v in views if v.name == name), None)
         if want is None:
-            raise ModelLoadError(f"model {name!r} is not in the models dir", param="model")
+            gone = UnknownModel(f"model {name!r} is not in the models dir", param="model")
+            raise self.targets.view_errors.get(name) or self.catalog.unusable(name) or gone
         free = self.targets.free_after_handback()
         victims = self.residency.victims(name, want.bytes, free, views, time.monotonic())
         with self._beating():
@@ -766,6 +834,7 @@ class EngineWorker:
             return
         with self._cond:
             self._active[(job.model, slot)] = (job, seq)
+        self.targets.stat(job.model).served += 1
 
     def _round(self) -> None:
         """One round of every active sequence, model by model; the finished ones leave with

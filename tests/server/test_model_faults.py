@@ -1,0 +1,205 @@
+"""One bad model must not stop the daemon (issue 57), on the real daemon and real models:
+SmolLM2 (the default target) and Gemma 3 270M under a budget that holds one of them, in a data
+dir of the test's own (the models hard-linked from the testbed).
+
+- a draft manifest that is refused at start is skipped with its reason; the daemon serves;
+- a file that passes the header check but that llama.cpp cannot load gets a 422 naming it, is
+  marked bad (a second request fails at once, without a second load), and the good models
+  answer right after;
+- a load whose clients all went away stops part way (counted in /metrics), never finishes a
+  model nobody waits for;
+- two models alternating from 4 clients: every answer equals that model served alone, or is a
+  503/429 saying why; no load is evicted before it served a request (from /metrics).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from launcher import MODEL, TARGET_FILE, plain_answer, require_gemma, running
+
+from memspec.paths import cache_dir, models_dir
+
+GEMMA = "gemma3:270m"
+SLOW = "gemma-slow"  # a second name for Gemma's file whose loads the fault daemon delays
+BUDGET = "900MiB"  # SmolLM2 F32 needs ~608 MiB at n_ctx 1024, Gemma ~413 MiB: one at a time
+QUESTION = "Name three colours."
+TOKENS = 12
+LOAD_DELAY_S = 6.0
+
+
+def _link(src: Path, dest: Path) -> None:
+    try:
+        os.link(src, dest)  # a real file in the models dir (a symlink out would be refused)
+    except OSError:
+        shutil.copyfile(src, dest)
+
+
+def _unloadable_gguf(path: Path) -> None:
+    """A GGUF whose header check passes (magic, keys, one tensor inside the file, a model
+    shape) but whose architecture llama.cpp does not know: it fails in llama.cpp's load."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "bogus-arch")
+    for key, value in {
+        "block_count": 1,
+        "context_length": 64,
+        "embedding_length": 8,
+        "feed_forward_length": 8,
+        "attention.head_count": 1,
+    }.items():
+        w.add_uint32(f"bogus-arch.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def alone() -> dict[str, str]:
+    """Each model's greedy answer, plain, with nothing else loaded (in this process)."""
+    return {
+        MODEL: plain_answer(None, QUESTION, TOKENS),
+        GEMMA: plain_answer(require_gemma(), QUESTION, TOKENS),
+    }
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    gemma = require_gemma()
+    tmp = tmp_path_factory.mktemp("faults")
+    data = tmp / "data"
+    models = data / "models"
+    models.mkdir(parents=True)
+    _link(models_dir() / TARGET_FILE, models / TARGET_FILE)
+    _link(gemma, models / gemma.name)
+    _link(gemma, models / f"{SLOW}.gguf")
+    _unloadable_gguf(models / "bogus.gguf")
+    if cache_dir().is_dir():  # the calibrations: start-up stays quick
+        shutil.copytree(cache_dir(), data / "cache", ignore=shutil.ignore_patterns("corpus"))
+    # A manifest dir with prompt lookup and one manifest whose file leaves the models dir.
+    manifests = tmp / "manifests"
+    manifests.mkdir()
+    shutil.copy(Path(__file__).parents[2] / "drafts" / "prompt-lookup.toml", manifests)
+    (manifests / "escape.toml").write_text(
+        'id = "escape"\nkind = "model"\nfile = "../../../etc/passwd"\n'
+    )
+    settings = {
+        "budget": BUDGET,
+        "parallel": 1,
+        "manifest_dir": str(manifests),
+        "drafts": ["prompt-lookup", "escape"],
+        "queue_timeout_s": 240,
+    }
+    env = {
+        "MEMSPEC_DATA_DIR": str(data),
+        "FAULT_SLOW_LOAD_MODEL": SLOW,
+        "FAULT_LOAD_DELAY_S": str(LOAD_DELAY_S),
+    }
+    with running(tmp, "lookup", settings=settings, env=env, faults=True) as d:
+        yield d
+
+
+def chat(d, model: str | None, timeout: float = 300) -> httpx.Response:
+    body = {
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": TOKENS,
+        "temperature": 0,
+    }
+    if model is not None:
+        body["model"] = model
+    return httpx.post(d.url + "/v1/chat/completions", json=body, timeout=timeout)
+
+
+def status(d) -> dict:
+    return httpx.get(d.url + "/admin/status", timeout=60).json()
+
+
+def metric(d, name: str, model: str) -> float:
+    text = httpx.get(d.url + "/metrics", timeout=60).text
+    m = re.search(rf'^{name}{{model="{re.escape(model)}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_refused_draft_manifest_is_skipped_at_start(daemon, alone):
+    warnings = " ".join(status(daemon)["warnings"])
+    assert "escape" in warnings and "models directory" in warnings
+    r = chat(daemon, None)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == alone[MODEL]
+
+
+def test_a_file_llama_cpp_cannot_load_fails_its_requests_only(daemon, alone):
+    r = chat(daemon, "bogus")
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert "bogus.gguf" in err["message"] and err["param"] == "model"
+    # Marked bad until it changes: the next request fails at once, without a second load.
+    t0 = time.monotonic()
+    again = chat(daemon, "bogus")
+    assert again.status_code == 422 and time.monotonic() - t0 < 2.0
+    assert daemon.logs(tail=None).count("loading model bogus failed") == 1
+    bad = {b["file"]: b["reason"] for b in status(daemon)["bad_models"]}
+    assert "bogus.gguf" in bad
+    for model in (MODEL, GEMMA):  # the good models answer right after
+        ok = chat(daemon, model)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["choices"][0]["message"]["content"] == alone[model]
+
+
+def test_a_load_whose_clients_left_stops_part_way(daemon, alone):
+    assert chat(daemon, MODEL).status_code == 200  # SmolLM2 resident: Gemma must switch
+    with pytest.raises(httpx.TimeoutException):
+        chat(daemon, SLOW, timeout=1.5)  # gives up while the load is delayed
+    deadline = time.monotonic() + LOAD_DELAY_S + 30
+    while metric(daemon, "memspec_model_loads_abandoned_total", SLOW) < 1:
+        assert time.monotonic() < deadline, daemon.logs()
+        time.sleep(0.5)
+    rows = {m["name"]: m for m in status(daemon)["models"]}
+    assert not rows[SLOW]["resident"] and rows[SLOW]["loads"] == 0
+    r = chat(daemon, MODEL)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == alone[MODEL]
+
+
+def test_two_models_alternating_from_four_clients(daemon, alone):
+    before = {m: metric(daemon, "memspec_model_loads_total", m) for m in (MODEL, GEMMA)}
+    answers: list[tuple[str, httpx.Response]] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        for j in range(4):
+            model = (MODEL, GEMMA)[(i + j) % 2]
+            r = chat(daemon, model)
+            with lock:
+                answers.append((model, r))
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    wall = time.monotonic() - t0
+    assert len(answers) == 16
+    served = 0
+    for model, r in answers:
+        if r.status_code == 200:
+            served += 1
+            assert r.json()["choices"][0]["message"]["content"] == alone[model]
+        else:  # refused with a reason, never a hang or a 500
+            assert r.status_code in (429, 503), r.text
+            assert r.json()["error"]["message"]
+    loads = {m: metric(daemon, "memspec_model_loads_total", m) - before[m] for m in before}
+    print(f"thrash: {served}/16 answered in {wall:.1f} s; loads {loads}")
+    assert served >= 12
+    for model in (MODEL, GEMMA):
+        assert metric(daemon, "memspec_model_loads_wasted_total", model) == 0
