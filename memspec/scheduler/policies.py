@@ -2,8 +2,8 @@
 
 One interface, one runner: memspec.scheduler.rounds.Scheduler adapts a Policy to the engine's
 RoundPolicy, over the real WorkingSet in the daemon and over the simulator's SimWorkingSet and
-trace-backed drafts in memspec.sim: the same code chooses a live and a simulated round. A
-policy sees drafts by id, the device's measured costs, the working set's residency, and for
+trace-backed drafts in the lab (memspec_lab.sim): the same code chooses a live and a simulated
+round. A policy sees drafts by id, the device's measured costs, the working set's residency, and for
 free proposers (prompt lookup, ...) a peek at what they would propose now.
 
 - `none`        plain target decoding.

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 import memspec
 from memspec.engine.speculative import Generation
 from memspec.errors import InvalidRequest, MemSpecError, UnknownModel
+from memspec.files import recorded_sha256, sha256_file
 from memspec.memory.gguf_info import read_shape
 from memspec.runtime import ClientRequest
 from memspec.server import tools
@@ -38,7 +39,6 @@ from memspec.server.openai_api import (
     served_model,
 )
 from memspec.server.openai_schema import ChatCompletionRequest, CompletionRequest
-from memspec.testbed import recorded_sha256, sha256_file
 from memspec.units import parse_duration_s
 
 # Ollama's routes need the same key as /v1 when keys are set; `/` and /api/version do not

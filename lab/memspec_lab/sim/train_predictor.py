@@ -25,7 +25,7 @@ import numpy as np
 from memspec.engine.costs import CostModel, best_choice
 from memspec.predictor.features import N_FEATURES, N_POS, pos_bucket, prompt_features
 from memspec.predictor.model import AcceptancePredictor, KeyModel, file_digest, now_iso
-from memspec.sim.traces import Trace, TraceRequest, load_trace
+from memspec_lab.sim.traces import Trace, TraceRequest, load_trace
 
 
 @dataclass

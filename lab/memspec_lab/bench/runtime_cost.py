@@ -32,7 +32,6 @@ import statistics
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +39,6 @@ from typing import Any
 
 import numpy as np
 
-from memspec.backends.base import Backend, BackendOptions, SequenceContext
-from memspec.backends.chat import CHATML, ChatTemplate
-from memspec.bench.peer_server import PeerServer, generated_tokens
-from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
 from memspec.engine.speculative import Generation, TokenCallback
 from memspec.engine.types import SamplingParams
@@ -51,6 +46,9 @@ from memspec.memory.footprint import target_footprint
 from memspec.memory.gguf_info import read_shape
 from memspec.paths import models_dir, resolve_model_path
 from memspec.runtime import Runtime
+from memspec_lab.bench.peer_server import PeerServer, generated_tokens
+from memspec_lab.bench.workloads import BenchPrompt, load_workload
+from memspec_lab.stub_backend import COLD_SWEEP_MIB, StubBackend
 
 # The runtime's own cost the project aims at, per plain token and per speculative round: on a
 # Jetson a model step is 6-25 ms, so this is at most ~5% of the fastest step.
@@ -60,12 +58,6 @@ OWN_COST_GOAL_MS = 0.3
 SPLIT = ("model", "backend", "sample", "detokenize", "stream", "engine")
 # Where the `engine` part went (the rest of it: the loop between phases).
 ENGINE_DETAIL = ("choose", "draft", "accept", "emit")
-# The stub's cycle: consecutive ids from here, none a control token in any vocabulary we ship.
-STUB_CYCLE_START = 1000
-STUB_CYCLE_LEN = 32
-# A stub step's sweep in the `cold` runs: more than the largest last-level cache we target
-# (32 MiB on the 2-core EPYC testbed, 4 MiB on a Jetson Orin), as a model's weights are.
-COLD_SWEEP_MIB = 64
 
 
 # --- the split ---------------------------------------------------------------------------
@@ -381,81 +373,6 @@ def _peer_summary(rows: list[dict[str, Any]], plain: dict[str, list[int]]) -> di
 
 
 # --- part 2: the stub target -------------------------------------------------------------
-
-
-class StubBackend(SequenceContext):
-    """A target whose step costs next to nothing: the row for input token t is precomputed, its
-    argmax the token after t in a fixed cycle (STUB_CYCLE_*), over a vocabulary of the real
-    target's size. Rows for consecutive cycle tokens are a view of one table (a doubled cycle,
-    so a round's rows never wrap). The step's time is counted as decode_s, the model's share,
-    not the runtime's: with `sweep_mib`, a sweep of that many MiB that leaves the caches cold
-    as a model's weights do, then the rows written into an output buffer the engine reads as a
-    view, as llama.cpp's decode ends by writing the logits it hands back (so they are as warm
-    as a real step's, while the runtime's own code and data are cold)."""
-
-    def __init__(self, path: Path, n_vocab: int, n_ctx: int, sweep_mib: int = 0):
-        super().__init__()
-        self.path, self.options, self.metadata = path, BackendOptions(n_ctx=n_ctx), {}
-        self.n_ctx, self.n_vocab, self.n_embd = n_ctx, n_vocab, 1
-        self.bos_token_id, self.eos_token_ids = None, frozenset({0})
-        self._slots: list[Backend] = [self]
-        self.cycle = list(range(STUB_CYCLE_START, STUB_CYCLE_START + STUB_CYCLE_LEN))
-        rng = np.random.default_rng(0)  # a spread-out row: sampling pays a real softmax
-        table = np.tile(rng.standard_normal(n_vocab).astype(np.float32), (2 * STUB_CYCLE_LEN, 1))
-        for j in range(2 * STUB_CYCLE_LEN):
-            table[j, self.cycle[(j + 1) % STUB_CYCLE_LEN]] = 30.0
-        table.flags.writeable = False
-        self.table = table
-        self._pieces: dict[int, bytes] = {}
-        self.sweep_mib = sweep_mib
-        self._sweep = np.ones(COLD_SWEEP_MIB << 18, dtype=np.float32)
-        self._logits = np.empty((2 * STUB_CYCLE_LEN, n_vocab), dtype=np.float32)
-
-    @property
-    def chat_template(self) -> ChatTemplate:  # it renders no chat: no warning for lacking one
-        return ChatTemplate("stub", jinja=CHATML)
-
-    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
-        return [STUB_CYCLE_START + b % STUB_CYCLE_LEN for b in text.encode()]
-
-    def detokenize(self, tokens: list[int]) -> bytes:
-        return b"".join(self._piece(t) for t in tokens)
-
-    def _piece(self, token: int) -> bytes:  # cached as llama.cpp's backend caches its pieces
-        piece = self._pieces.get(token)
-        if piece is None:
-            piece = self._pieces[token] = b" w%d" % token
-        return piece
-
-    def _forward_seq(
-        self, seq_id: int, n_past: int, tokens: list[int], all_logits: bool, copy: bool
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        t = time.perf_counter()
-        if self.sweep_mib:
-            float(self._sweep[: self.sweep_mib << 18].sum())
-        idx = [(tok - STUB_CYCLE_START) % STUB_CYCLE_LEN for tok in tokens]
-        if not all_logits:
-            idx = idx[-1:]
-        j, n = idx[0], len(idx)
-        if n <= STUB_CYCLE_LEN and idx == [(j + i) % STUB_CYCLE_LEN for i in range(n)]:
-            rows = self.table[j : j + n]  # the doubled cycle: rows past its end repeat it
-        else:  # not a run of the cycle (a prompt, a wrong draft): rows by index
-            rows = self.table[idx]
-        if self.sweep_mib and len(rows) <= len(self._logits):  # written last, as llama.cpp's
-            out = self._logits[: len(rows)]
-            np.copyto(out, rows)
-            if copy:
-                out = out.copy()
-        else:
-            out = rows.copy() if copy else rows
-        self.decode_s += time.perf_counter() - t
-        return out, None
-
-    def _truncate_seq(self, seq_id: int, n: int) -> None:
-        pass
-
-    def describe(self) -> dict[str, object]:
-        return {"backend": "stub", "file": self.path.name, "batch_invariant": True}
 
 
 # (name, draft, k, temperature): plain and prompt-lookup rounds, greedy and sampled; then the

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memspec.paths import humaneval_path
-from memspec.testbed import select_questions
+from memspec_lab.testbed import select_questions
 
 WORKLOADS = ("mtbench", "heldout")
 CHATS = Path(__file__).resolve().parent / "data" / "heldout_chats.jsonl"

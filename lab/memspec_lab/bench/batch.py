@@ -1,7 +1,7 @@
 """`memspec bench batch`: throughput and latency of concurrent streams, memspec vs a peer.
 
 For each concurrency c, c clients each stream the same share of a held-out prompt set
-(HumanEval code completions and everyday chats: memspec.bench.workloads, never tuned on)
+(HumanEval code completions and everyday chats: memspec_lab.bench.workloads, never tuned on)
 against one server at a time, greedy:
 - memspec's daemon (`memspec serve --parallel P`, started here) with `draft` auto and none;
 - llama.cpp's own `llama-server` (data/bin/llama-server, `scripts/setup.sh --peer`) with
@@ -11,7 +11,7 @@ tokens/s, TTFT p50/p95 and errors; auto's answers are compared with none's (gree
 be equal). Each level is measured after an unmeasured pass over its prompts, so every config
 finds them in its server's prompt cache alike. One run, configs measured one after another on
 an otherwise idle machine. `--cold` measures new prompts instead, prompt processing included
-(memspec.bench.batch_cold).
+(memspec_lab.bench.batch_cold).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from typing import Any
 
 import httpx
 
-from memspec.bench.peer_server import NGRAM, PeerServer
-from memspec.bench.workloads import load_workload
 from memspec.config import Settings
 from memspec.ctl.client import async_client, percentile, stream_completion
 from memspec.paths import use_data_dir
+from memspec_lab.bench.peer_server import NGRAM, PeerServer
+from memspec_lab.bench.workloads import load_workload
 
 
 def _free_port() -> int:
@@ -339,7 +339,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if not levels or levels[0] < 1:
         raise SystemExit("--concurrency needs levels of at least 1")
     if args.cold:
-        from memspec.bench.batch_cold import cmd_batch_cold
+        from memspec_lab.bench.batch_cold import cmd_batch_cold
 
         return cmd_batch_cold(args, levels)
     rep = run_batch_bench(

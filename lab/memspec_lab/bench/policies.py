@@ -24,8 +24,8 @@ from pathlib import Path
 
 from memspec.paths import DEFAULT_PREDICTOR
 from memspec.predictor.model import load_or_fallback
-from memspec.sim.profile import profile_for
-from memspec.sim.simulator import (
+from memspec_lab.sim.profile import profile_for
+from memspec_lab.sim.simulator import (
     build_setup,
     oracle_table,
     policy_for,
@@ -33,7 +33,7 @@ from memspec.sim.simulator import (
     sim_workload,
     simulate,
 )
-from memspec.sim.traces import Trace, load_trace
+from memspec_lab.sim.traces import Trace, load_trace
 
 QUICK_CATEGORIES = ["writing", "extraction", "coding", "humanities"]
 SUMMARY_KEYS = ("tokens_per_s", "stall_s", "loads", "evictions", "acceptance", "peak_bytes")
@@ -188,7 +188,7 @@ def budget_curve(setup, cfg: BenchConfig, run, names: list[str]) -> dict:
 
 
 def bench_live(settings, cfg: BenchConfig, out: Path) -> dict:
-    from memspec.bench.live_policies import run_live
+    from memspec_lab.bench.live_policies import run_live
 
     return run_live(settings, cfg, out)
 

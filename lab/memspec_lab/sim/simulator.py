@@ -39,11 +39,11 @@ from memspec.scheduler.policies import (
     prompt_key,
 )
 from memspec.scheduler.rounds import Scheduler
-from memspec.sim.profile import DraftCost, Profile
-from memspec.sim.traces import DraftPositions, Trace, TraceRequest
-from memspec.sim.train_predictor import cells_of
-from memspec.sim.working_set import SimWorkingSet
 from memspec.units import parse_size
+from memspec_lab.sim.profile import DraftCost, Profile
+from memspec_lab.sim.traces import DraftPositions, Trace, TraceRequest
+from memspec_lab.sim.train_predictor import cells_of
+from memspec_lab.sim.working_set import SimWorkingSet
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """`memspec bench ollama`: the same chats streamed through Ollama's /api/chat and OpenAI's
 /v1/chat/completions on one daemon, one run: does the Ollama wire cost anything?
 
-Each held-out chat (memspec.bench.workloads, never tuned on) goes through both routes in
+Each held-out chat (memspec_lab.bench.workloads, never tuned on) goes through both routes in
 pairs, the order alternating (ABBA) so that drift on a shared box falls on both. A request's
 rate is its completion tokens over its wall time (request sent to last byte: prompt
 processing, decoding and the wire), greedy. The report holds both routes' totals, the median
@@ -23,10 +23,10 @@ from typing import Any
 
 import httpx
 
-from memspec.bench.batch import MemspecServer
-from memspec.bench.workloads import load_workload
 from memspec.config import Settings
 from memspec.paths import use_data_dir
+from memspec_lab.bench.batch import MemspecServer
+from memspec_lab.bench.workloads import load_workload
 
 
 def _v1(http: httpx.Client, model: str, text: str, max_tokens: int, draft: str) -> tuple[str, int]:

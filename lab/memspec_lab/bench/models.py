@@ -4,7 +4,7 @@ against Ollama's least-recently-used swap, on one arrival trace, one run.
 The workload is what an Open WebUI user on a Jetson sends: code questions to the coder
 (HumanEval prompts) and chat to a small model (the held-out chats), with Poisson arrivals and
 bursts (a user pasting several questions at once). It is never tuned on. Both policies serve
-the same trace on a fresh daemon each (memspec.bench.batch.MemspecServer), with the same
+the same trace on a fresh daemon each (memspec_lab.bench.batch.MemspecServer), with the same
 settings but `residency`:
 - `memspec`: predicted demand keeps the model that saves most loading, and a switch waits
   while the resident model's queued run goes on (at most model_switch_wait_s);
@@ -31,12 +31,12 @@ from typing import Any
 
 import httpx
 
-from memspec.bench.batch import MemspecServer
-from memspec.bench.workloads import load_workload
 from memspec.catalog import ModelCatalog
 from memspec.config import Settings
 from memspec.targets import Targets
 from memspec.units import format_size, parse_size
+from memspec_lab.bench.batch import MemspecServer
+from memspec_lab.bench.workloads import load_workload
 
 POLICIES = ("memspec", "lru")
 

@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memspec.rpc.relay import LatencyRelay
+from memspec_lab.relay import LatencyRelay
 
-LOOPBACK = "loopback + LatencyRelay (memspec/rpc/relay.py)"
-NETNS = "network namespaces over veth pairs + LatencyRelay (memspec/rpc/relay.py)"
+LOOPBACK = "loopback + LatencyRelay (memspec_lab/relay.py)"
+NETNS = "network namespaces over veth pairs + LatencyRelay (memspec_lab/relay.py)"
 
 
 def free_port() -> int:

@@ -1,7 +1,7 @@
 """Device profiles for the simulator: memory, load bandwidth and per-token costs, as TOML files.
 
 A profile says what things cost on a device; a trace says what the drafts accept. The
-simulator combines the two. Profiles live in memspec/sim/profiles/NAME.toml; `this-machine`
+simulator combines the two. Profiles live in memspec_lab/sim/profiles/NAME.toml; `this-machine`
 is written by `memspec sim calibrate` from measurements, others are written by hand with the
 source of every number next to it.
 """
@@ -235,7 +235,7 @@ def measure_this_machine(settings, load_reps: int = 5) -> dict:
     from memspec.engine.sampling import SamplingParams
     from memspec.engine.speculative import speculative_generate
     from memspec.runtime import Runtime
-    from memspec.sim.traces import footprints, measure_loads
+    from memspec_lab.sim.traces import footprints, measure_loads
 
     rt = Runtime(settings, calibrate_costs=False)
     try:

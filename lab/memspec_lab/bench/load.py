@@ -822,7 +822,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m memspec.bench.load load|soak ...` (the same as `memspec bench load|soak`)."""
+    """`python -m memspec_lab.bench.load load|soak ...` (the same as `memspec bench load|soak`)."""
     p = argparse.ArgumentParser(prog="memspec bench", description=__doc__.split("\n")[0])
     register_bench(p.add_subparsers(dest="action", required=True))
     args = p.parse_args(argv)

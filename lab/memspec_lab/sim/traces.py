@@ -34,7 +34,7 @@ from memspec.engine.policy import Choice, FixedPolicy, RoundPolicy
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import speculative_generate
 from memspec.engine.types import Draft
-from memspec.sim.workload import RequestSpec
+from memspec_lab.sim.workload import RequestSpec
 
 TRACE_VERSION = 1
 

@@ -44,7 +44,7 @@ def measure(
     import numpy as np
 
     from memspec.backends.base import BackendOptions, load_backend
-    from memspec.bench.workloads import load_workload
+    from memspec_lab.bench.workloads import load_workload
 
     options = BackendOptions(
         n_ctx=1024, n_threads=n_threads, weight_repack=repack, batch_invariant=rule
@@ -103,7 +103,7 @@ def run_kernels_bench(
         rows: dict[str, Any] = {}
         for name, (tiled, repack, rule) in CONFIGS.items():
             print(f"[kernels] {target.name}: {name}", file=sys.stderr, flush=True)
-            cmd = [sys.executable, "-m", "memspec.bench.kernels", "--one", str(target)]
+            cmd = [sys.executable, "-m", "memspec_lab.bench.kernels", "--one", str(target)]
             cmd += ["--repack"] * repack + ["--rule"] * rule
             cmd += ["--n-threads", str(n_threads)] if n_threads else []
             cmd += ["--prompt-tokens", str(prompt_n), "--decode-tokens", str(decode_n)]

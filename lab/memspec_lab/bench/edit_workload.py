@@ -36,7 +36,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from memspec.bench.workloads import BenchPrompt
+from memspec_lab.bench.workloads import BenchPrompt
 
 EDIT_WORKLOADS = {"edit": "heldout", "edit-tuning": "tuning"}  # workload -> split
 EDIT_KINDS = ("fix-bug", "rename", "type-hints")

@@ -23,8 +23,8 @@ from typing import Any
 from memspec.config import Settings
 from memspec.engine.prefix_cache import PrefixCache
 from memspec.engine.sampling import SamplingParams
-from memspec.testbed import load_mtbench
 from memspec.units import parse_size
+from memspec_lab.testbed import load_mtbench
 
 TTFT_TOKENS = 4  # the second turn only needs its first token; a few more cost little
 

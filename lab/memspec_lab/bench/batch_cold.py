@@ -32,11 +32,11 @@ from typing import Any
 
 import httpx
 
-from memspec.bench.batch import MemspecServer, _model_id, _run_level, plot
-from memspec.bench.peer_server import PeerServer
-from memspec.bench.workloads import BenchPrompt, load_workload
 from memspec.config import Settings
 from memspec.paths import use_data_dir
+from memspec_lab.bench.batch import MemspecServer, _model_id, _run_level, plot
+from memspec_lab.bench.peer_server import PeerServer
+from memspec_lab.bench.workloads import BenchPrompt, load_workload
 
 MEMSPEC = "memspec"
 PEER = "llama-server"
