@@ -78,7 +78,7 @@ def require_gemma() -> Path:
     """The second family's target (Gemma 3 270M), fetched and its drafts built by
     `scripts/setup.sh --family gemma3` (scripts/test.sh turns that on)."""
     from memspec.drafts.family import family_dir
-    from memspec.testbed import family_target
+    from memspec.package_index import family_target
 
     target = family_target("gemma3")
     if not target.is_file() or not (family_dir(target) / "family.json").is_file():
@@ -100,7 +100,7 @@ def require_qwen() -> Path:
     """The Qwen2.5-Coder-1.5B target with its family built, by `scripts/setup.sh --family
     qwen2.5-coder` (scripts/test.sh turns that on)."""
     from memspec.drafts.family import family_dir
-    from memspec.testbed import family_target
+    from memspec.package_index import family_target
 
     target = family_target("qwen2.5-coder")
     if not target.is_file() or not (family_dir(target) / "family.json").is_file():

@@ -1,4 +1,4 @@
-"""ggml RPC workers for tests (memspec/rpc/local.py): `memspec rpc-worker` subprocesses in
+"""ggml RPC workers for tests (memspec_lab/rpc_local.py): `memspec rpc-worker` subprocesses in
 network namespaces of their own over veth pairs where this machine allows, else on loopback
 (a warning in the test report says so), behind relays that add the link's latency (this
 kernel has no `tc netem`)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from memspec.rpc.local import NETNS, LocalWorker, local_workers
+from memspec_lab.rpc_local import NETNS, LocalWorker, local_workers
 
 
 def require_rpc() -> None:

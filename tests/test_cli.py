@@ -47,11 +47,35 @@ def test_every_command_has_help(capsys):
                 for name, sub in action.choices.items():
                     yield from commands(sub, [*path, name])
 
-    for path in commands(build_parser(), []):
+    from memspec_lab.cli import build_parser as lab_parser
+
+    # memspec's commands, the lab's listed among them, and the lab's own with their flags
+    for path in [*commands(build_parser(), []), *commands(lab_parser(), [])]:
         with pytest.raises(SystemExit) as exit_:
             main([*path, "--help"])
         assert exit_.value.code == 0, path
     assert "--max-tokens" in capsys.readouterr().out
+
+
+def test_a_lab_command_without_the_lab_says_how_to_install_it(monkeypatch, capsys):
+    """`memspec bench ...` runs with the lab package (lab/); without it, one line and exit 2,
+    and `memspec --help` still lists it."""
+    import sys
+
+    for name in [m for m in sys.modules if m == "memspec_lab" or m.startswith("memspec_lab.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "memspec_lab", None)  # not installed
+    assert main(["bench", "batch", "--concurrency", "1,2", "--out", "x.json"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "memspec bench needs the lab package: pip install -e lab/ (scripts/setup.sh installs it)\n"
+    )
+    assert main(["drafts", "eval", "--help"]) == 2
+    assert capsys.readouterr().err.startswith("memspec drafts eval needs the lab package")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert all(f"    {name}" in out for name in ("bench", "testbed", "simulate", "traces"))
 
 
 def test_a_failure_is_one_line_on_stderr(tmp_path, capsys):
@@ -106,12 +130,13 @@ def test_generate_with_an_incompatible_draft_is_one_line(capsys, testbed_pool):
 def test_benches_learn_in_a_state_dir_of_their_own(tmp_path, monkeypatch):
     """A bench's runtimes neither read nor write what the box learnt (<data>/state/learned):
     a temporary state directory, unless one is configured."""
-    from memspec.cli.bench import bench_settings
+    from memspec_lab.cli import bench_settings
+    from memspec_lab.cli import build_parser as lab_parser
 
     argv = ["bench", "engine", "--out", str(tmp_path / "o.json")]
-    fresh = bench_settings(build_parser().parse_args(argv))
+    fresh = bench_settings(lab_parser().parse_args(argv))
     assert fresh.state_dir is not None and fresh.state_dir.is_dir()
     assert not any(fresh.state_dir.iterdir())
-    assert fresh.state_dir != bench_settings(build_parser().parse_args(argv)).state_dir
+    assert fresh.state_dir != bench_settings(lab_parser().parse_args(argv)).state_dir
     monkeypatch.setenv("MEMSPEC_STATE_DIR", str(tmp_path / "mine"))
-    assert bench_settings(build_parser().parse_args(argv)).state_dir == tmp_path / "mine"
+    assert bench_settings(lab_parser().parse_args(argv)).state_dir == tmp_path / "mine"

@@ -1,4 +1,7 @@
-"""The package layering: who may import whom, read from the source (every import, lazy ones too)."""
+"""The package layering: who may import whom, read from the source (every import, lazy ones too).
+
+memspec is the product; the lab (lab/memspec_lab: benchmarks, simulator, testbed, relay) imports
+it, and memspec never imports the lab but in memspec/cli/lab.py, which runs the lab's commands."""
 
 from __future__ import annotations
 
@@ -8,6 +11,9 @@ from pathlib import Path
 import memspec
 
 ROOT = Path(memspec.__file__).parent
+LAB = ROOT.parent / "lab" / "memspec_lab"
+# The one module of memspec that imports the lab: the `memspec` commands that are the lab's.
+LAB_DOOR = ROOT / "cli" / "lab.py"
 
 
 def _part(module: str) -> str | None:
@@ -79,13 +85,53 @@ def test_serving_parts_do_not_import_the_recipes():
 def test_recipes_import_only_what_they_build_for():
     """Recipes may import the runtime drafts, the engine and the backends (and the leaves),
     nothing above them."""
-    allowed = {"backends", "config", "drafts", "engine", "errors", "paths", "testbed", "units"}
+    allowed = {"backends", "config", "drafts", "engine", "errors", "files", "paths", "units"}
     assert _graph()["recipes"] <= allowed
 
 
+def _lab_imports(path: Path) -> set[str]:
+    """The lab modules `path` imports: import statements, and importlib.import_module or
+    __import__ of a literal name."""
+    names = {n for n in _imports(path) if n.split(".")[0] == "memspec_lab"}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            arg = node.args[0].value
+            if called in ("import_module", "__import__") and isinstance(arg, str):
+                if arg.split(".")[0] == "memspec_lab":
+                    names.add(arg)
+    return names
+
+
+def test_memspec_never_imports_the_lab():
+    """No module of memspec imports memspec_lab, lazily or not, but the CLI's door to the lab's
+    commands (memspec/cli/lab.py): the daemon, memspec-ctl and every product command run
+    without the lab installed."""
+    importers = {
+        str(path.relative_to(ROOT)): names
+        for path in ROOT.rglob("*.py")
+        if path != LAB_DOOR and (names := _lab_imports(path))
+    }
+    assert not importers, importers
+    assert _lab_imports(LAB_DOOR) == {"memspec_lab.cli"}  # the door is where this test says
+
+
+def test_the_lab_imports_memspec_and_lives_apart():
+    """The lab imports memspec (never the reverse), and none of it is left inside memspec."""
+    assert LAB.is_dir(), LAB
+    lab_modules = list(LAB.rglob("*.py"))
+    assert any(n.split(".")[0] == "memspec" for path in lab_modules for n in _imports(path)), (
+        "the lab imports memspec"
+    )
+    assert not {"bench", "sim", "testbed"} & {p.stem for p in ROOT.iterdir()}
+
+
 def test_predictor_does_not_import_sim():
-    """The predictor is the runtime part (model + features); training on traces lives in sim."""
-    assert "sim" not in _graph()["predictor"]
+    """The predictor is the runtime part (model + features); training on traces lives in the
+    lab's sim (memspec_lab.sim), which the predictor never imports."""
+    base = ROOT / "predictor"
+    assert not set().union(*(_lab_imports(p) for p in base.rglob("*.py")))
 
 
 def test_no_import_cycle_between_packages():
@@ -134,11 +180,12 @@ def test_the_model_catalog_loads_nothing():
 # the engine's running sequence (Sequence, by the runtime; speculative_generate makes its own
 # for callers of the engine alone). Beside them the policies read a view of it (Request: text,
 # turns, length), which the simulator builds from a trace, without a target's tokens.
+# (The lab's benchmarks and simulator build them too, from outside: memspec_lab.)
 REQUEST_SHAPES = {
-    "ClientRequest": {"server", "bench"},
+    "ClientRequest": {"server"},
     "GenerationRequest": {"runtime"},
     "Sequence": {"runtime", "engine"},
-    "Request": {"scheduler", "sim", "bench"},
+    "Request": {"scheduler"},
 }
 
 

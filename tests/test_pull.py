@@ -26,8 +26,9 @@ from pathlib import Path
 import pytest
 
 from memspec import pull as pulls
+from memspec.files import stamp_path
+from memspec.package_index import Asset, Part
 from memspec.paths import cache_dir, models_dir
-from memspec.testbed import Asset, Part, stamp_path
 from tests.launcher import ADMIN_KEY, API_KEY, ROOT, TARGET_FILE, running
 
 ollama = pytest.importorskip("ollama")

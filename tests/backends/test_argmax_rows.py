@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from memspec.backends.base import argmax_rows
-from memspec.bench.runtime_cost import StubBackend
 from memspec.engine.speculative import accept_greedy
+from memspec_lab.stub_backend import StubBackend
 
 
 def test_rows_stop_at_the_first_disagreement():

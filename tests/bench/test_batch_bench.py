@@ -8,9 +8,9 @@ from argparse import Namespace
 
 import pytest
 
-from memspec.bench import batch_cold
-from memspec.bench.peer_server import PeerServer
 from memspec.cli import main
+from memspec_lab.bench import batch_cold
+from memspec_lab.bench.peer_server import PeerServer
 
 FIELDS = (
     "aggregate_tokens_per_s",

@@ -7,7 +7,9 @@ import re
 
 import pytest
 
-from memspec.bench.edit_workload import (
+from memspec.cli import main
+from memspec.paths import models_dir
+from memspec_lab.bench.edit_workload import (
     EDIT_KINDS,
     TEMPLATE_TOKENS,
     WHOLE_FILE_MARGIN,
@@ -17,8 +19,6 @@ from memspec.bench.edit_workload import (
     load_edit_workload,
     with_project_context,
 )
-from memspec.cli import main
-from memspec.paths import models_dir
 
 HELD_OUT = {
     "llama_cpp/server/cli.py",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from memspec.bench.engine import decode_ms_per_token
 from memspec.cli import main
+from memspec_lab.bench.engine import decode_ms_per_token
 
 ARGS = [
     "bench", "engine", "--workload", "heldout", "--categories", "code", "--per-category", "1",

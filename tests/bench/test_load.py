@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from memspec.bench.load import main
+from memspec_lab.bench.load import main
 
 
 def test_load_without_a_daemon_says_so():

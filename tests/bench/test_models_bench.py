@@ -9,7 +9,7 @@ import sys
 
 from launcher import ROOT, require_gemma
 
-from memspec.bench.models import make_trace
+from memspec_lab.bench.models import make_trace
 
 
 def test_trace_is_seeded_poisson_with_bursts():

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from memspec.bench.peer_server import (
+from memspec_lab.bench.peer_server import (
     PeerServer,
     completion,
     generated_tokens,

@@ -8,17 +8,17 @@ import json
 import numpy as np
 import pytest
 
-from memspec.bench.runtime_cost import (
-    POOL_CONFIG,
-    SPLIT,
-    STUB_CONFIGS,
-    StubBackend,
-    free_pool,
-    run_runtime_bench,
-)
 from memspec.engine.policy import FixedPolicy
 from memspec.engine.speculative import speculative_generate
 from memspec.engine.types import SamplingParams
+from memspec_lab.bench.runtime_cost import (
+    POOL_CONFIG,
+    SPLIT,
+    STUB_CONFIGS,
+    free_pool,
+    run_runtime_bench,
+)
+from memspec_lab.stub_backend import StubBackend
 
 TOLERANCE_MS = 1e-3  # the split's cells are rounded to 1e-4 ms each
 
@@ -106,7 +106,7 @@ def test_stub_rows_are_views_of_one_table(tmp_path):
 def test_llama_servers_row_is_per_decode_step():
     """llama-server's first token comes from the prompt's pass: predicted_ms spans one decode
     step fewer than it has tokens, as its own predicted_per_token_ms counts."""
-    from memspec.bench.runtime_cost import _peer_summary
+    from memspec_lab.bench.runtime_cost import _peer_summary
 
     rows = [
         {"id": "a", "token_ids": [1, 2], "prompt_n": 10, "prompt_ms": 30.0,
@@ -123,7 +123,7 @@ def test_llama_servers_row_is_per_decode_step():
 def test_memspec_against_llama_server_per_step_and_per_prompt():
     """The ratios are speeds (above 1: memspec faster), over the run and as the median of the
     back-to-back pairs, so one pair hit by a burst of load does not move the median."""
-    from memspec.bench.runtime_cost import _versus
+    from memspec_lab.bench.runtime_cost import _versus
 
     def ours(step_ms: float, prompt_ms_per_token: float) -> dict:
         rounds = 10

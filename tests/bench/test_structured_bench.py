@@ -8,10 +8,10 @@ import json
 import pytest
 from launcher import TARGET_FILE
 
-from memspec.bench.peer_server import PeerServer
-from memspec.bench.structured import _basic_schema_error, load_extraction_prompts, schema_error
 from memspec.cli import main
 from memspec.paths import models_dir
+from memspec_lab.bench.peer_server import PeerServer
+from memspec_lab.bench.structured import _basic_schema_error, load_extraction_prompts, schema_error
 
 
 def strict(props: dict) -> dict:

@@ -26,8 +26,8 @@ from memspec.config import Settings
 from memspec.drafts.family import find_siblings, named_sibling
 from memspec.engine.sampling import SamplingParams
 from memspec.errors import DraftIncompatible
+from memspec.package_index import QWEN_SIBLING_FILE
 from memspec.paths import models_dir
-from memspec.testbed import QWEN_SIBLING_FILE
 
 MAX_TOKENS = 16
 PROMPTS = [

@@ -9,9 +9,9 @@ import pytest
 from launcher import require_gemma
 
 from memspec.backends.llama_cpp import BLOCK_ROWS
-from memspec.bench.edit_workload import load_edit_workload
 from memspec.config import Settings
 from memspec.engine.types import SamplingParams
+from memspec_lab.bench.edit_workload import load_edit_workload
 
 N_CTX = 4096
 MAX_TOKENS = 48

@@ -48,7 +48,7 @@ def test_greedy_identical_at_a_near_tie(runtime):
     batch-dependent kernels some k flipped it. Every k must give the plain output."""
     import numpy as np
 
-    from memspec.testbed import load_mtbench
+    from memspec_lab.testbed import load_mtbench
 
     q = next(q for q in load_mtbench() if q["question_id"] == 122)
     prompt = runtime.prompt_tokens(messages=[{"role": "user", "content": q["turns"][0]}])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from memspec.paths import DEFAULT_PREDICTOR
 from memspec.predictor.artifacts import SHIPPED_DIR, predictor_path, trained_path
-from memspec.sim.traces import TRACE_VERSION
+from memspec_lab.sim.traces import TRACE_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 

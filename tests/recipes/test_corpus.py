@@ -84,7 +84,7 @@ def test_seed_prompts_are_not_mt_bench():
     import re
 
     from memspec.recipes.corpus import load_seeds
-    from memspec.testbed import load_mtbench
+    from memspec_lab.testbed import load_mtbench
 
     def grams(text: str, n: int = 6) -> set[tuple[str, ...]]:
         words = re.findall(r"\w+", text.lower())

@@ -13,10 +13,10 @@ from memspec.drafts.model import ModelDraft
 from memspec.engine.policy import FixedPolicy
 from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import speculative_generate
+from memspec.files import sha256_file
 from memspec.paths import models_dir
 from memspec.recipes import distill
 from memspec.recipes.build import build_all
-from memspec.testbed import sha256_file
 
 pytest.importorskip("torch")
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from memspec.rpc.relay import LatencyRelay
+from memspec_lab.relay import LatencyRelay
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -21,9 +21,9 @@ from memspec.scheduler.policies import (
     prompt_key,
 )
 from memspec.scheduler.rounds import Scheduler
-from memspec.sim.simulator import TraceDraft
-from memspec.sim.traces import DraftPositions
-from memspec.sim.working_set import SimWorkingSet
+from memspec_lab.sim.simulator import TraceDraft
+from memspec_lab.sim.traces import DraftPositions
+from memspec_lab.sim.working_set import SimWorkingSet
 
 # GPU-like costs: verification nearly flat in k, drafting cheap.
 COSTS = CostModel(

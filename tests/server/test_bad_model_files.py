@@ -22,8 +22,8 @@ import openai
 import pytest
 from launcher import MODEL, ROOT, TARGET_FILE, require_testbed, running
 
+from memspec.package_index import SMOLLM2_FILE
 from memspec.paths import cache_dir, models_dir
-from memspec.testbed import SMOLLM2_FILE
 
 MARKER = b"SECRET-CONTENT-OF-X"  # in the random file: no answer may echo it
 QUESTION = [{"role": "user", "content": "Name three colours."}]

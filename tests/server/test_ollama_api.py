@@ -46,8 +46,8 @@ def test_tags_ps_show(oc):
     assert listed[0].details.format == "gguf" and listed[0].details.family == "llama"
     (running,) = oc.ps().models
     assert running.model == MODEL and running.size > listed[0].size  # + KV and drafts
+    from memspec.files import sha256_file
     from memspec.paths import models_dir
-    from memspec.testbed import sha256_file
 
     assert listed[0].digest == sha256_file(models_dir() / TARGET_FILE)
     shown = oc.show(MODEL)

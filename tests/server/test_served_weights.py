@@ -16,8 +16,8 @@ import pytest
 from launcher import QWEN_SIBLING, plain_answer, require_qwen, running
 
 from memspec.memory.gguf_info import read_shape
+from memspec.package_index import QWEN_SIBLING_FILE
 from memspec.paths import models_dir
-from memspec.testbed import QWEN_SIBLING_FILE
 
 QUESTION = "Write a Python function that adds two numbers."
 TOKENS = 12

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from memspec.sim.traces import DraftPositions, RunRecord, Trace, TraceRequest
+from memspec_lab.sim.traces import DraftPositions, RunRecord, Trace, TraceRequest
 
 K_MAX = 8
 # Per category, per-token acceptance of each model draft, and how often the answer quotes the

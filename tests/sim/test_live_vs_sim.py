@@ -10,11 +10,11 @@ import pytest
 from memspec.config import Settings
 from memspec.paths import models_dir
 from memspec.scheduler.policies import Policy
-from memspec.sim.profile import profile_from_trace
-from memspec.sim.simulator import build_setup, simulate
-from memspec.sim.traces import collect
-from memspec.sim.workload import RequestSpec
-from memspec.testbed import select_questions
+from memspec_lab.sim.profile import profile_from_trace
+from memspec_lab.sim.simulator import build_setup, simulate
+from memspec_lab.sim.traces import collect
+from memspec_lab.sim.workload import RequestSpec
+from memspec_lab.testbed import select_questions
 
 POLICIES = ["none", "fixed:prompt-lookup", "fixed:q8_0", "ucb", "memspec", "oracle"]
 LIVE_ONLY = ["auto"]  # the bare rule over the configured drafts: the simulator has no twin
@@ -64,8 +64,8 @@ def test_replay_is_exact_against_measured_runs(tmp_path):
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    from memspec.bench.live_policies import run_live
-    from memspec.bench.policies import BenchConfig
+    from memspec_lab.bench.live_policies import run_live
+    from memspec_lab.bench.policies import BenchConfig
 
     out = tmp_path_factory.mktemp("live") / "live.json"
     cfg = BenchConfig(
@@ -92,7 +92,7 @@ def test_every_policy_is_lossless_and_within_budget(live):
 
 
 def test_simulator_ranks_policies_like_the_live_runner(live):
-    from memspec.bench.policies import BenchConfig, bench_sim
+    from memspec_lab.bench.policies import BenchConfig, bench_sim
 
     report, path = live
     cfg = BenchConfig(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from memspec.sim.profile import PROFILE_DIR, load_profile
+from memspec_lab.sim.profile import PROFILE_DIR, load_profile
 
 SHIPPED = sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
 

@@ -16,10 +16,10 @@ from memspec.engine.types import Choice, SamplingParams
 from memspec.paths import models_dir
 from memspec.scheduler.policies import DraftInfo, Env, Request, make_policy
 from memspec.scheduler.rounds import Scheduler, chat_text
-from memspec.sim.simulator import TraceDraft
-from memspec.sim.traces import TraceRequest, chat_messages, collect_one
-from memspec.sim.working_set import SimWorkingSet
-from memspec.sim.workload import RequestSpec
+from memspec_lab.sim.simulator import TraceDraft
+from memspec_lab.sim.traces import TraceRequest, chat_messages, collect_one
+from memspec_lab.sim.working_set import SimWorkingSet
+from memspec_lab.sim.workload import RequestSpec
 
 QUESTION = "Write the numbers from one to twenty in words, separated by commas."
 MAX_TOKENS = 48

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from memspec.scheduler.policies import Policy
-from memspec.sim.profile import load_profile
-from memspec.sim.simulator import build_setup, policy_for, sim_workload, simulate
+from memspec_lab.sim.profile import load_profile
+from memspec_lab.sim.simulator import build_setup, policy_for, sim_workload, simulate
 
 POLICIES = ["none", "fixed:q8_0", "fixed:prompt-lookup", "ucb", "exp3", "memspec", "oracle"]
 
@@ -69,7 +69,7 @@ def test_replay_follows_the_trace_exactly(synthetic_trace, setup):
 
 
 def test_oracle_knows_the_best_single_draft(synthetic_trace, setup):
-    from memspec.sim.simulator import oracle_table
+    from memspec_lab.sim.simulator import oracle_table
 
     table = oracle_table(synthetic_trace, setup)
     by_cat = {}
@@ -83,8 +83,8 @@ def test_oracle_knows_the_best_single_draft(synthetic_trace, setup):
 
 def test_a_self_draft_sharing_the_target_kv_copies_instead_of_catching_up():
     from memspec.drafts.model import DONOR_MIN_TOKENS
-    from memspec.sim.profile import DraftCost
-    from memspec.sim.simulator import catchup_s
+    from memspec_lab.sim.profile import DraftCost
+    from memspec_lab.sim.simulator import catchup_s
 
     c = DraftCost(bytes=1, s_per_token=0.01, prefill_s_per_token=0.002, kv_copy_s=0.003)
     prompt = 200

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from memspec.predictor.model import load_predictor
-from memspec.sim.traces import DraftPositions, RunRecord, Trace, TraceRequest
-from memspec.sim.train_predictor import TrainConfig, train_from_traces
+from memspec_lab.sim.traces import DraftPositions, RunRecord, Trace, TraceRequest
+from memspec_lab.sim.train_predictor import TrainConfig, train_from_traces
 
 K_MAX = 8
 
