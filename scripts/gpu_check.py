@@ -1264,7 +1264,9 @@ def orchestrate(a: argparse.Namespace) -> int:
         log("gpu_carry/ missing: run scripts/gpu_check.sh --prepare first")
         return 2
     report.data["carry"] = json.loads(manifest.read_text())
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
+    # memspec, and the lab for `memspec bench runtime` (carried as source: lab/ is tracked).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "lab")]),
+               PYTHONUNBUFFERED="1",
                MEMSPEC_DATA_DIR=str(work / "data"))  # fmt: skip
     if (CARRY / "data").is_dir():  # the workloads' prompts, where memspec.paths looks
         shutil.copytree(CARRY / "data", work / "data", dirs_exist_ok=True)

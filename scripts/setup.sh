@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up: .venv/, the project and its dependencies, the testbed model and data.
+# Idempotent set-up: .venv/, the project and its dependencies, the lab (lab/: benchmarks,
+# simulator, testbed fetch; memspec never imports it), the testbed model and data.
 #   MEMSPEC_EXTRAS   pip extras to install (default "torch,test"; "" for the llama.cpp path only)
 #   MEMSPEC_DATA_DIR where models and data live (default ./data)
 #   MEMSPEC_BATCH_INVARIANT  1 (default): llama.cpp without llamafile; 0: llamafile kept
@@ -33,7 +34,7 @@ PY=.venv/bin/python
 $PY scripts/llama_build.py
 
 stamp=.venv/.memspec-installed
-hash="$(cat pyproject.toml scripts/setup.sh scripts/llama_build.py | sha256sum | cut -c1-16)"
+hash="$(cat pyproject.toml lab/pyproject.toml scripts/setup.sh scripts/llama_build.py | sha256sum | cut -c1-16)"
 # Skip the install when the same files were installed with at least the extras wanted now.
 need_install=1
 if [ -f "$stamp" ] && [ "$(sed -n 1p "$stamp")" = "$hash" ]; then
@@ -42,13 +43,14 @@ if [ -f "$stamp" ] && [ "$(sed -n 1p "$stamp")" = "$hash" ]; then
   for e in ${EXTRAS//,/ }; do case "$have" in *",$e,"*) ;; *) need_install=1 ;; esac; done
 fi
 if [ "$need_install" = 1 ]; then
-  echo "[setup] installing memspec[$EXTRAS]"
+  echo "[setup] installing memspec[$EXTRAS] and the lab (memspec-lab)"
   $PY -m pip install --quiet --upgrade pip
   # torch first and pinned, so nothing pulls a multi-GB CUDA build.
   case ",$EXTRAS," in *,torch,*) $PY -m pip install --quiet "torch==2.13.0" ;; esac
   export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
   spec="."; [ -n "$EXTRAS" ] && spec=".[$EXTRAS]"
-  $PY -m pip install --quiet -e "$spec"
+  # The lab beside the product: `memspec bench|testbed|simulate ...`, and the tests, need it.
+  $PY -m pip install --quiet -e "$spec" -e "./lab[plot]"
   printf '%s\n%s\n' "$hash" "$EXTRAS" > "$stamp"
 fi
 

@@ -8,6 +8,6 @@ cd "$(dirname "$0")/.."
 # 0.5B sibling); their lossless and end-to-end tests need them.
 MEMSPEC_EXTRAS=${MEMSPEC_EXTRAS-torch,test} MEMSPEC_FAMILIES=${MEMSPEC_FAMILIES-gemma3,qwen2.5-coder} \
   bash scripts/setup.sh
-.venv/bin/ruff check memspec tests
+.venv/bin/ruff check memspec lab tests
 # The slowest tests are listed at the end: the suite must stay well inside CI's 90 minutes.
 exec .venv/bin/python -m pytest -q -ra --durations=30 "$@"
