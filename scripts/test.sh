@@ -9,5 +9,9 @@ cd "$(dirname "$0")/.."
 MEMSPEC_EXTRAS=${MEMSPEC_EXTRAS-torch,test} MEMSPEC_FAMILIES=${MEMSPEC_FAMILIES-gemma3,qwen2.5-coder} \
   bash scripts/setup.sh
 .venv/bin/ruff check memspec tests
+# JetPack 6 (the device) has Python 3.10: nothing newer in the code (memspec/compat.py has the
+# backports). --eval-annotations: names used only in annotations count too (`X | Y` is
+# 3.10 already).
+.venv/bin/vermin -q -t=3.10- --violations --no-tips --eval-annotations memspec tests scripts
 # The slowest tests are listed at the end: the suite must stay well inside CI's 90 minutes.
 exec .venv/bin/python -m pytest -q -ra --durations=30 "$@"
