@@ -118,7 +118,12 @@ class Targets:
         n_ctx = settings.n_ctx if isinstance(settings.n_ctx, int) else MIN_CTX_ESTIMATE
         slots = max(1, settings.parallel)
         kv = settings.kv_cache
-        key = (model.path, n_ctx, settings.k_max, settings.n_gpu_layers, slots, kv)
+        try:  # one entry per version of the file: a replaced file is sized again
+            st = model.path.stat()
+            version = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            version = (0, 0)
+        key = (model.path, version, n_ctx, settings.k_max, settings.n_gpu_layers, slots, kv)
         if key not in self._needs:  # read_shape parses the header: once per shape
             self._needs[key] = target_footprint(
                 model.path, n_ctx, settings.k_max, settings.n_gpu_layers, slots, kv

@@ -203,3 +203,18 @@ def test_two_models_alternating_from_four_clients(daemon, alone):
     assert served >= 12
     for model in (MODEL, GEMMA):
         assert metric(daemon, "memspec_model_loads_wasted_total", model) == 0
+
+
+def test_an_engine_thread_that_dies_says_why_and_exits_for_a_restart(tmp_path):
+    """No request can kill the engine thread (each is caught where it runs); a bug that gets
+    through anyway (here SystemExit, injected on the engine thread) fails the requests with
+    the reason, and the daemon exits non-zero: systemd's Restart=on-failure starts it again."""
+    with running(tmp_path, "lookup", faults=True) as d:
+        body = {"model": MODEL, "prompt": "FAULT:die", "max_tokens": 2}
+        try:
+            r = httpx.post(d.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code >= 500 and "engine" in r.text, r.text
+        except httpx.HTTPError:
+            pass  # the daemon may be gone before the answer is written
+        assert d.proc.wait(60) != 0
+        assert "engine thread died" in d.logs(tail=None)
