@@ -83,6 +83,7 @@ def daemon(tmp_path_factory):
     _link(models_dir() / TARGET_FILE, models / TARGET_FILE)
     _link(gemma, models / gemma.name)
     _link(gemma, models / f"{SLOW}.gguf")
+    _link(gemma, models / f"{SLOW}-gone.gguf")  # deleted while it loads
     _unloadable_gguf(models / "bogus.gguf")
     if cache_dir().is_dir():  # the calibrations: start-up stays quick
         shutil.copytree(cache_dir(), data / "cache", ignore=shutil.ignore_patterns("corpus"))
@@ -106,6 +107,7 @@ def daemon(tmp_path_factory):
         "FAULT_LOAD_DELAY_S": str(LOAD_DELAY_S),
     }
     with running(tmp, "lookup", settings=settings, env=env, faults=True) as d:
+        d.models_dir = models
         yield d
 
 
@@ -168,6 +170,22 @@ def test_a_load_whose_clients_left_stops_part_way(daemon, alone):
     assert not rows[SLOW]["resident"] and rows[SLOW]["loads"] == 0
     r = chat(daemon, MODEL)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == alone[MODEL]
+
+
+def test_a_file_deleted_while_it_loads_fails_its_request_only(daemon, alone):
+    path = daemon.models_dir / f"{SLOW}-gone.gguf"
+    assert path.is_file()
+    answer: list[httpx.Response] = []
+    asker = threading.Thread(target=lambda: answer.append(chat(daemon, f"{SLOW}-gone")))
+    asker.start()
+    time.sleep(1.5)  # its load is under way (the fault daemon delays it)
+    path.unlink()
+    asker.join(LOAD_DELAY_S + 60)
+    (r,) = answer
+    assert r.status_code == 404, r.text
+    assert f"{SLOW}-gone.gguf" in r.json()["error"]["message"]
+    ok = chat(daemon, GEMMA)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == alone[GEMMA]
 
 
 def test_two_models_alternating_from_four_clients(daemon, alone):
