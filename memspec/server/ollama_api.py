@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import memspec
 from memspec import ollama_name
+from memspec.drafts.family import FTYPE_NAMES
 from memspec.engine.speculative import Generation
 from memspec.errors import InvalidRequest, MemSpecError, UnknownModel
 from memspec.memory.gguf_info import read_shape
@@ -533,6 +534,11 @@ def _header_fields(path: Path) -> dict[str, Any]:
 def _details(path: Path, info: dict[str, Any]) -> dict[str, Any]:
     shape = read_shape(path)
     main_type = max(shape.bytes_by_type, key=lambda t: shape.bytes_by_type[t], default="")
+    # The file's type as Ollama reports it (general.file_type: Q4_K_M), else the type most
+    # of the weight bytes have (a file written without general.file_type).
+    file_type = info.get("general.file_type")
+    if isinstance(file_type, int) and file_type in FTYPE_NAMES:
+        main_type = FTYPE_NAMES[file_type]
     size_label = info.get("general.size_label")
     if not size_label:
         n = shape.weight_bytes  # bytes, not parameters: only a fallback label
