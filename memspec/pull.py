@@ -12,7 +12,8 @@ exactly as `memspec testbed fetch --family F` then `memspec drafts build --famil
 - `gemma3:270m`: Gemma 3 270M Q4_K_M and its derived family;
 - `qwen2.5-coder:1.5b`: the 1.5B target *and* its 0.5B sibling draft, and the 1.5B's family;
 - `qwen2.5-coder:0.5b`: the 0.5B alone (a sibling draft; no family of its own is built).
-`NAME`, `NAME:latest`, `library/NAME:TAG` and any case name the same model.
+`NAME`, `NAME:latest`, `library/NAME:TAG` and any case name the same model; a name Ollama
+would refuse (memspec.ollama_name) is an InvalidModelName, a 400, before any lookup.
 
 Progress objects are Ollama's (`server/images.go` PullModel, `server/download.go`): "pulling
 manifest", one "pulling <12 hex>" per wheel part with `digest` "sha256:<the part's pinned
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from memspec import ollama_name
 from memspec.errors import MemSpecError
 from memspec.files import dest_lock, staging_dir
 from memspec.model_id import OLLAMA_NAMES
@@ -103,19 +105,27 @@ def known_names() -> list[str]:
 
 
 def canonical(name: str) -> str | None:
-    """`qwen2.5-coder:1.5b` for every spelling of it; None for a name we cannot pull."""
-    text = name.strip().lower()
-    for prefix in ("https://", "http://", "registry.ollama.ai/", "library/"):
-        text = text.removeprefix(prefix)
-    base, _, tag = text.partition(":")
-    if tag in ("", "latest"):
+    """`qwen2.5-coder:1.5b` for every spelling of it (any case, `:latest`, `library/`,
+    `registry.ollama.ai/library/`, `https://` before a host); None for a valid name we cannot
+    pull (another registry or namespace included). InvalidModelName (a 400) for a name Ollama
+    would refuse (memspec.ollama_name): it is checked before anything else is looked at."""
+    parsed = ollama_name.parse(name)
+    if (parsed.host.lower(), parsed.namespace.lower()) != (
+        ollama_name.DEFAULT_HOST,
+        ollama_name.DEFAULT_NAMESPACE,
+    ):
+        return None  # only Ollama's library names map to the families we fetch
+    base, tag = parsed.model.lower(), parsed.tag.lower()
+    if tag == ollama_name.DEFAULT_TAG:
         return _LATEST.get(base)
     full = f"{base}:{tag}"
     return full if full in _plans() else None
 
 
 def resolve(name: str) -> Pullable:
-    found = canonical(name)
+    """The pullable model `name` means. ModelNotFound (Ollama's "file does not exist") for a
+    valid name no family answers to, or none at all; InvalidModelName for an invalid one."""
+    found = canonical(name) if name.strip() else None
     if found is None:
         raise ModelNotFound(NOT_FOUND, param="model", code="model_not_found")
     return _plans()[found]

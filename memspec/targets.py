@@ -118,7 +118,12 @@ class Targets:
         n_ctx = settings.n_ctx if isinstance(settings.n_ctx, int) else MIN_CTX_ESTIMATE
         slots = max(1, settings.parallel)
         kv = settings.kv_cache
-        key = (model.path, n_ctx, settings.k_max, settings.n_gpu_layers, slots, kv)
+        try:  # one entry per version of the file: a replaced file is sized again
+            st = model.path.stat()
+            version = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            version = (0, 0)
+        key = (model.path, version, n_ctx, settings.k_max, settings.n_gpu_layers, slots, kv)
         if key not in self._needs:  # read_shape parses the header: once per shape
             self._needs[key] = target_footprint(
                 model.path, n_ctx, settings.k_max, settings.n_gpu_layers, slots, kv
@@ -173,8 +178,11 @@ class Targets:
                     continue
                 try:  # reads its header: a file gone bad since it was listed fails here
                     size = self.need_bytes(model, settings) - self.weights_held(model, settings)
-                except MemSpecError as e:
-                    self.view_errors[name] = self._unusable(model, e)
+                except Exception as e:  # noqa: BLE001 - that model's requests fail, not the engine
+                    error = self._unusable(model, e)
+                    self.view_errors[name] = (
+                        error if isinstance(error, MemSpecError) else ModelLoadError(str(error))
+                    )
                     continue
             else:
                 size = rt.budget_bytes
@@ -228,7 +236,7 @@ class Targets:
         except LoadAbandoned:
             st.abandoned += 1
             raise
-        except MemSpecError as e:
+        except Exception as e:
             raise self._unusable(model, e) from e
         st.last_load_s = time.monotonic() - t0
         st.load_s_total += st.last_load_s
@@ -248,17 +256,19 @@ class Targets:
             self._on_change(name, "load")
         return rt
 
-    def _unusable(self, model: ServableModel, error: MemSpecError) -> MemSpecError:
+    def _unusable(self, model: ServableModel, error: Exception) -> Exception:
         """A load or header read of `model` failed: a file that is gone is an unknown model;
         one that cannot be loaded is marked bad (until its size or mtime change: a second
         request fails at once) and its requests are at fault (422). Budget errors pass."""
-        if not isinstance(error, ModelLoadError) or isinstance(error, UnusableModelFile):
+        if isinstance(error, (BudgetExceeded, UnusableModelFile)):
             return error
         if not model.path.is_file():
             return UnknownModel(
                 f"model file {model.path.name} left the models dir while it was loaded",
                 param="model",
             )
+        if not isinstance(error, ModelLoadError):
+            return error
         self.catalog.mark_bad(model.path, error.message)
         return UnusableModelFile(
             f"model file {model.path.name} could not be loaded: {error.message}", param="model"

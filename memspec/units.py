@@ -65,29 +65,48 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
-_DURATION = re.compile(r"(-?)((?:\d+(?:\.\d+)?(?:h|m|s|ms))+)")
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
-_DURATION_SCALE = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3}
+# Go's time.ParseDuration units (Ollama parses keep_alive with it); "us" and "µs" alike.
+_DURATION = re.compile(r"([-+]?)((?:(?:\d+\.?\d*|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+)")
+_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_DURATION_SCALE = {
+    "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ns": 1e-9,
+}  # fmt: skip
+_SECONDS = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+# A longer duration means no expiry: a model kept 100 years is kept forever, and an expiry
+# that far off overflows datetime (year 9999) when /api/ps writes it ("9999999999999h" did).
+MAX_DURATION_S = 100 * 365.25 * 86400
+FOREVER = -1.0  # what a negative duration means (keep_alive -1)
+_MAX_DURATION_CHARS = 64  # "1h30m", "300", "-1": a longer text is no duration anyone writes
 
 
 def parse_duration_s(value: int | float | str) -> float:
     """Seconds in a duration as Ollama's keep_alive writes it: a number of seconds, or Go's
-    "5m", "1h30m", "250ms", "-1m"; ValueError otherwise. A negative one means forever."""
+    "5m", "1h30m", "250ms", "-1m"; ValueError otherwise (NaN, a text that is no duration or
+    longer than 64 characters). A negative one means forever, and so does one beyond
+    MAX_DURATION_S (infinity included): both come back as FOREVER, so no caller ever adds a
+    huge number of seconds to a clock."""
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a duration")
-    if isinstance(value, int | float):
-        if not math.isfinite(value):
+    if isinstance(value, int):  # compared as an int: float(10**400) itself overflows
+        return FOREVER if value < 0 or value > MAX_DURATION_S else float(value)
+    if isinstance(value, float):
+        if math.isnan(value):
             raise ValueError(f"{value!r} is not a duration")
-        return float(value)
+        return _bounded(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{_short(value)} is not a duration")
     text = value.strip()
-    try:
-        seconds = float(text)
-    except ValueError:
-        parts = _DURATION.fullmatch(text)
-        if parts is None:
-            raise ValueError(f"{value!r} is not a duration") from None
-        total = sum(float(n) * _DURATION_SCALE[u] for n, u in _DURATION_PART.findall(parts[2]))
-        return -total if parts[1] else total
-    if not math.isfinite(seconds):
+    if len(text) > _MAX_DURATION_CHARS:
+        raise ValueError(f"{_short(value)} is not a duration (too long)")
+    if _SECONDS.fullmatch(text):  # a plain number of seconds; "inf" and "nan" are not
+        return _bounded(float(text))
+    parts = _DURATION.fullmatch(text)
+    if parts is None:
         raise ValueError(f"{value!r} is not a duration")
-    return seconds
+    total = sum(float(n) * _DURATION_SCALE[u] for n, u in _DURATION_PART.findall(parts[2]))
+    return _bounded(-total if parts[1] == "-" else total)
+
+
+def _bounded(seconds: float) -> float:
+    """FOREVER for a negative or beyond-the-bound number of seconds (infinities included)."""
+    return FOREVER if not 0 <= seconds <= MAX_DURATION_S else seconds

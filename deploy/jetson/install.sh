@@ -162,6 +162,9 @@ have_user() { getent passwd "$1" >/dev/null 2>&1; }
 # The llama-cpp-python version MemSpec pins, so the CUDA build satisfies the package's pin.
 LLAMA_VERSION=$(sed -n 's/^ *"llama-cpp-python==\([^"]*\)".*/\1/p' "$SRC_DIR/pyproject.toml" | head -n 1)
 [[ -n $LLAMA_VERSION ]] || die "cannot find the llama-cpp-python pin in $SRC_DIR/pyproject.toml"
+# The oldest Python MemSpec runs on (requires-python; JetPack 6 ships 3.10), as MAJOR.MINOR.
+PY_MIN=$(sed -n 's/^ *requires-python *= *">= *\([0-9]*\.[0-9]*\).*/\1/p' "$SRC_DIR/pyproject.toml" | head -n 1)
+PY_MIN=${PY_MIN:-3.10}
 
 detect
 say "Detection"
@@ -177,7 +180,7 @@ if [[ -n $CUDA_VERSION ]]; then
 else
 	info CUDA "not found at $CUDA_HOME/bin/nvcc"
 fi
-info python "$PYTHON ${PY_VERSION:-not found}"
+info python "$PYTHON ${PY_VERSION:-not found} (MemSpec needs >= $PY_MIN)"
 info jtop "$(have_group jtop && echo "group jtop present" || echo "no jtop group")${JTOP_VERSION:+, jetson-stats $JTOP_VERSION system-wide}"
 info user "$SERVICE_USER $(have_user "$SERVICE_USER" && echo exists || echo "will be created")"
 info source "$SRC_DIR (llama-cpp-python $LLAMA_VERSION, CUDA arch $CUDA_ARCH)"
@@ -186,6 +189,19 @@ info mode "$( ((DRY_RUN)) && echo "dry run: printing actions, changing nothing" 
 
 # --- checks: a real run stops here; a dry run reports and goes on -----------------------
 problems=()
+# Python first: a venv of an older Python cannot hold MemSpec (pip refuses it), so --force does
+# not skip this one.
+py_problem=""
+if [[ -z $PY_VERSION ]]; then
+	py_problem="$PYTHON not found: MemSpec needs Python >= $PY_MIN (set PYTHON=/path/to/python3.X)"
+elif ! "$PYTHON" -c "import sys; sys.exit(sys.version_info[:2] < (${PY_MIN/./, }))" 2>/dev/null; then
+	py_problem="$PYTHON is Python $PY_VERSION; MemSpec needs Python >= $PY_MIN"
+	py_problem+=" (JetPack 6 has 3.10; on JetPack 5 install python3.10, run with PYTHON=python3.10)"
+fi
+if [[ -n $py_problem ]]; then
+	((DRY_RUN)) || die "$py_problem"
+	printf '    %-12s %s\n' "problem" "$py_problem (a real run stops here, even with --force)"
+fi
 if [[ -z $L4T ]]; then
 	problems+=("not a Jetson: no L4T release in $TEGRA_RELEASE")
 elif ((L4T_MAJOR < 35)); then
@@ -195,11 +211,6 @@ if [[ -n $L4T && $CUDA_ARCH == 87 && -n $MODEL && $MODEL != *Orin* ]]; then
 	problems+=("'$MODEL' is not an Orin: pass --cuda-arch for its GPU (Xavier: 72)")
 fi
 [[ -n $CUDA_VERSION ]] || problems+=("no CUDA toolkit at $CUDA_HOME (sudo apt install nvidia-jetpack, or set CUDA_HOME)")
-if [[ -z $PY_VERSION ]]; then
-	problems+=("$PYTHON not found")
-elif ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
-	problems+=("$PYTHON is $PY_VERSION; MemSpec needs Python >= 3.10 (set PYTHON=python3.10)")
-fi
 [[ -f $PROFILE ]] || problems+=("profile not found: $PROFILE")
 [[ -f $UNIT_SRC ]] || problems+=("unit file not found: $UNIT_SRC")
 if ((${#problems[@]})); then
@@ -317,9 +328,16 @@ fi
 # Memory limits from the budget: MemoryHigh (reclaim pressure) a little above the budget,
 # MemoryMax (OOM kill) 1 GiB above, so the daemon's own budget enforcement acts first.
 budget=$(sed -n 's/^budget *= *"\{0,1\}\([^"#]*\)"\{0,1\}.*/\1/p' "$CONFIG_FOR_LIMITS" | head -n 1)
-budget_bytes=$(PYTHONPATH="$SRC_DIR" "$PYTHON" -c \
+# memspec.units is standard library only (math, re) and keeps to Python 3.10: $PYTHON here is
+# the system one, without the venv's packages (vermin in scripts/test.sh guards the 3.10 part).
+budget_bytes="" budget_err=""
+if ! budget_err=$(PYTHONPATH="$SRC_DIR" "$PYTHON" -c \
 	'import sys; from memspec.units import parse_size; print(parse_size(sys.argv[1]))' \
-	"${budget:-2GiB}" 2>/dev/null || true)
+	"${budget:-2GiB}" 2>&1); then
+	budget_err=${budget_err##*$'\n'} # the exception's line
+elif [[ $budget_err =~ ^[0-9]+$ ]]; then
+	budget_bytes=$budget_err
+fi
 if [[ -n $budget_bytes ]]; then
 	mib=$((budget_bytes / 1048576))
 	write_file "$UNIT_DIR/$SERVICE.service.d/10-memory.conf" 0644 <<EOF
@@ -330,7 +348,7 @@ MemoryHigh=$((mib + 512))M
 MemoryMax=$((mib + 1024))M
 EOF
 else
-	warn "could not read the budget from $CONFIG_FOR_LIMITS; no memory-limit drop-in"
+	warn "could not read the budget from $CONFIG_FOR_LIMITS${budget_err:+ ($budget_err)}; no memory-limit drop-in"
 fi
 run systemctl daemon-reload
 if ((ENABLE)); then

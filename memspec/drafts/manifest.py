@@ -10,9 +10,9 @@ import re
 from pathlib import Path
 from typing import Literal
 
-import tomllib
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
+from memspec.compat import tomllib
 from memspec.config import env_manifest_dir
 from memspec.errors import UnknownDraft
 

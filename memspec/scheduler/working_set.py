@@ -31,11 +31,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 import psutil
 
+from memspec.compat import StrEnum
 from memspec.engine.types import Draft
 from memspec.errors import BudgetExceeded, InvalidRequest, ModelLoadError, UnknownDraft
 from memspec.memory.fill import fill_by_value

@@ -6,6 +6,11 @@ model's own pooling, memspec/backends/embedding.py), loaded by the first request
 to the budget; a budget that cannot hold it is a 503 saying so. The work runs on a worker
 thread, each chunk between the engine's rounds (under the runtime's lock).
 
+A request is bounded: at most MAX_INPUTS inputs and MAX_TOTAL_TOKENS tokens in all (a 400
+naming the limit, the count checked before any input is tokenised), and it stops within one
+input of its client hanging up (the thread checks a cancel flag before each input; the route
+polls for the disconnect while it waits), as a generation stops between rounds.
+
 What each route returns follows Ollama's server/routes.go: /api/embed L2-normalises every
 vector, and `dimensions` keeps the first components and normalises again; the legacy
 /api/embeddings returns the model's vector as it comes (EmbeddingsHandler has no normalize:
@@ -18,13 +23,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import re
+import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memspec.backends.embedding import EmbedderClosed, l2_normalize, shorten
@@ -36,8 +43,18 @@ from memspec.server.auth import require_api_key
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.engine_state import state_error
 from memspec.server.errors import EmbeddingsUnavailable, EngineError, NotReady
-from memspec.server.openai_api import check_model, check_prompt_size, check_text
+from memspec.server.ollama_api import model_name, split_options, with_ignored
+from memspec.server.openai_api import (
+    DISCONNECT_POLL_S,
+    ClientGone,
+    check_model,
+    check_prompt_size,
+    check_text,
+)
 from memspec.server.openai_schema import ERROR_RESPONSES
+from memspec.units import parse_duration_s
+
+log = logging.getLogger("memspec.server")
 
 router = APIRouter(
     prefix="/v1",
@@ -48,6 +65,15 @@ router = APIRouter(
 ollama_router = APIRouter(tags=["ollama"], dependencies=[Depends(require_api_key)])
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+# Tokens a request may embed in all: OpenAI's own per-request sum (so a client that batches for
+# OpenAI never meets a lower bound here), and never less than one whole embedding context (any
+# one input that fits the context is accepted). Each input is bounded by the context already
+# (n_ctx, or num_ctx); this bounds the request: 300,000 tokens is minutes of CPU for a small
+# model, not hours, and a client that leaves stops it at once. Texts meet max_prompt_chars
+# first at the defaults; token-id inputs (no characters to count) and a raised max_body or
+# max_prompt_chars meet this.
+MAX_TOTAL_TOKENS = 300_000
+LONG_REQUEST_INPUTS = 64  # a request with more inputs is logged (its start, and a stop)
 # Ollama options that steer sampling: an embedding samples nothing, so they change nothing
 # (as in Ollama). num_ctx is honoured; any other option is a 400 naming it.
 SAMPLING_OPTIONS = frozenset(
@@ -102,11 +128,29 @@ def embedding_model(ctx: ServerContext, model: str | None) -> str:
     return own
 
 
+def _check_count(n: int, param: str) -> None:
+    """The number of inputs, checked first: 100,000 inputs are refused before any is read."""
+    if n > MAX_INPUTS:
+        raise InvalidRequest(
+            f"{param} has {n} inputs; the limit is {MAX_INPUTS} inputs a request",
+            param=param,
+            code="too_many_inputs",
+        )
+
+
 def _check_inputs(ctx: ServerContext, texts: list[str], param: str) -> None:
-    if len(texts) > MAX_INPUTS:
-        raise InvalidRequest(f"{param}: at most {MAX_INPUTS} inputs a request", param=param)
+    _check_count(len(texts), param)
     check_text(param, *texts)
     check_prompt_size(ctx, sum(len(t) for t in texts))
+
+
+def _too_many_tokens(param: str, limit: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"{param} has more than {limit} tokens in all; the limit is {limit} tokens a request "
+        "(send the inputs in several requests)",
+        param=param,
+        code="too_many_tokens",
+    )
 
 
 async def embed(
@@ -114,14 +158,19 @@ async def embed(
     inputs: list[str] | list[list[int]],
     *,
     param: str,
+    request: Request | None = None,
     truncate: bool = True,
     limit: int | None = None,
     dimensions: int | None = None,
 ) -> Embedded:
     """Raw pooled vectors of `inputs` (texts, or token ids used as they are), in order. A text
     longer than the context (or `limit` tokens) is cut at its end when `truncate`, else a 400;
-    every input is checked before any is computed. `dimensions` beyond the model's: a 400."""
+    every input is checked before any is computed; more than MAX_TOTAL_TOKENS in all is a 400.
+    `dimensions` beyond the model's: a 400. ClientGone when `request`'s client hangs up: the
+    work stops before the next input."""
+    _check_count(len(inputs), param)
     rt = await _runtime(ctx)
+    cancel = threading.Event()  # set when the client leaves: checked before each input
 
     def run() -> Embedded:
         t0 = time.perf_counter()
@@ -140,9 +189,16 @@ async def embed(
                 param="dimensions",
             )
         cap = emb.n_ctx if limit is None else max(1, min(limit, emb.n_ctx))
+        most = max(MAX_TOTAL_TOKENS, emb.n_ctx)
+        if sum(len(x) for x in inputs if not isinstance(x, str)) > most:
+            raise _too_many_tokens(param, most)  # token ids: counted before any is read
         n_vocab = emb.n_vocab
         seqs: list[list[int]] = []
+        total = 0
         for i, item in enumerate(inputs):
+            if cancel.is_set():  # tokenising 2,000 texts takes a while too
+                log.info("embedding stopped: the client left before input %d was read", i)
+                raise ClientGone()
             where = f"{param}[{i}]" if len(inputs) > 1 else param
             if isinstance(item, str):
                 if not item:
@@ -170,17 +226,40 @@ async def embed(
                     param=param,
                     code="context_length_exceeded",
                 )
+            total += len(tokens)
+            if total > most:  # texts: counted as they are tokenised, the rest left alone
+                raise _too_many_tokens(param, most)
             seqs.append(tokens)
-        vectors = [emb.embed(tokens, rt.lock) for tokens in seqs]
-        n = sum(len(s) for s in seqs)
-        return Embedded(vectors, n, t1 - t0, time.perf_counter() - t0)
+        if len(seqs) > LONG_REQUEST_INPUTS:
+            log.info("embedding %d inputs (%d tokens)", len(seqs), total)
+        vectors = []
+        for i, tokens in enumerate(seqs):
+            if cancel.is_set():
+                log.info("embedding stopped: the client left after %d of %d inputs", i, len(seqs))
+                raise ClientGone()
+            vectors.append(emb.embed(tokens, rt.lock))
+        return Embedded(vectors, total, t1 - t0, time.perf_counter() - t0)
 
+    work = asyncio.ensure_future(asyncio.to_thread(run))
+    # Left behind (this coroutine cancelled), its outcome is still read: no asyncio warning.
+    work.add_done_callback(lambda t: t.cancelled() or t.exception())
     try:
-        return await asyncio.to_thread(run)
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return work.result()
+            if request is not None and await request.is_disconnected():
+                cancel.set()
+                # The thread stops before its next input: wait for it, so that the engine's
+                # lock and the CPU are free when this returns.
+                await asyncio.wait({work})
+                raise ClientGone()
     except EmbedderClosed:
         raise NotReady(
             "the embedding context was released meanwhile (a reload); retry", code="model_loading"
         ) from None
+    finally:
+        cancel.set()  # however this ends (a 400, a shutdown cancelling it): no more work
 
 
 def _normalised(vectors: list[np.ndarray], dimensions: int | None) -> list[np.ndarray]:
@@ -200,7 +279,7 @@ def _floats(vec: np.ndarray) -> list[float]:
 class _OllamaBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: Annotated[str | None, Field(max_length=256)] = None
+    model: str | None = None  # checked by memspec.ollama_name (length included)
     keep_alive: str | int | float | None = None
     options: dict[str, Any] | None = None
 
@@ -238,26 +317,25 @@ async def _ollama_body(request: Request, cls: type[BaseModel]) -> Any:
         ) from None
 
 
-_DURATION = re.compile(r"-?(?:\d+(?:\.\d+)?(?:ms|h|m|s))+|-?\d+(?:\.\d+)?")
-
-
 def _unloads(keep_alive: str | int | float | None) -> bool:
-    """Whether Ollama's keep_alive asks to unload after this request (0, "0", "0s"...)."""
+    """Whether Ollama's keep_alive asks to unload after this request (0, "0", "0s"...); a
+    malformed one is a 400 (memspec.units.parse_duration_s: the generation routes' rule)."""
     if keep_alive is None:
         return False
-    if isinstance(keep_alive, int | float):
-        return keep_alive == 0
-    text = keep_alive.strip()
-    if not _DURATION.fullmatch(text):
-        raise InvalidRequest(f"keep_alive {keep_alive!r} is not a duration", param="keep_alive")
-    return all(float(n) == 0 for n in re.findall(r"\d+(?:\.\d+)?", text))
+    try:
+        return parse_duration_s(keep_alive) == 0
+    except ValueError:
+        raise InvalidRequest(
+            f"keep_alive {keep_alive!r} is not a duration"[:200], param="keep_alive"
+        ) from None
 
 
-def _num_ctx(options: dict[str, Any] | None) -> int | None:
-    """Ollama's options for an embedding: num_ctx bounds the input's tokens (as in Ollama);
-    sampling options change nothing; anything else is refused by name."""
+def _num_ctx(options: dict[str, Any]) -> int | None:
+    """Ollama's options for an embedding (null ones and hardware hints already dropped:
+    ollama_api.split_options): num_ctx bounds the input's tokens (as in Ollama); sampling
+    options change nothing; anything else is refused by name."""
     limit = None
-    for name, value in (options or {}).items():
+    for name, value in options.items():
         if name == "num_ctx":
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequest(
@@ -282,10 +360,12 @@ async def _release_if(ctx: ServerContext, keep_alive: str | int | float | None) 
 
 
 @ollama_router.post("/api/embed")
-async def ollama_embed(request: Request, ctx: Ctx) -> dict[str, Any]:
+async def ollama_embed(request: Request, ctx: Ctx) -> Any:
     body: EmbedBody = await _ollama_body(request, EmbedBody)
-    model = embedding_model(ctx, body.model)
-    limit = _num_ctx(body.options)
+    asked = model_name(body.model)  # an invalid name is a 400 before any lookup
+    options, ignored = split_options(body.options, "/api/embed")
+    limit = _num_ctx(options)
+    model = embedding_model(ctx, asked)
     _unloads(body.keep_alive)  # a malformed duration is a 400 before anything runs
     if body.dimensions is not None and body.dimensions < 0:
         raise InvalidRequest("dimensions must not be negative", param="dimensions")
@@ -295,31 +375,42 @@ async def ollama_embed(request: Request, ctx: Ctx) -> dict[str, Any]:
     else:
         texts = list(body.input or [])
     _check_inputs(ctx, texts, "input")
-    done = await embed(ctx, texts, param="input", truncate=body.truncate, limit=limit)
+    try:
+        done = await embed(
+            ctx, texts, param="input", request=request, truncate=body.truncate, limit=limit
+        )
+    except ClientGone:
+        return Response(status_code=499)
     vectors = _normalised(done.vectors, dims)
     await _release_if(ctx, body.keep_alive)
     ns = 1_000_000_000
-    return {
+    answer = {
         "model": model,
         "embeddings": [_floats(v) for v in vectors],
         "total_duration": int(done.total_s * ns),
         "load_duration": int(done.load_s * ns),
         "prompt_eval_count": done.prompt_tokens,
     }
+    return with_ignored(answer, ignored)
 
 
 @ollama_router.post("/api/embeddings")
-async def ollama_embeddings(request: Request, ctx: Ctx) -> dict[str, Any]:
+async def ollama_embeddings(request: Request, ctx: Ctx) -> Any:
     """Ollama's legacy route: one prompt, the model's vector as it comes (not normalised)."""
     body: LegacyEmbeddingsBody = await _ollama_body(request, LegacyEmbeddingsBody)
-    embedding_model(ctx, body.model)
-    limit = _num_ctx(body.options)
+    asked = model_name(body.model)
+    options, ignored = split_options(body.options, "/api/embeddings")
+    limit = _num_ctx(options)
+    embedding_model(ctx, asked)
     _unloads(body.keep_alive)
     texts = [body.prompt] if body.prompt else []
     _check_inputs(ctx, texts, "prompt")
-    done = await embed(ctx, texts, param="prompt", truncate=False, limit=limit)
+    try:
+        done = await embed(ctx, texts, param="prompt", request=request, truncate=False, limit=limit)
+    except ClientGone:
+        return Response(status_code=499)
     await _release_if(ctx, body.keep_alive)
-    return {"embedding": _floats(done.vectors[0]) if done.vectors else []}
+    return with_ignored({"embedding": _floats(done.vectors[0]) if done.vectors else []}, ignored)
 
 
 # --- OpenAI ----------------------------------------------------------------------------------
@@ -343,7 +434,7 @@ def _base64(vec: np.ndarray) -> str:
 
 
 @router.post("/embeddings")
-async def openai_embeddings(body: EmbeddingRequest, ctx: Ctx) -> dict[str, Any]:
+async def openai_embeddings(request: Request, body: EmbeddingRequest, ctx: Ctx) -> Any:
     model = embedding_model(ctx, body.model)
     raw = body.input
     inputs: list[str] | list[list[int]]
@@ -355,11 +446,13 @@ async def openai_embeddings(body: EmbeddingRequest, ctx: Ctx) -> dict[str, Any]:
         inputs = list(raw)  # type: ignore[arg-type]
     if not inputs:
         raise InvalidRequest("input is empty: send a text, texts or token ids", param="input")
+    _check_count(len(inputs), "input")
     texts = [x for x in inputs if isinstance(x, str)]
     _check_inputs(ctx, texts, "input")
-    if len(inputs) > MAX_INPUTS:
-        raise InvalidRequest(f"input: at most {MAX_INPUTS} inputs a request", param="input")
-    done = await embed(ctx, inputs, param="input", dimensions=body.dimensions)
+    try:
+        done = await embed(ctx, inputs, param="input", request=request, dimensions=body.dimensions)
+    except ClientGone:
+        return Response(status_code=499)
     vectors = _normalised(done.vectors, body.dimensions)
     encode = _base64 if body.encoding_format == "base64" else _floats
     return {

@@ -9,8 +9,7 @@ mid-run) -> READY once it is back; at the end STOPPING -> STOPPED. The values ar
 
 from __future__ import annotations
 
-from enum import StrEnum
-
+from memspec.compat import StrEnum
 from memspec.errors import DeviceUnavailable, MemSpecError
 from memspec.server.errors import NotReady
 

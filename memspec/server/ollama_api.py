@@ -5,22 +5,30 @@ Each request is translated into the OpenAI body it means and planned by the same
 (openai_api.plan_chat / plan_completion), so tools, structured output, limits and the lossless
 engine are the same; only the wire differs: NDJSON streams (Ollama's default), `{"error": ...}`
 bodies (server/errors.py shapes them for /api/*), counters in nanoseconds. An Ollama option
-this daemon cannot honour is a 400 naming it, never ignored.
+that would change the output and that this daemon cannot honour is a 400 naming it, never
+ignored; a null option is an option not set; a hardware hint (num_thread, num_gpu, ...) is the
+daemon's settings' business: accepted, logged and reported in X-Memspec-Ignored-Options. A
+model name is checked as Ollama checks it (memspec.ollama_name) before any lookup.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from datetime import UTC, datetime
+import logging
+import math
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import memspec
+from memspec import ollama_name
+from memspec.drafts.family import FTYPE_NAMES
 from memspec.engine.speculative import Generation
 from memspec.errors import InvalidRequest, MemSpecError, UnknownModel
 from memspec.files import recorded_sha256, sha256_file
@@ -39,7 +47,9 @@ from memspec.server.openai_api import (
     served_model,
 )
 from memspec.server.openai_schema import ChatCompletionRequest, CompletionRequest
-from memspec.units import parse_duration_s
+from memspec.units import MAX_DURATION_S, parse_duration_s
+
+log = logging.getLogger("memspec.server")
 
 # Ollama's routes need the same key as /v1 when keys are set; `/` and /api/version do not
 # (Ollama's clients probe them before anything else).
@@ -65,12 +75,23 @@ OPTION_FIELDS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
+# Ollama's hardware and loading hints: how the model is run, not what it answers. This daemon's
+# settings decide those (n_threads, n_gpu_layers, ...), once for every client; clients such as
+# langchain-ollama send them on every request (num_thread: 2), so they are accepted, logged and
+# named in this response header rather than refused.
+HARDWARE_OPTIONS = frozenset(
+    {
+        "num_thread", "num_gpu", "main_gpu", "num_batch", "use_mmap", "numa", "low_vram",
+        "use_mlock", "f16_kv", "vocab_only", "logits_all",
+    }
+)  # fmt: skip
+IGNORED_HEADER = "X-Memspec-Ignored-Options"
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: Annotated[str | None, Field(max_length=256)] = None
+    model: str | None = None  # checked by memspec.ollama_name (length included)
     stream: bool = True
     format: str | dict[str, Any] | None = None
     options: dict[str, Any] | None = None
@@ -137,27 +158,73 @@ async def _json(request: Request) -> Any:
 
 
 def _keep_alive_s(value: str | int | float | None) -> float | None:
-    """Ollama's keep_alive in seconds (memspec.units.parse_duration_s); None if not given."""
+    """Ollama's keep_alive in seconds (memspec.units.parse_duration_s); None if not given.
+    Negative, or beyond MAX_DURATION_S (100 years, infinity included): -1, no expiry; NaN or a
+    text that is no duration: a 400, before anything runs."""
     if value is None:
         return None
     try:
         return parse_duration_s(value)
-    except ValueError:
-        raise InvalidRequest(
-            f"keep_alive {value!r} is not a duration", param="keep_alive"
-        ) from None
+    except ValueError as e:
+        raise InvalidRequest(f"keep_alive: {e}"[:200], param="keep_alive") from None
 
 
-def _check_common(body: _Body) -> None:
+def model_name(asked: str | None) -> str | None:
+    """The name a request's `model` asks the catalog for: Ollama's rules checked first (an
+    invalid name is a 400 before any lookup), a default host and namespace dropped
+    (`library/smollm2:135m` is `smollm2:135m`); None or "" (the default model) as it is."""
+    parsed = ollama_name.check(asked)
+    return asked if parsed is None else parsed.local
+
+
+_logged_ignored: set[frozenset[str]] = set()
+
+
+def split_options(options: dict[str, Any] | None, route: str) -> tuple[dict[str, Any], list[str]]:
+    """A request's options as (those set, the hardware hints ignored). A null option is one
+    not set (langchain-ollama sends every option, the unset ones as null); a hardware hint is
+    accepted and reported, logged once per set of names (clients send them on every request)."""
+    given = {k: v for k, v in (options or {}).items() if v is not None}
+    ignored = sorted(k for k in given if k in HARDWARE_OPTIONS)
+    if ignored and (key := frozenset(ignored)) not in _logged_ignored:
+        _logged_ignored.add(key)
+        log.info(
+            "%s: ignoring Ollama options %s (the daemon's settings decide how models run); "
+            "logged once for these names",
+            route,
+            ", ".join(ignored),
+        )
+    return {k: v for k, v in given.items() if k not in HARDWARE_OPTIONS}, ignored
+
+
+def with_ignored(result: Any, ignored: list[str]) -> Any:
+    """The answer, with X-Memspec-Ignored-Options naming the hardware hints left aside."""
+    if not ignored:
+        return result
+    value = ",".join(ignored)
+    if isinstance(result, Response):
+        result.headers[IGNORED_HEADER] = value
+        return result
+    return JSONResponse(result, headers={IGNORED_HEADER: value})
+
+
+def _check_common(body: _Body, route: str) -> list[str]:
+    """What every generation route checks before any lookup: the model's name, think,
+    keep_alive; body.options keeps the options set (null ones and hardware hints dropped).
+    Returns the hardware hints ignored."""
+    body.model = model_name(body.model)
     if body.think:
         raise InvalidRequest(
             "think is not supported: the served model has no thinking mode", param="think"
         )
     _keep_alive_s(body.keep_alive)  # a malformed duration is a 400 before anything runs
+    body.options, ignored = split_options(body.options, route)
+    return ignored
 
 
 def _sampling(body: _Body, n_ctx: int) -> dict[str, Any]:
-    """The OpenAI-body fields Ollama's options and format mean (and MemSpec's `draft`)."""
+    """The OpenAI-body fields Ollama's options and format mean (and MemSpec's `draft`);
+    body.options as _check_common left it."""
     options = {**DEFAULT_OPTIONS, **(body.options or {})}
     out: dict[str, Any] = {} if body.draft is None else {"draft": body.draft}
     for name, value in options.items():
@@ -246,8 +313,12 @@ def _ollama_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # --- answers -------------------------------------------------------------------------------
 
 
+def _iso(t: datetime) -> str:
+    return t.isoformat().replace("+00:00", "Z")
+
+
 def _now() -> str:
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    return _iso(datetime.now(timezone.utc))
 
 
 def _ndjson(obj: dict[str, Any] | str) -> str:
@@ -301,12 +372,13 @@ def _keep(req: ClientRequest, keep_alive: str | int | float | None) -> ClientReq
 @router.post("/api/chat")
 async def chat(request: Request, ctx: Ctx) -> Any:
     body: ChatBody = _parse(ChatBody, await _json(request))
-    _check_common(body)
+    ignored = _check_common(body, "/api/chat")
     if not body.messages:
         empty = {"role": "assistant", "content": ""}
-        return await _load_or_unload(
+        loaded = await _load_or_unload(
             ctx, check_model(ctx, body.model), body.keep_alive, "message", empty
         )
+        return with_ignored(loaded, ignored)
     oa = {
         "model": body.model,
         "messages": _openai_messages(body.messages),
@@ -345,13 +417,14 @@ async def chat(request: Request, ctx: Ctx) -> Any:
         out["message"]["content"] = held.get("content", "")
         return out
 
-    return await _run(request, ctx, _keep(req, body.keep_alive), body.stream, chunk, final, last)
+    answer = await _run(request, ctx, _keep(req, body.keep_alive), body.stream, chunk, final, last)
+    return with_ignored(answer, ignored)
 
 
 @router.post("/api/generate")
 async def generate(request: Request, ctx: Ctx) -> Any:
     body: GenerateBody = _parse(GenerateBody, await _json(request))
-    _check_common(body)
+    ignored = _check_common(body, "/api/generate")
     if body.images:
         raise InvalidRequest(
             "images are not supported: the served model reads text only", param="images"
@@ -368,7 +441,8 @@ async def generate(request: Request, ctx: Ctx) -> Any:
         )
     if not body.prompt and body.suffix is None:
         model = check_model(ctx, body.model)
-        return await _load_or_unload(ctx, model, body.keep_alive, "response", "")
+        loaded = await _load_or_unload(ctx, model, body.keep_alive, "response", "")
+        return with_ignored(loaded, ignored)
     sampling = _sampling(body, ctx.n_ctx)
     if body.raw or body.suffix is not None:  # the prompt as it is, or the text before a hole
         if body.system is not None:
@@ -396,7 +470,8 @@ async def generate(request: Request, ctx: Ctx) -> Any:
     def last(gen: Generation) -> dict[str, Any]:
         return final(gen) | {"response": ""}
 
-    return await _run(request, ctx, _keep(req, body.keep_alive), body.stream, chunk, final, last)
+    answer = await _run(request, ctx, _keep(req, body.keep_alive), body.stream, chunk, final, last)
+    return with_ignored(answer, ignored)
 
 
 async def _run(
@@ -459,6 +534,11 @@ def _header_fields(path: Path) -> dict[str, Any]:
 def _details(path: Path, info: dict[str, Any]) -> dict[str, Any]:
     shape = read_shape(path)
     main_type = max(shape.bytes_by_type, key=lambda t: shape.bytes_by_type[t], default="")
+    # The file's type as Ollama reports it (general.file_type: Q4_K_M), else the type most
+    # of the weight bytes have (a file written without general.file_type).
+    file_type = info.get("general.file_type")
+    if isinstance(file_type, int) and file_type in FTYPE_NAMES:
+        main_type = FTYPE_NAMES[file_type]
     size_label = info.get("general.size_label")
     if not size_label:
         n = shape.weight_bytes  # bytes, not parameters: only a fallback label
@@ -474,7 +554,7 @@ def _details(path: Path, info: dict[str, Any]) -> dict[str, Any]:
 
 
 def _modified_at(path: Path) -> str:
-    return datetime.fromtimestamp(path.stat().st_mtime, UTC).isoformat().replace("+00:00", "Z")
+    return _iso(datetime.fromtimestamp(path.stat().st_mtime, timezone.utc))
 
 
 async def _model_row(ctx: ServerContext, name: str, path: Path) -> dict[str, Any]:
@@ -504,6 +584,18 @@ async def tags(ctx: Ctx) -> dict[str, Any]:
 NEVER_EXPIRES = "2318-01-01T00:00:00Z"
 
 
+def expires_at(expires: float | None) -> str:
+    """A resident model's expiry (unix seconds; None: none) as /api/ps writes it. keep_alive is
+    bounded (memspec.units.MAX_DURATION_S), but an expiry is written as no expiry whenever it
+    is not a date datetime can hold, so /api/ps can never fail on one."""
+    if expires is None or not math.isfinite(expires) or expires > time.time() + MAX_DURATION_S:
+        return NEVER_EXPIRES
+    try:
+        return _iso(datetime.fromtimestamp(expires, timezone.utc))
+    except (OverflowError, OSError, ValueError):  # out of the platform's or datetime's range
+        return NEVER_EXPIRES
+
+
 @router.get("/api/ps")
 async def ps(ctx: Ctx) -> dict[str, Any]:
     """The resident models: their bytes as the budget counts them, and when they expire."""
@@ -515,12 +607,7 @@ async def ps(ctx: Ctx) -> dict[str, Any]:
         row = await _model_row(ctx, m["name"], _model_path(ctx, m["name"]))
         row["size"] = m["bytes"]  # target + resident drafts + KV, as the budget counts
         row["size_vram"] = 0 if ctx.settings.n_gpu_layers == 0 else row["size"]
-        expires = m["expires_at"]
-        row["expires_at"] = (
-            NEVER_EXPIRES
-            if expires is None
-            else datetime.fromtimestamp(expires, UTC).isoformat().replace("+00:00", "Z")
-        )
+        row["expires_at"] = expires_at(m["expires_at"])
         row["context_length"] = m.get("n_ctx") or ctx.n_ctx
         rows.append(row)
     return {"models": rows}
@@ -546,7 +633,7 @@ async def show(request: Request, ctx: Ctx) -> dict[str, Any]:
             "verbose is not supported: model_info holds the GGUF's scalar metadata only",
             param="verbose",
         )
-    asked = body.model or body.name
+    asked = model_name(body.model or body.name)
     if not asked:
         raise InvalidRequest("model is required", param="model")
     name = check_model(ctx, asked)

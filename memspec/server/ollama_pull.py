@@ -11,6 +11,8 @@ Wire behaviour follows Ollama's server (routes.go PullHandler, streamResponse, w
   an unknown name included, is one {"error": "..."} line ("pull model manifest: file does not
   exist" for a name no family answers to);
 - "stream": false answers one {"status": "success"}, or 500 {"error": "..."};
+- a name Ollama would refuse (memspec.ollama_name) is a 400 {"error": "invalid model name ..."}
+  on both routes, before any lookup;
 - a second pull of a model already being pulled joins it (Ollama: "multiple calls will share
   the same download progress") and sees the progress so far;
 - when every client of a pull has gone, the pull stops at its next step (Ollama cancels a blob
@@ -35,6 +37,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from memspec import ollama_name
 from memspec import pull as pulls
 from memspec.errors import InvalidRequest, MemSpecError
 from memspec.paths import data_dir, models_dir, resolve_model_path
@@ -90,9 +93,12 @@ async def _body(request: Request, cls: type[BaseModel]) -> Any:
 
 
 def _asked(body: PullBody | DeleteBody) -> str:
+    """The name asked for, checked as Ollama checks it (memspec.ollama_name): an invalid one
+    (a path, a shell fragment, 5,000 characters) is a 400 before any lookup or file access."""
     name = body.model or body.name
     if not name or not name.strip():
         raise InvalidRequest("model is required", param="model")
+    ollama_name.parse(name)
     return name
 
 

@@ -56,7 +56,7 @@ from memspec.scheduler.residency import (
     residency_policy,
 )
 from memspec.server.engine_state import LIVE, EngineState, state_error
-from memspec.server.errors import NotReady, QueueFull
+from memspec.server.errors import EngineError, NotReady, QueueFull
 from memspec.server.metrics import Metrics
 from memspec.server.tuning import Tuning
 from memspec.targets import Targets
@@ -338,7 +338,7 @@ class EngineWorker:
         except BaseException as e:  # a bug: said in /health, then the daemon exits (restarted)
             log.exception("the engine thread died")
             self.state, self.error = EngineState.FAILED, f"engine thread died: {e!r}"
-            self._fail_everything(e)
+            self._fail_everything(EngineError(f"{self.error}; the daemon exits to be restarted"))
             if self._on_fatal is not None:
                 self._on_fatal(e)
         finally:
@@ -348,7 +348,7 @@ class EngineWorker:
             finally:
                 self.state = EngineState.STOPPED
 
-    def _fail_everything(self, error: BaseException) -> None:
+    def _fail_everything(self, error: MemSpecError) -> None:
         """Every waiting and running request fails with `error` (the engine cannot go on)."""
         with self._cond:
             jobs = [*self._queue, *self._admitting, *(j for j, _ in self._active.values())]
@@ -480,11 +480,11 @@ class EngineWorker:
             if load is not None:
                 self._make_resident(load)
             for job in admit:
-                try:
-                    self._admit(job, alone=len(admit) == 1 and not self._active)
-                finally:
-                    with self._cond:
-                        self._admitting.remove(job)
+                # _admit fails a bad request itself; what escapes it (a bug) leaves the job in
+                # _admitting, for _main to fail it with the reason.
+                self._admit(job, alone=len(admit) == 1 and not self._active)
+                with self._cond:
+                    self._admitting.remove(job)
             if self._active:
                 self._round()
             self._check_device()

@@ -13,6 +13,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,58 @@ def test_old_jetpack_is_reported(env, tmp_path):
     assert p.returncode == 0
     assert "L4T 32.7.4 (JetPack 4.6.x)" in p.stdout
     assert "too old: Orin needs JetPack 5" in p.stdout
+
+
+def old_python(tmp_path: Path, version: str = "3.9") -> str:
+    """A `python3` that says it is `version` (the real interpreter, sys.version_info replaced)."""
+    major, minor = version.split(".")
+    f = tmp_path / f"python{version}"
+    f.write_text(
+        '#!/bin/sh\n[ "$1" = -c ] && shift\n'
+        f"exec {sys.executable} -c 'import sys; code = sys.argv.pop(1); "
+        f'sys.version_info = ({major}, {minor}, 18, "final", 0); exec(code)\' "$@"\n'
+    )
+    f.chmod(0o755)
+    return str(f)
+
+
+def test_an_old_python_stops_a_real_run_first_even_forced(env, tmp_path):
+    prefix = tmp_path / "p"
+    python = old_python(tmp_path)
+    for args in ([], ["--force"]):
+        p = install({**env, "PYTHON": python}, "--prefix", str(prefix), *args)
+        assert p.returncode == 1, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1, p.stderr
+        assert lines[0].startswith(f"install.sh: error: {python} is Python 3.9; MemSpec needs")
+        assert "Python >= 3.10" in lines[0] and "PYTHON=python3.10" in lines[0]
+        assert "1. Build tools" not in p.stdout
+        assert_nothing_changed(env, prefix)
+    p = install({**env, "PYTHON": str(tmp_path / "absent")}, "--prefix", str(prefix), "--force")
+    assert p.returncode == 1 and "absent not found: MemSpec needs Python >= 3.10" in p.stderr
+    # A dry run reports it and goes on.
+    p = install({**env, "PYTHON": python}, "--dry-run", "--prefix", str(prefix))
+    assert p.returncode == 0, p.stderr
+    assert f"python       {python} 3.9 (MemSpec needs >= 3.10)" in p.stdout
+    assert "is Python 3.9; MemSpec needs Python >= 3.10" in p.stdout
+    assert "a real run stops here, even with --force" in p.stdout
+    assert_nothing_changed(env, prefix)
+
+
+def test_the_budget_step_needs_only_the_standard_library():
+    """install.sh reads the budget with the system Python (no venv, so none of MemSpec's
+    dependencies): memspec.units may import the standard library alone."""
+    code = (
+        "import sys; from memspec.units import parse_size; print(parse_size('4.5GiB'));"
+        "print(sorted({m.split('.')[0] for m in sys.modules}"
+        " - set(sys.stdlib_module_names) - {'__main__', 'memspec'}))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run(
+        [sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n")[:2] == [str(int(4.5 * 1024**3)), "[]"]
 
 
 def test_profile_matches_settings(monkeypatch):

@@ -83,6 +83,7 @@ def daemon(tmp_path_factory):
     _link(models_dir() / TARGET_FILE, models / TARGET_FILE)
     _link(gemma, models / gemma.name)
     _link(gemma, models / f"{SLOW}.gguf")
+    _link(gemma, models / f"{SLOW}-gone.gguf")  # deleted while it loads
     _unloadable_gguf(models / "bogus.gguf")
     if cache_dir().is_dir():  # the calibrations: start-up stays quick
         shutil.copytree(cache_dir(), data / "cache", ignore=shutil.ignore_patterns("corpus"))
@@ -106,6 +107,7 @@ def daemon(tmp_path_factory):
         "FAULT_LOAD_DELAY_S": str(LOAD_DELAY_S),
     }
     with running(tmp, "lookup", settings=settings, env=env, faults=True) as d:
+        d.models_dir = models
         yield d
 
 
@@ -170,6 +172,22 @@ def test_a_load_whose_clients_left_stops_part_way(daemon, alone):
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == alone[MODEL]
 
 
+def test_a_file_deleted_while_it_loads_fails_its_request_only(daemon, alone):
+    path = daemon.models_dir / f"{SLOW}-gone.gguf"
+    assert path.is_file()
+    answer: list[httpx.Response] = []
+    asker = threading.Thread(target=lambda: answer.append(chat(daemon, f"{SLOW}-gone")))
+    asker.start()
+    time.sleep(1.5)  # its load is under way (the fault daemon delays it)
+    path.unlink()
+    asker.join(LOAD_DELAY_S + 60)
+    (r,) = answer
+    assert r.status_code == 404, r.text
+    assert f"{SLOW}-gone.gguf" in r.json()["error"]["message"]
+    ok = chat(daemon, GEMMA)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == alone[GEMMA]
+
+
 def test_two_models_alternating_from_four_clients(daemon, alone):
     before = {m: metric(daemon, "memspec_model_loads_total", m) for m in (MODEL, GEMMA)}
     answers: list[tuple[str, httpx.Response]] = []
@@ -203,3 +221,18 @@ def test_two_models_alternating_from_four_clients(daemon, alone):
     assert served >= 12
     for model in (MODEL, GEMMA):
         assert metric(daemon, "memspec_model_loads_wasted_total", model) == 0
+
+
+def test_an_engine_thread_that_dies_says_why_and_exits_for_a_restart(tmp_path):
+    """No request can kill the engine thread (each is caught where it runs); a bug that gets
+    through anyway (here SystemExit, injected on the engine thread) fails the requests with
+    the reason, and the daemon exits non-zero: systemd's Restart=on-failure starts it again."""
+    with running(tmp_path, "lookup", faults=True) as d:
+        body = {"model": MODEL, "prompt": "FAULT:die", "max_tokens": 2}
+        try:
+            r = httpx.post(d.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code >= 500 and "engine" in r.text, r.text
+        except httpx.HTTPError:
+            pass  # the daemon may be gone before the answer is written
+        assert d.proc.wait(60) != 0
+        assert "engine thread died" in d.logs(tail=None)

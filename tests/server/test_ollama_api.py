@@ -44,6 +44,11 @@ def test_tags_ps_show(oc):
     assert not any("q2_k" in n or "q8_0" in n for n in names)  # built drafts are not models
     assert len(listed[0].digest) == 64 and listed[0].size > 0
     assert listed[0].details.format == "gguf" and listed[0].details.family == "llama"
+    # The file's type, as Ollama reports it (general.file_type), not the dominant tensor type.
+    assert listed[0].details.quantization_level == "F32"
+    for m in listed:
+        if m.model.startswith(("qwen2.5-coder:", "gemma3:")):
+            assert m.details.quantization_level == "Q4_K_M", m.model
     (running,) = oc.ps().models
     assert running.model == MODEL and running.size > listed[0].size  # + KV and drafts
     from memspec.files import sha256_file

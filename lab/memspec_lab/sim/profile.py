@@ -13,8 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import tomllib
-
+from memspec.compat import tomllib
 from memspec.engine.costs import CostModel
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
