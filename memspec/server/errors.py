@@ -23,6 +23,7 @@ from memspec.errors import (
     DeviceUnavailable,
     DraftIncompatible,
     InvalidRequest,
+    LoadAbandoned,
     MemSpecError,
     ModelDoesNotFit,
     ModelLoadError,
@@ -31,6 +32,7 @@ from memspec.errors import (
     UnusableModelFile,
 )
 from memspec.predictor.model import PredictorError
+from memspec.ollama_name import InvalidModelName
 from memspec.pull import ModelNotFound, PullCancelled, PullError
 from memspec.server.state import StateWriteError
 
@@ -116,9 +118,12 @@ HTTP_ERRORS: dict[type[MemSpecError], HttpError] = {
     EmbeddingsUnavailable: HttpError(503, _SERVER, "memory_budget_exceeded"),
     # Ollama's pull (memspec.pull): its routes shape these as {"error": ...}
     PullError: HttpError(500, _SERVER, "pull_failed"),
+    InvalidModelName: HttpError(400, _CLIENT, "invalid_model_name"),
     ModelNotFound: HttpError(404, _CLIENT, "model_not_found"),
     PullCancelled: HttpError(400, _CLIENT, "pull_cancelled"),
     DeviceUnavailable: HttpError(503, _SERVER, "device_unavailable"),
+    # A load stopped because its clients left: nobody gets it, but it has its own entry.
+    LoadAbandoned: HttpError(503, _SERVER, "load_abandoned"),
     ModelDoesNotFit: HttpError(503, _SERVER, "model_does_not_fit"),
     BudgetExceeded: HttpError(507, _SERVER, "memory_budget_exceeded"),
     StateWriteError: HttpError(507, _SERVER, "state_not_persisted"),
