@@ -44,10 +44,9 @@ MAX_NAME = 16 + 3 + 350 + 1 + 80 + 1 + 80 + 1 + 80
 class InvalidModelName(InvalidRequest):
     """A name Ollama would refuse: a 400 "invalid model name ..." on every Ollama route."""
 
-    def __init__(self, name: str, why: str, param: str = "model"):
-        super().__init__(
-            f"invalid model name {_short(name)}: {why}", param=param, code="invalid_model_name"
-        )
+    def __init__(self, name: str, why: str = "not a model name", param: str = "model"):
+        # (its code, invalid_model_name, is the server's table's: the core knows no HTTP)
+        super().__init__(f"invalid model name {_short(name)}: {why}", param=param)
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ from memspec.errors import (
     UnknownModel,
     UnusableModelFile,
 )
-from memspec.predictor.model import PredictorError
 from memspec.ollama_name import InvalidModelName
+from memspec.predictor.model import PredictorError
 from memspec.pull import ModelNotFound, PullCancelled, PullError
 from memspec.server.state import StateWriteError
 
