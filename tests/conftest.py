@@ -6,7 +6,14 @@ import os
 from pathlib import Path
 
 import pytest
-from launcher import GEMMA_DRAFTS, MODEL_DRAFTS, TARGET_FILE, require_gemma, require_testbed
+from launcher import (
+    GEMMA_DRAFTS,
+    MODEL_DRAFTS,
+    QUICK,
+    TARGET_FILE,
+    require_gemma,
+    require_testbed,
+)
 
 from memspec import paths
 from memspec.backends.base import BackendOptions, load_backend
@@ -20,6 +27,17 @@ PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "What are three benefits of regular exercise?",
 ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The quick tier (scripts/test.sh --quick) has no models: a test marked `models` skips
+    before its fixtures load any (those calling launcher.require_* skip by themselves)."""
+    if not QUICK:
+        return
+    skip = pytest.mark.skip(reason="needs real models: scripts/test.sh runs it, --quick does not")
+    for item in items:
+        if item.get_closest_marker("models") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", autouse=True)

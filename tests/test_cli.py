@@ -103,6 +103,7 @@ def testbed_pool(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMSPEC_MANIFEST_DIR", str(tmp_path))
 
 
+@pytest.mark.models
 def test_drafts_list_checks_the_targets_tokenizer(capsys, testbed_pool):
     assert main(["drafts", "list", "--json"]) == 0  # the testbed target: its own drafts fit
     rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)}

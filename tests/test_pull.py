@@ -304,6 +304,7 @@ def _memspec(*args: str, data: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.models
 def test_cli_pull_and_rm(data):
     bad = _memspec("pull", "llama3:70b", data=data)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr

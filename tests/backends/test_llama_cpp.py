@@ -53,6 +53,7 @@ def test_k_quant_target_is_batch_invariant_at_every_batch_size(repack):
         be.close()
 
 
+@pytest.mark.models
 def test_drafts_repack_without_the_row_rule():
     """A draft's output is only a proposal: it keeps llama.cpp's repacked weights without the
     row rule's cost; without the rule a repacked model says it is not batch-invariant."""
@@ -109,6 +110,7 @@ def test_chat_template_from_gguf(small_backend):
 
 
 @pytest.mark.parametrize("content", [b"", b"not a gguf at all", None])
+@pytest.mark.models
 def test_bad_model_files(tmp_path, content):
     path = tmp_path / "bad.gguf"
     if content is None:  # a real GGUF truncated mid-tensor-data

@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 import psutil
+import pytest
 from launcher import require_gemma
 
 from memspec.backends.base import BackendOptions, load_backend
@@ -63,6 +64,7 @@ def test_a_target_joins_a_drafts_weights_and_decodes_as_if_alone():
     assert SHARED_MODELS.holders(path) == []
 
 
+@pytest.mark.models
 def test_other_load_parameters_and_private_loads_load_their_own_copy():
     path = models_dir() / "smollm2-135m-q4_0.gguf"
     a = load_backend(path, TARGET)
@@ -79,6 +81,7 @@ def test_other_load_parameters_and_private_loads_load_their_own_copy():
     assert SHARED_MODELS.holders(path) == []
 
 
+@pytest.mark.models
 def test_a_draft_on_a_served_models_weights_is_charged_its_context_only():
     """ManifestSource.footprint: the target role pays for shared weights and vocabulary."""
     from memspec.drafts.manifest import DraftManifest

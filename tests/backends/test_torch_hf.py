@@ -26,7 +26,7 @@ from memspec.paths import models_dir
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.models]
 
 TARGET_FILE = "smollm2-135m-f32.gguf"
 MAX_TOKENS = 24

@@ -52,6 +52,7 @@ def test_every_file_is_in_this_venv_with_its_edit():
     assert row["inject"]["replace"] in p.text and row["inject"]["find"] not in p.text
 
 
+@pytest.mark.models
 def test_the_context_is_sized_to_the_longest_prompt_within_the_trained_context():
     target = models_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
     prompts, _ = load_edit_workload("edit", per_category=10)
@@ -63,6 +64,7 @@ def test_the_context_is_sized_to_the_longest_prompt_within_the_trained_context()
     assert skipped and "max-file-tokens 2000" in skipped[0]["reason"] and n_ctx <= 2304
 
 
+@pytest.mark.models
 def test_a_long_context_precedes_the_file_with_the_projects_other_files():
     target = models_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
     prompts, _ = load_edit_workload("edit", per_category=1)
@@ -77,6 +79,7 @@ def test_a_long_context_precedes_the_file_with_the_projects_other_files():
     assert already.text == kept[0].text
 
 
+@pytest.mark.models
 def test_whole_file_answers_get_room_for_their_file():
     target = models_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
     prompts, _ = load_edit_workload("edit", per_category=1)

@@ -7,11 +7,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 from launcher import ROOT, require_gemma
 
 from memspec_lab.bench.models import make_trace
 
 
+@pytest.mark.models
 def test_trace_is_seeded_poisson_with_bursts():
     a = make_trace(30, rate=0.5, code_share=0.5, burst_every=6, burst=2, seed=1)
     assert a == make_trace(30, rate=0.5, code_share=0.5, burst_every=6, burst=2, seed=1)

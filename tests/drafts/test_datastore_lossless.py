@@ -14,6 +14,8 @@ from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import speculative_generate
 from memspec.paths import models_dir
 
+pytestmark = pytest.mark.models  # needs the testbed models (not in --quick)
+
 PROMPTS = [
     "Write a Python function that returns the largest element of a list.",
     "Explain why the sky is blue in two sentences.",

@@ -79,6 +79,7 @@ def prompts(target):
     ]
 
 
+@pytest.mark.models
 def test_torch_teacher_gives_the_targets_features(target, prompts, tmp_path):
     """`teacher = "torch"` labels the corpus through transformers: the features a head is
     trained on must be the ones llama.cpp hands it when serving (same GGUF, both float32)."""

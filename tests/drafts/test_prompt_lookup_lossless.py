@@ -14,6 +14,8 @@ from memspec.engine.sampling import SamplingParams
 from memspec.engine.speculative import speculative_generate
 from memspec.paths import models_dir
 
+pytestmark = pytest.mark.models  # needs the testbed models (not in --quick)
+
 TARGET = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SOURCE = '''def merge_intervals(intervals):
     """Merge overlapping [start, end] intervals; the result is sorted by start."""

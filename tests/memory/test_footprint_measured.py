@@ -81,6 +81,7 @@ def target_path():
     return path
 
 
+@pytest.mark.models
 def test_target_footprint_matches_measured(target_path):
     """The target alone in a fresh process (it pays llama.cpp's one-time cost), k+1 rows."""
     r = probe(str(target_path), "--n-ctx", str(N_CTX), "--outputs", str(K_MAX + 1))
@@ -88,6 +89,7 @@ def test_target_footprint_matches_measured(target_path):
     check("target", fp.at_load, fp.total, r)
 
 
+@pytest.mark.models
 def test_target_footprint_with_slots_matches_measured(target_path):
     """Batched decoding: four slots, each filled to the end, then one pass verifying k + 1
     rows in every slot (issue 12: the budget holds with every slot busy)."""
@@ -100,6 +102,7 @@ def test_target_footprint_with_slots_matches_measured(target_path):
 
 
 @pytest.mark.parametrize("draft_id", sorted(POOL))
+@pytest.mark.models
 def test_draft_footprint_matches_measured(target_path, draft_id):
     m = POOL[draft_id]
     path = m.model_path(models_dir()) if m.file else None
@@ -118,6 +121,7 @@ def test_draft_footprint_matches_measured(target_path, draft_id):
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q4_0"])
+@pytest.mark.models
 def test_kv_cache_types_footprint_matches_measured(target_path, kv_type):
     """Each KV cache type at a context long enough for the cache to show (2,048 tokens: 47 MB
     of f16 KV on SmolLM2), flash attention on as a quantized V needs it."""
@@ -135,6 +139,7 @@ KV_ARGS = ["--n-ctx", str(KV_N_CTX), "--outputs", str(K_MAX + 1), "--flash-attn"
 @pytest.mark.parametrize(
     ("family", "kv_type"), [("smollm2", "q8_0"), ("smollm2", "q4_0"), ("gemma3", "q8_0")]
 )
+@pytest.mark.models
 def test_kv_cache_type_saves_what_the_model_says(target_path, family, kv_type):
     """What a quantized cache saves against f16, measured on each family (Gemma 3's model
     as a whole is another matter: its sliding-window layers and 262k vocabulary)."""

@@ -52,6 +52,7 @@ def test_nothing_to_do_where_it_changes_nothing(monkeypatch, platform, mode, gli
     assert huge_page_env({}) is None
 
 
+@pytest.mark.models
 def test_a_load_under_the_tunable_lands_on_huge_pages(tmp_path):
     """The thing that matters, in a process started as the command starts itself: SmolLM2's
     weights (~540 MB F32) are on transparent huge pages after the load."""

@@ -35,6 +35,7 @@ def target_path():
     return p
 
 
+@pytest.mark.models
 def test_gguf_shape_matches_what_llama_cpp_loads(small_backend, target_path):
     s = read_shape(target_path)
     assert (s.n_layers, s.n_head_kv, s.head_dim_k, s.head_dim_v) == (
@@ -72,6 +73,7 @@ def test_gguf_shape_of_the_second_family():
         be.close()
 
 
+@pytest.mark.models
 def test_footprint_parts_follow_n_ctx_and_k(target_path):
     s = read_shape(target_path)
     a, b = model_footprint(s, 512, 1), model_footprint(s, 1024, 1)
@@ -93,6 +95,7 @@ def test_missing_or_garbage_files_are_load_errors(tmp_path):
         draft_footprint("model", tmp_path / "nope.gguf", 512)
 
 
+@pytest.mark.models
 def test_plan_ladder(target_path, manifests):
     def plan(budget: int, **kw):
         return make_plan(budget, target_path, manifests, models_dir(), n_ctx=1024, **kw)
@@ -125,6 +128,7 @@ def test_plan_ladder(target_path, manifests):
     assert "q8_0" in p.resident
 
 
+@pytest.mark.models
 def test_plan_cli_json_and_text(target_path):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -149,6 +153,7 @@ def test_plan_cli_json_and_text(target_path):
     assert "lower bound that still speculates" in text and "eviction order" in text
 
 
+@pytest.mark.models
 def test_longest_context_is_the_last_that_fits(target_path, manifests):
     """The trade `memspec plan` shows: per KV cache type, the longest context (256-cell steps)
     whose footprint fits beside the residents; one step more does not. A quantized cache or
@@ -177,6 +182,7 @@ def test_longest_context_is_the_last_that_fits(target_path, manifests):
     assert all(row[1] >= 1024 for row in table.values())  # the plan's own n_ctx fits
 
 
+@pytest.mark.models
 def test_n_ctx_auto_never_exceeds_the_budget_with_every_slot_full(target_path, manifests):
     """n_ctx auto (plan_context), for budgets from the target's least to past the trained
     context, one slot, three and auto: the target with every slot full at the resolved
@@ -244,6 +250,7 @@ def test_n_ctx_auto_never_exceeds_the_budget_with_every_slot_full(target_path, m
     assert p8.n_ctx >= AUTO_FLOOR_N_CTX
 
 
+@pytest.mark.models
 def test_plan_cli_shows_the_auto_context(target_path):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -80,6 +80,7 @@ def test_seed_selection_independent_of_other_domains():
     assert select_seeds(["coding"], 10, 1) != select_seeds(["coding"], 10, 0)  # the seed matters
 
 
+@pytest.mark.models
 def test_seed_prompts_are_not_mt_bench():
     import re
 

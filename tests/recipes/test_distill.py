@@ -31,6 +31,7 @@ def target_path():
     return p
 
 
+@pytest.mark.models
 def test_export_reproduces_the_target_gguf_bit_for_bit(target_path):
     """transformers un-permutes Q/K on load; the export must put llama.cpp's order back."""
     import gguf
@@ -63,6 +64,7 @@ def _tiny_recipe(**kw) -> BuildRecipe:
     return BuildRecipe(**{**base, **kw})
 
 
+@pytest.mark.models
 def test_interrupted_build_resumes_and_matches_an_uninterrupted_one(
     target_path, tmp_path, monkeypatch
 ):
@@ -97,6 +99,7 @@ def test_interrupted_build_resumes_and_matches_an_uninterrupted_one(
     assert not ckpt.exists()
 
 
+@pytest.mark.models
 def test_distill_needs_a_corpus(target_path, tmp_path, monkeypatch):
     monkeypatch.setenv("MEMSPEC_DATA_DIR", str(tmp_path / "data"))
     recipe = _tiny_recipe(package_chars=0)
@@ -112,6 +115,7 @@ def distill_ci(target_path):
     return path
 
 
+@pytest.mark.models
 def test_ci_draft_trained_and_reports(distill_ci):
     info = json.loads(distill_ci.with_name(distill_ci.name + ".build.json").read_text())
     report = info["report"]
@@ -134,6 +138,7 @@ def built_distilled() -> list[str]:
 
 
 @pytest.mark.parametrize("draft_id", built_distilled())
+@pytest.mark.models
 def test_every_built_distilled_draft_is_lossless(draft_id, target_path, request):
     m = load_manifests()[draft_id]
     path = request.getfixturevalue("distill_ci") if draft_id == "distill-ci" else None

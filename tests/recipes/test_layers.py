@@ -12,6 +12,8 @@ from memspec.engine.speculative import speculative_generate
 from memspec.paths import models_dir
 from memspec.recipes.layers import write_layer_subset
 
+pytestmark = pytest.mark.models  # needs the testbed models (not in --quick)
+
 SOURCE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEEP = [0, 1, 2, 3, 28, 29]
 

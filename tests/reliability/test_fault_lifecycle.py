@@ -213,6 +213,7 @@ def test_stuck_engine_is_killed_by_the_watchdog_and_restarts(lifecycle, tmp_path
         assert srv.stop() == 0
 
 
+@pytest.mark.models
 def test_unknown_tuned_policy_falls_back_and_keeps_the_rest(lifecycle):
     """A tuned policy this build does not know (renamed, or from a newer version): the daemon
     runs the configured policy (the default, `memspec`), says so, drops only that key from the
@@ -230,6 +231,7 @@ def test_unknown_tuned_policy_falls_back_and_keeps_the_rest(lifecycle):
         assert srv.stop() == 0
 
 
+@pytest.mark.models
 def test_tuned_settings_that_cannot_load_do_not_stop_the_start(lifecycle):
     """A tuned budget below what the target needs (say the model file was swapped for a
     bigger one since): the daemon starts on the configured values, says so in its status,

@@ -59,6 +59,7 @@ def test_split_target_decodes_exactly_what_the_local_target_does(tmp_path, chat_
             rt.close()
 
 
+@pytest.mark.models
 def test_a_worker_unreachable_at_start_is_a_clear_error():
     dead = f"127.0.0.1:{free_port()}"
     t = time.monotonic()

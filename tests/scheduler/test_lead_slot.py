@@ -12,6 +12,8 @@ from memspec.paths import models_dir
 from memspec.scheduler.rounds import LEAD_SLOT
 from memspec.server.openai_api import memspec_stats
 
+pytestmark = pytest.mark.models  # needs the testbed models (not in --quick)
+
 PROMPTS = ["Count from one to ten in words: one, two,", "The three primary colours are"]
 
 

@@ -19,6 +19,8 @@ from memspec.errors import ModelLoadError
 from memspec.paths import models_dir
 from memspec.runtime import Runtime
 
+pytestmark = pytest.mark.models  # needs the testbed models (not in --quick)
+
 TARGET_FILE = "smollm2-135m-f32.gguf"
 PROMPT = "Extract the names from this sentence: Alice met Bob and Carol at the station."
 

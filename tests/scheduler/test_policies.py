@@ -7,6 +7,7 @@ import random
 from collections import Counter
 
 import numpy as np
+import pytest
 
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.types import SamplingParams
@@ -245,6 +246,7 @@ def test_policy_decision_is_fast():
     assert (time.perf_counter() - t) / 2000 < 1e-3
 
 
+@pytest.mark.models
 def test_daemon_policies_are_lossless_and_report_a_broken_predictor(tmp_path):
     """The real runtime: every registered policy reproduces plain decoding; a corrupt
     predictor artifact is a status line, not an outage."""

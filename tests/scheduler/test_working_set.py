@@ -26,6 +26,8 @@ from memspec.runtime import Runtime
 from memspec.scheduler.manifest_source import ManifestSource
 from memspec.scheduler.working_set import DraftState
 
+pytestmark = pytest.mark.models  # needs the testbed models (not in --quick)
+
 TARGET_FILE = "smollm2-135m-f32.gguf"
 N_CTX = 512
 MODELS = ["q8_0", "q4_0", "q2_k"]

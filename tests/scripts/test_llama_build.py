@@ -103,6 +103,7 @@ def test_a_killed_subprocess_is_reported_by_signal_name():
     assert llama_build.describe_exit(1, "boom\nValueError: bad\n") == "exit 1: ValueError: bad"
 
 
+@pytest.mark.models
 def test_the_installed_library_runs_a_quantized_model():
     source = models_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
     result = llama_build.probe_library(source, ftypes=("Q4_0",))

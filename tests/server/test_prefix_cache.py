@@ -15,6 +15,8 @@ from memspec.engine.prefix_cache import (
 )
 from memspec.paths import models_dir
 
+pytestmark = pytest.mark.models  # needs the testbed models (not in --quick)
+
 A = "The quick brown fox jumps over the lazy dog while the farmer watches from the gate. " * 2
 B = "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen in leaves. " * 2
 

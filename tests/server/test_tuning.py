@@ -21,6 +21,7 @@ def settings(tmp_path, monkeypatch):
     return Settings.load(state_dir=tmp_path / "state", k_max=8, policy="auto")
 
 
+@pytest.mark.models
 def test_tune_replaces_settings_and_persists(settings):
     worker = EngineWorker(settings)  # not started: no runtime
     tuning = worker.tuning

@@ -21,6 +21,8 @@ from memspec_lab.sim.traces import TraceRequest, chat_messages, collect_one
 from memspec_lab.sim.working_set import SimWorkingSet
 from memspec_lab.sim.workload import RequestSpec
 
+pytestmark = pytest.mark.models  # needs the testbed models (not in --quick)
+
 QUESTION = "Write the numbers from one to twenty in words, separated by commas."
 MAX_TOKENS = 48
 
