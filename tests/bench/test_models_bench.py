@@ -10,7 +10,7 @@ import sys
 import pytest
 from launcher import ROOT, require_gemma
 
-from memspec_lab.bench.models import make_trace
+from memspec_lab.bench.models import Workload, make_alternating, make_trace
 
 
 @pytest.mark.models
@@ -24,6 +24,15 @@ def test_trace_is_seeded_poisson_with_bursts():
     assert a != make_trace(30, rate=0.5, code_share=0.5, burst_every=6, burst=2, seed=2)
 
 
+def test_alternating_clients_switch_model_every_request():
+    clients = make_alternating(4, 3)
+    assert [len(c) for c in clients] == [3, 3, 3, 3]
+    for i, mine in enumerate(clients):
+        roles = [a.role for a in mine]
+        assert roles == [("code", "chat")[(i + j) % 2] for j in range(3)]
+    assert len(Workload(clients=clients).arrivals()) == 12
+
+
 def test_both_policies_serve_the_same_answers(tmp_path):
     require_gemma()
     out = tmp_path / "models.json"
@@ -32,10 +41,11 @@ def test_both_policies_serve_the_same_answers(tmp_path):
     cmd += ["--n-threads", "1", "--out", str(out)]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=900, capture_output=True)
     rep = json.loads(out.read_text())
-    assert rep["answers_identical"] == rep["answers_compared"] == 5
+    versus = rep["memspec_vs_lru"]
+    assert versus["answers_identical"] == versus["answers_compared"] == 5
     for policy in ("memspec", "lru"):
         run = rep["runs"][policy]
         assert run["failed"] == [] and run["requests_per_s"] > 0
         assert run["peak_modelled_bytes"] <= rep["budget_bytes"]
         assert sum(run["loads"].values()) >= 2  # the budget holds one: the chat model loaded
-    assert rep["loads_memspec_vs_lru"][0] <= rep["loads_memspec_vs_lru"][1]
+    assert versus["loads"][0] <= versus["loads"][1]

@@ -88,13 +88,24 @@ def generated_tokens(out: dict, eos: frozenset[int]) -> list[int]:
 
 
 class PeerServer:
-    def __init__(self, binary: Path, settings: Settings, flags: list[str], timeout_s: float = 120):
+    def __init__(
+        self,
+        binary: Path,
+        settings: Settings,
+        flags: list[str],
+        timeout_s: float = 120,
+        models: list[str] | None = None,
+    ):
+        """`models`: what it serves, as llama-server's arguments (default: `-m` the settings'
+        target; router mode: `--models-dir DIR`, with `--models-max N` among `flags`)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         threads = str(settings.n_threads or os.cpu_count() or 1)
+        if models is None:
+            models = ["-m", str(resolve_model_path(settings.target))]
         cmd = [
-            str(binary), "-m", str(resolve_model_path(settings.target)), "--host", "127.0.0.1",
+            str(binary), *models, "--host", "127.0.0.1",
             "--port", str(self.port), "-t", threads, "-tb", threads, "-np", "1",
             "-c", str(settings.n_ctx), *kv_flags(settings), *flags,
         ]  # fmt: skip
