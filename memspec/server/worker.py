@@ -65,6 +65,10 @@ from memspec.units import format_size, parse_size
 log = logging.getLogger("memspec.server")
 
 IDLE_BEAT_S = 0.5  # the idle loop beats at least this often
+# A model is loaded ahead of need only once the engine has been idle this long: a gap between
+# one client's answer and its next request is milliseconds, and a load into it was evicted
+# unused by the next request for the other model (the thrash case).
+PREFETCH_SETTLE_S = 1.0
 DEVICE_RETRY_S = 2.0  # how often an unreachable RPC worker is tried again
 
 
@@ -173,6 +177,7 @@ class EngineWorker:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.heartbeat = time.monotonic()
+        self._idle_since = time.monotonic()  # since when nothing waits or runs (prefetch)
         self.requests_served = 0
         self._recent: deque[tuple[float, int, float]] = deque(maxlen=256)  # (end, tokens, s)
         self.prefix_cache = PrefixCache(self._cache_capacity)
@@ -629,6 +634,11 @@ class EngineWorker:
         if self.metrics is not None:
             self.metrics.observe_model_load(name, time.monotonic() - t0, stalled)
 
+    def _wanted_other_than(self, name: str) -> bool:
+        """A request waits for a model other than `name`."""
+        with self._cond:
+            return any(j.model != name and not j.cancel.is_set() for j in self._queue)
+
     def _waited_for(self, name: str) -> bool:
         """Some request still waits for `name` (its client has not gone)."""
         with self._cond:
@@ -670,7 +680,10 @@ class EngineWorker:
         for name in expired:
             self.targets.unload(name, "expire")
             self.prefix_cache.drop_partition(name)
-        if expired or self._queue or self._active or self._control:
+        if expired or self._queue or self._active or self._control or self._admitting:
+            self._idle_since = now
+            return
+        if now - self._idle_since < PREFETCH_SETTLE_S:
             return
         free = self.budget_bytes - self.targets.shares()
         pushed_out = [n for n, st in self.targets.stats.items() if st.last_evicted_why == "evict"]
@@ -682,8 +695,13 @@ class EngineWorker:
             return
         log.info("loading model %s ahead of need (predicted demand)", ahead)
         try:  # into free budget only: a load ahead of need never unloads another model
-            with self._beating():
+            # ...and it stops if a request for another model comes meanwhile: that one needs
+            # the budget, and this load would be evicted before it served anything.
+            with self._beating(), abandon_when(lambda: self._wanted_other_than(ahead)):
                 self.targets.load(ahead, self.settings, victims=[])
+        except LoadAbandoned as e:
+            log.info("loading %s ahead of need stopped: %s", ahead, e.message)
+            self._model_changed(ahead, "abandoned")
         except MemSpecError as e:
             log.info("not loading %s ahead of need: %s", ahead, e.message)
 
