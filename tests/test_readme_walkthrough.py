@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from launcher import GEMMA_DRAFTS, ROOT, require_gemma, running
 
+pytestmark = pytest.mark.slow  # scripts/test.sh --all
+
 SECTION = "## Your own target and drafts"
 README_URL = "http://127.0.0.1:8000"  # where the README's client expects `memspec serve`
 GEMMA_MODEL = "gemma3:270m"

@@ -21,6 +21,7 @@ FIELDS = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # four servers start (two per system); about 45 s on an idle box
 def test_bench_batch_cold_cli(tmp_path, settings):
     config = tmp_path / "memspec.toml"

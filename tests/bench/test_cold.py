@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from memspec.cli import main
 
 
+@pytest.mark.slow
 def test_bench_cold_cli(tmp_path, settings):
     out = tmp_path / "cold.json"
     rc = main(

@@ -10,6 +10,7 @@ from memspec.cli import main
 from memspec.paths import models_dir
 
 
+@pytest.mark.slow
 def test_drafts_eval_cli(tmp_path, settings):
     draft = "datastore-ci"
     if not (models_dir() / f"{draft}.npz").is_file():
@@ -35,6 +36,7 @@ def test_drafts_eval_cli(tmp_path, settings):
     assert png.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_drafts_replay_only_cli(tmp_path, settings):
     """--replay-only: lookup drafts asked at every position, a model draft teacher-forced."""
     out = tmp_path / "replay.json"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from memspec.cli import main
 from memspec_lab.bench.engine import decode_ms_per_token
 
@@ -14,6 +16,7 @@ ARGS = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_bench_engine_only_the_configs_asked_for(tmp_path, settings):
     out = tmp_path / "engine.json"
     assert main([*ARGS, "--out", str(out), "--configs", "memspec,q4_0 adaptive-k"]) == 0

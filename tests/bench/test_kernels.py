@@ -8,7 +8,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_kernels_bench_reports_which_configs_are_bit_exact(tmp_path):
     from launcher import require_gemma
 

@@ -33,6 +33,7 @@ def test_alternating_clients_switch_model_every_request():
     assert len(Workload(clients=clients).arrivals()) == 12
 
 
+@pytest.mark.slow
 def test_both_policies_serve_the_same_answers(tmp_path):
     require_gemma()
     out = tmp_path / "models.json"

@@ -57,6 +57,7 @@ WORKLOAD = [
 MEMSPEC_CONFIGS = ["none", "memspec", "auto", "prompt-lookup adaptive-k", "q4_0 adaptive-k"]
 
 
+@pytest.mark.slow
 def test_bench_structured_outputs_identical_and_valid(tmp_path, settings):
     workload = tmp_path / "workload.jsonl"
     workload.write_text("".join(json.dumps(row) + "\n" for row in WORKLOAD))

@@ -120,6 +120,7 @@ def test_draft_footprint_matches_measured(target_path, draft_id):
     check(draft_id, fp.at_load, fp.total, r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q4_0"])
 @pytest.mark.models
 def test_kv_cache_types_footprint_matches_measured(target_path, kv_type):
@@ -139,6 +140,7 @@ KV_ARGS = ["--n-ctx", str(KV_N_CTX), "--outputs", str(K_MAX + 1), "--flash-attn"
 @pytest.mark.parametrize(
     ("family", "kv_type"), [("smollm2", "q8_0"), ("smollm2", "q4_0"), ("gemma3", "q8_0")]
 )
+@pytest.mark.slow
 @pytest.mark.models
 def test_kv_cache_type_saves_what_the_model_says(target_path, family, kv_type):
     """What a quantized cache saves against f16, measured on each family (Gemma 3's model
@@ -161,6 +163,7 @@ def test_kv_cache_type_saves_what_the_model_says(target_path, family, kv_type):
     assert abs(saved - measured) <= max(TOLERANCE * saved, SLACK_BYTES)
 
 
+@pytest.mark.slow
 def test_a_window_sized_cache_saves_what_the_model_says():
     """Gemma 3's sliding-window layers at 8,192 tokens: a full-size cache (swa_full) against
     the window's (measured: 110 MB apart; the model says 110)."""

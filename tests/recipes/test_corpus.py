@@ -15,6 +15,7 @@ def target_path():
     return models_dir() / TARGET_FILE
 
 
+@pytest.mark.slow
 def test_torch_answers_are_the_targets(target_path):
     """Left-padded batches of different prompt lengths, bfloat16 matmuls: the answers must
     still be the target's own (llama.cpp's F32 greedy answers). A wrong pad side, mask or
@@ -41,6 +42,7 @@ def test_torch_answers_are_the_targets(target_path):
     assert all(0 < len(out) <= 12 for out in got.values())
 
 
+@pytest.mark.slow
 def test_torch_answers_are_cached_apart(target_path):
     """bfloat16 answers must never be read back as llama.cpp's exact ones (or the reverse)."""
     exact = corpus.generated_corpus_path(target_path)

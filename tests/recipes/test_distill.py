@@ -64,6 +64,7 @@ def _tiny_recipe(**kw) -> BuildRecipe:
     return BuildRecipe(**{**base, **kw})
 
 
+@pytest.mark.slow
 @pytest.mark.models
 def test_interrupted_build_resumes_and_matches_an_uninterrupted_one(
     target_path, tmp_path, monkeypatch
@@ -115,6 +116,7 @@ def distill_ci(target_path):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.models
 def test_ci_draft_trained_and_reports(distill_ci):
     info = json.loads(distill_ci.with_name(distill_ci.name + ".build.json").read_text())

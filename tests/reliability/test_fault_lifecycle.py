@@ -96,6 +96,7 @@ def writer(path: Path) -> int:
     return pid
 
 
+@pytest.mark.slow
 def test_kill_9_during_config_writes_never_tears_the_file(tmp_path):
     """The writer killed with SIGKILL at random moments, 60 times: the file is always exactly
     the old or the new settings."""
@@ -138,6 +139,7 @@ def start_in(lifecycle, name: str, notify: NotifySocket | None = None) -> Daemon
     return srv
 
 
+@pytest.mark.slow
 def test_kill_9_mid_tune_then_restart_keeps_the_settings(lifecycle):
     srv = start_in(lifecycle, "a")
     lifecycle["ref"] = completion(srv.url, PROMPT, 12, draft="none")
@@ -176,6 +178,7 @@ def test_kill_9_mid_tune_then_restart_keeps_the_settings(lifecycle):
         assert srv.stop() == 0
 
 
+@pytest.mark.slow
 def test_stuck_engine_is_killed_by_the_watchdog_and_restarts(lifecycle, tmp_path):
     """systemd's part played by the test: WatchdogSec 1.5 s; no WATCHDOG=1 for that long
     means SIGABRT (systemd's default), then Restart=on-failure starts it again."""

@@ -24,7 +24,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core import NOT_SET
 from schemathesis.generation.modes import GenerationMode
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 EXAMPLES = 30  # per operation and generation mode (positive, negative)
 TRIED: Counter[str] = Counter()

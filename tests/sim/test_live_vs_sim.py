@@ -16,7 +16,7 @@ from memspec_lab.sim.traces import collect
 from memspec_lab.sim.workload import RequestSpec
 from memspec_lab.testbed import select_questions
 
-pytestmark = pytest.mark.models  # needs the testbed models (not in --quick)
+pytestmark = [pytest.mark.models, pytest.mark.slow]
 
 POLICIES = ["none", "fixed:prompt-lookup", "fixed:q8_0", "ucb", "memspec", "oracle"]
 LIVE_ONLY = ["auto"]  # the bare rule over the configured drafts: the simulator has no twin
