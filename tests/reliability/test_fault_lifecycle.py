@@ -139,8 +139,8 @@ def start_in(lifecycle, name: str, notify: NotifySocket | None = None) -> Daemon
     return srv
 
 
-@pytest.mark.slow
 def test_kill_9_mid_tune_then_restart_keeps_the_settings(lifecycle):
+    # (default tier: the tests below start from the state dir and answer it leaves)
     srv = start_in(lifecycle, "a")
     lifecycle["ref"] = completion(srv.url, PROMPT, 12, draft="none")
     written: list[int] = []

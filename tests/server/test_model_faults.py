@@ -24,15 +24,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from launcher import MODEL, TARGET_FILE, plain_answer, require_gemma, running
+from launcher import MODEL, TARGET_FILE, require_gemma, running
+from two_models import BUDGET, GEMMA, answers_alone, chat, status
 
 from memspec.paths import cache_dir, models_dir
 
-GEMMA = "gemma3:270m"
 SLOW = "gemma-slow"  # a second name for Gemma's file whose loads the fault daemon delays
-BUDGET = "900MiB"  # SmolLM2 F32 needs ~608 MiB at n_ctx 1024, Gemma ~413 MiB: one at a time
-QUESTION = "Name three colours."
-TOKENS = 12
 LOAD_DELAY_S = 6.0
 
 
@@ -66,11 +63,7 @@ def _unloadable_gguf(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def alone() -> dict[str, str]:
-    """Each model's greedy answer, plain, with nothing else loaded (in this process)."""
-    return {
-        MODEL: plain_answer(None, QUESTION, TOKENS),
-        GEMMA: plain_answer(require_gemma(), QUESTION, TOKENS),
-    }
+    return answers_alone()
 
 
 @pytest.fixture(scope="module")
@@ -109,21 +102,6 @@ def daemon(tmp_path_factory):
     with running(tmp, "lookup", settings=settings, env=env, faults=True) as d:
         d.models_dir = models
         yield d
-
-
-def chat(d, model: str | None, timeout: float = 300) -> httpx.Response:
-    body = {
-        "messages": [{"role": "user", "content": QUESTION}],
-        "max_tokens": TOKENS,
-        "temperature": 0,
-    }
-    if model is not None:
-        body["model"] = model
-    return httpx.post(d.url + "/v1/chat/completions", json=body, timeout=timeout)
-
-
-def status(d) -> dict:
-    return httpx.get(d.url + "/admin/status", timeout=60).json()
 
 
 def metric(d, name: str, model: str) -> float:

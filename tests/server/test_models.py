@@ -13,21 +13,13 @@ import time
 
 import httpx
 import pytest
-from launcher import MODEL, plain_answer, require_gemma, running
-
-GEMMA = "gemma3:270m"
-BUDGET = "900MiB"  # SmolLM2 F32 needs ~608 MiB at n_ctx 1024, Gemma ~413 MiB: one at a time
-QUESTION = "Name three colours."
-TOKENS = 12
+from launcher import MODEL, require_gemma, running
+from two_models import BUDGET, GEMMA, QUESTION, answers_alone, chat, status
 
 
 @pytest.fixture(scope="module")
 def alone() -> dict[str, str]:
-    """Each model's greedy answer, plain, with nothing else loaded (in this process)."""
-    return {
-        MODEL: plain_answer(None, QUESTION, TOKENS),
-        GEMMA: plain_answer(require_gemma(), QUESTION, TOKENS),
-    }
+    return answers_alone()
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +30,8 @@ def daemon(tmp_path_factory):
         yield d
 
 
-def chat(d, model: str | None, max_tokens: int = TOKENS, **extra) -> httpx.Response:
-    body = {
-        "messages": [{"role": "user", "content": QUESTION}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        **extra,
-    }
-    if model is not None:
-        body["model"] = model
-    return httpx.post(d.url + "/v1/chat/completions", json=body, timeout=300)
 
 
-def status(d) -> dict:
-    return httpx.get(d.url + "/admin/status", timeout=60).json()
 
 
 def resident(d) -> list[str]:
