@@ -616,7 +616,7 @@ class EngineWorker:
         stalled = len(waiting) + len(self._active)  # requests that wait while it loads
         t0 = time.monotonic()
         try:
-            with abandon_when(lambda: not self._waited_for(name)):
+            with abandon_when(lambda: name not in self._waited_for()):
                 self._make_resident_or_raise(name)
         except LoadAbandoned as e:  # its clients gave up: nothing loaded is kept or thrown away
             log.info("loading model %s stopped after %.1f s: %s", name, time.monotonic() - t0,
@@ -634,15 +634,10 @@ class EngineWorker:
         if self.metrics is not None:
             self.metrics.observe_model_load(name, time.monotonic() - t0, stalled)
 
-    def _wanted_other_than(self, name: str) -> bool:
-        """A request waits for a model other than `name`."""
+    def _waited_for(self) -> set[str]:
+        """The models some request waits for, its client still there."""
         with self._cond:
-            return any(j.model != name and not j.cancel.is_set() for j in self._queue)
-
-    def _waited_for(self, name: str) -> bool:
-        """Some request still waits for `name` (its client has not gone)."""
-        with self._cond:
-            return any(j.model == name and not j.cancel.is_set() for j in self._queue)
+            return {j.model for j in self._queue if not j.cancel.is_set()}
 
     @contextlib.contextmanager
     def _beating(self) -> Iterator[None]:
@@ -697,7 +692,7 @@ class EngineWorker:
         try:  # into free budget only: a load ahead of need never unloads another model
             # ...and it stops if a request for another model comes meanwhile: that one needs
             # the budget, and this load would be evicted before it served anything.
-            with self._beating(), abandon_when(lambda: self._wanted_other_than(ahead)):
+            with self._beating(), abandon_when(lambda: bool(self._waited_for() - {ahead})):
                 self.targets.load(ahead, self.settings, victims=[])
         except LoadAbandoned as e:
             log.info("loading %s ahead of need stopped: %s", ahead, e.message)
