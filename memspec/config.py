@@ -59,6 +59,12 @@ class Settings(BaseSettings):
         "set then keeps what the policy predicts is worth most)",
     )
     manifest_dir: Path | None = None  # default: drafts/ in the checkout
+    ollama_models: str | None = Field(
+        None,
+        description="the Ollama store to serve read-only (its models listed under Ollama's "
+        "names, blobs used in place, nothing written there): a path, or none (default: "
+        "$OLLAMA_MODELS, else ~/.ollama/models, else /usr/share/ollama/.ollama/models)",
+    )
     follow_symlinks: bool = Field(
         False, description="follow symlinks that leave the models dir (serve what they point to)"
     )
