@@ -142,7 +142,7 @@ def check_digest(digest: str) -> str:
 
 
 def file_digest(path: Path) -> str:
-    """"sha256:<hex>" of a file's bytes, read in chunks."""
+    """The "sha256:<hex>" of a file's bytes, read in chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
