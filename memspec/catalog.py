@@ -22,13 +22,24 @@ instead, with its reason, until its size or mtime change:
     catalog.bad_models()      # [{"file", "name", "reason"}] for the admin status
     catalog.unusable("x")     # UnusableModelFile (422) when "x" names a bad file, else None
     catalog.mark_bad(path, "llama.cpp could not load it")
+
+Beside the loose files, every model of an Ollama-layout store is served under Ollama's own name
+(`llama3.2:1b`, `hf.co/u/r:Q4_K_M`, `myhost:5000/ns/name:tag`), its GGUF blob loaded in place:
+memspec's own store (`<models dir>/store`: pulled and created models) and the user's Ollama
+store, adopted read-only (memspec.ollama_store). What its manifest's other layers say is read
+into `ServableModel.store` (memspec.store_model): default options, system prompt, license,
+messages. A model whose layers memspec cannot honour (a projector, an adapter, tensors) is
+listed, so a client sees it, but refused: `find` passes it over, `unusable` says why, and it is
+in bad_models with the reason. A manifest that cannot be read, or whose GGUF blob is missing or
+bad, is a bad model like a bad file. A store model's name wins over a loose file's (the loose
+file is then served under its stem); memspec's own store wins over the adopted one.
 """
 
 from __future__ import annotations
 
 import stat
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +50,10 @@ from memspec.drafts.gguf_header import check_gguf, open_header, scalar
 from memspec.errors import ModelLoadError, UnusableModelFile
 from memspec.memory.gguf_info import read_shape
 from memspec.model_id import as_model_id, model_aliases, ollama_name, served_model_id
+from memspec.ollama_name import OllamaName
+from memspec.ollama_store import OllamaStore, adopted_store, own_store
 from memspec.paths import models_dir, resolve_model_path
+from memspec.store_model import StoreModel, read_store_model
 
 # What a chat template is resolved from (memspec.backends.chat.resolve_chat_template).
 _TEMPLATE_KEYS = ("general.architecture", "general.name", "tokenizer.chat_template")
@@ -52,6 +66,13 @@ class ServableModel:
     aliases: frozenset[str]  # every name a request may use, `name` included
     default: bool  # the configured target: served when a request names no model
     family_built: bool  # its draft pool is built (data/families/<stem>/family.json)
+    # A model of an Ollama-layout store: its manifest and what its layers say (None: a file).
+    store: StoreModel | None = field(default=None, compare=False)
+
+    @property
+    def refused(self) -> str | None:
+        """Why a listed model is not served (a layer memspec cannot honour); None: served."""
+        return self.store.refused if self.store is not None else None
 
 
 @dataclass(frozen=True)
@@ -63,11 +84,18 @@ class BadModelFile:
     path: Path
     reason: str  # structural, never the file's content
     aliases: frozenset[str]  # the names a request may use for it (`name` included)
+    refused: bool = False  # a listed store model whose layers are refused (not a bad file)
 
     def row(self) -> dict[str, Any]:
         return {"file": self.file, "name": self.name, "reason": self.reason}
 
     def error(self) -> UnusableModelFile:
+        if self.refused:
+            return UnusableModelFile(
+                f"model {self.name} is not served: {self.reason}",
+                param="model",
+                code="model_layer_unsupported",
+            )
         return UnusableModelFile(
             f"model file {self.file} is not a usable GGUF: {self.reason}", param="model"
         )
@@ -89,6 +117,7 @@ class ModelCatalog:
         self._headers: dict[tuple[Path, int, int], _Header] = {}
         self._verdicts: dict[_FileKey, str | None] = {}  # file version -> problem (None: ok)
         self._marked: dict[_FileKey, str] = {}  # mark_bad: file version -> reason
+        self._store_models: dict[_FileKey, StoreModel] = {}  # manifest version -> its model
         self._lock = threading.Lock()
 
     def use_settings(self, settings: Settings) -> None:
@@ -105,8 +134,14 @@ class ModelCatalog:
 
     def models(self) -> list[ServableModel]:
         """The configured target first, then every other usable model in the models dir by
-        name (bad files are left out: bad_models)."""
+        name, then the stores' models by name (bad files are left out: bad_models; refused
+        store models are listed, with `refused` set)."""
         return self._scan()[0]
+
+    def stores(self) -> list[OllamaStore]:
+        """The Ollama-layout stores served: memspec's own, then the adopted one if any."""
+        adopted = adopted_store(self._settings)
+        return [own_store(), *([adopted] if adopted is not None else [])]
 
     def bad_models(self) -> list[dict[str, Any]]:
         """The models-dir files not served, each {"file", "name", "reason"} (admin status)."""
@@ -139,6 +174,8 @@ class ModelCatalog:
         bad: list[tuple[Path, str]] = []
         if default_key is not None and (marked := self._marked_reason(default_key)):
             bad.append((default, marked))  # still served as the default (it is configured)
+        store_rows, store_bad = self._scan_stores(taken)
+        taken |= {m.name for m in store_rows} | {b.name for b in store_bad}
         root = models_dir()
         for path in sorted(root.glob("*.gguf")):
             if _same_file(path, default) or not self._is_model(path):
@@ -164,11 +201,52 @@ class ModelCatalog:
             taken.add(name)
             aliases = model_aliases(name, None, path)
             bad_rows.append(BadModelFile(path.name, name, path, reason, aliases))
-        return rows, bad_rows
+        return rows + store_rows, bad_rows + store_bad
 
-    def find(self, name: str | None) -> ServableModel | None:
-        """The model a request names (None or "": the default); None if none answers to it."""
-        models = self.models()
+    def _scan_stores(self, taken: set[str]) -> tuple[list[ServableModel], list[BadModelFile]]:
+        """Every manifest of the stores: served (refused ones too, flagged), or bad."""
+        rows: list[ServableModel] = []
+        bad: list[BadModelFile] = []
+        seen = set(taken)
+        for store in self.stores():
+            for name in store.names():
+                display = name.display
+                if display in seen:  # the own store's, or the configured target's
+                    continue
+                seen.add(display)
+                aliases = _store_aliases(name)
+                entry = self._store_model(store, name)
+                mpath = store.manifest_path(name)
+                file = str(mpath.relative_to(store.root))
+                if isinstance(entry, str):
+                    bad.append(BadModelFile(file, display, mpath, _clean(entry), aliases))
+                    continue
+                problem = self._problem(entry.model_path, None)
+                if problem is not None:
+                    bad.append(BadModelFile(file, display, entry.model_path, problem, aliases))
+                    continue
+                general = self._header(entry.model_path).general_name
+                rows.append(
+                    ServableModel(
+                        name=display,
+                        path=entry.model_path,
+                        aliases=aliases | ({as_model_id(general)} - {""} if general else set()),
+                        default=False,
+                        family_built=(family_dir(entry.model_path) / "family.json").is_file(),
+                        store=entry,
+                    )
+                )
+                if entry.refused:
+                    bad.append(
+                        BadModelFile(file, display, entry.model_path, entry.refused, aliases, True)
+                    )
+        return sorted(rows, key=lambda m: m.name), bad
+
+    def find(self, name: str | None, *, refused: bool = False) -> ServableModel | None:
+        """The model a request names (None or "": the default); None if none answers to it.
+        A refused store model answers only with `refused` (/api/show describes it; a request
+        to run it gets `unusable`'s error)."""
+        models = [m for m in self.models() if refused or m.refused is None]
         if not name:
             return models[0]
         exact = next((m for m in models if m.name == name), None)
@@ -200,10 +278,11 @@ class ModelCatalog:
         built_draft = path.with_name(path.name + ".build.json").is_file()
         return not built_draft or (family_dir(path) / "family.json").is_file()
 
-    def _problem(self, path: Path, root: Path) -> str | None:
+    def _problem(self, path: Path, root: Path | None) -> str | None:
         """Why the candidate `path` cannot be served (None: it can). Nothing is opened that
-        is not a regular file inside the models dir (or a symlink the settings follow)."""
-        if path.is_symlink() and not self._settings.follow_symlinks:
+        is not a regular file inside the models dir (or a symlink the settings follow); a
+        store's blob (`root` None) is where its manifest says, wherever that is."""
+        if root is not None and path.is_symlink() and not self._settings.follow_symlinks:
             try:
                 inside = path.resolve().is_relative_to(root.resolve())
             except (OSError, RuntimeError):  # a symlink loop
@@ -229,6 +308,20 @@ class ModelCatalog:
         with self._lock:
             self._verdicts[key] = problem
         return problem
+
+    def _store_model(self, store: OllamaStore, name: OllamaName) -> StoreModel | str:
+        """read_store_model, remembered per version of the manifest while its GGUF blob is
+        there (a bad one is read again: a pull may be writing its blobs)."""
+        key = _file_key(store.manifest_path(name))
+        with self._lock:
+            cached = self._store_models.get(key) if key is not None else None
+        if cached is not None and cached.model_path.is_file():
+            return cached
+        entry = read_store_model(store, name)
+        if key is not None and not isinstance(entry, str):
+            with self._lock:
+                self._store_models[key] = entry
+        return entry
 
     def _marked_reason(self, key: _FileKey) -> str | None:
         with self._lock:
@@ -291,6 +384,15 @@ def _header_problem(path: Path) -> str | None:
     except Exception as e:  # assorted numpy/struct errors on odd values: a bad file, not a 500
         return _clean(f"its header cannot be read ({type(e).__name__})")
     return None
+
+
+def _store_aliases(name: OllamaName) -> frozenset[str]:
+    """The names a request may use for a store model: Ollama's short form, its full one, and
+    the short form less `:latest` (`llama3.2` for `llama3.2:latest`)."""
+    names = {name.display, name.full, f"{name.host}/{name.namespace}/{name.model}:{name.tag}"}
+    if name.tag == "latest":
+        names.add(name.display.removesuffix(":latest"))
+    return frozenset(names)
 
 
 def _clean(reason: str) -> str:

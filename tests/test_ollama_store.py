@@ -221,3 +221,148 @@ def test_own_store_is_writable_under_the_models_dir(tmp_path: Path) -> None:
         assert store.writable and store.root == tmp_path / "models" / "store"
     finally:
         paths.use_data_dir(None)
+
+
+# --- the catalog over the stores (tiny GGUFs, nothing loaded) ---------------------------------
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    from memspec import paths
+    from tests.test_catalog import tiny_gguf
+
+    paths.use_data_dir(tmp_path / "data")  # put back after the test (conftest)
+    models = tmp_path / "data" / "models"
+    models.mkdir(parents=True)
+    tiny_gguf(models / "target.gguf")
+    tiny_gguf(tmp_path / "tiny.gguf")
+    return tmp_path
+
+
+def store_catalog(data: Path, **settings: object):  # -> ModelCatalog
+    from memspec.catalog import ModelCatalog
+
+    settings.setdefault("ollama_models", str(data / "ollama"))
+    return ModelCatalog(Settings.load(target="target.gguf", drafts=[], **settings))
+
+
+def test_catalog_serves_both_stores_under_ollamas_names(data: Path) -> None:
+    gguf = (data / "tiny.gguf").read_bytes()
+    adopted = data / "ollama"
+    params = json.dumps({"stop": ["<end>"], "temperature": 0}).encode()
+    raw = write_model(
+        adopted,
+        "registry.ollama.ai/library/llama3.2/1b",
+        [(MEDIA_MODEL, gguf), (MEDIA_PARAMS, params), (MEDIA_SYSTEM, b"Be brief."),
+         ("application/vnd.ollama.image.license", b"MIT"),
+         ("application/vnd.ollama.image.template", b"{{ .Prompt }}")],
+    )  # fmt: skip
+    write_model(adopted, "hf.co/u/r/Q4_K_M", [(MEDIA_MODEL, gguf)])
+    write_model(adopted, "myhost:5000/ns/name/tag", [(MEDIA_MODEL, gguf)])
+    write_model(
+        adopted,
+        "registry.ollama.ai/library/llava/7b",
+        [(MEDIA_MODEL, gguf), ("application/vnd.ollama.image.projector", b"proj")],
+    )
+    # memspec's own store: its llama3.2:1b wins over the adopted one's
+    own = data / "data" / "models" / "store"
+    own_raw = write_model(own, "registry.ollama.ai/library/llama3.2/1b", [(MEDIA_MODEL, gguf)])
+    write_model(own, "registry.ollama.ai/library/mine/latest", [(MEDIA_MODEL, gguf)])
+    cat = store_catalog(data)
+    listed = {m.name: m for m in cat.models()}
+    assert set(listed) == {
+        "target",
+        "llama3.2:1b",
+        "mine:latest",
+        "hf.co/u/r:Q4_K_M",
+        "myhost:5000/ns/name:tag",
+        "llava:7b",
+    }
+    assert cat.models()[0].name == "target"
+    mine = listed["llama3.2:1b"]
+    assert mine.store is not None and not mine.store.adopted
+    assert mine.store.digest == "sha256:" + hashlib.sha256(own_raw).hexdigest()
+    # served in place: the path is the blob's
+    assert mine.path.parent == own / "blobs"
+    assert cat.find("mine") == listed["mine:latest"]
+    assert cat.find("registry.ollama.ai/library/mine:latest") == listed["mine:latest"]
+    hf = cat.find("hf.co/u/r:Q4_K_M")
+    assert hf is not None and hf.path.parent == adopted / "blobs"
+    # the projector: listed, refused with the layer named, in bad_models with the reason
+    assert listed["llava:7b"].refused and ".projector" in listed["llava:7b"].refused
+    assert cat.find("llava:7b") is None
+    assert cat.find("llava:7b", refused=True) == listed["llava:7b"]
+    error = cat.unusable("llava:7b")
+    assert error is not None and ".projector" in error.message
+    assert any(b["name"] == "llava:7b" and "projector" in b["reason"] for b in cat.bad_models())
+    # with the own store's copy gone, the adopted one's layers are read
+    (own / "manifests/registry.ollama.ai/library/llama3.2/1b").unlink()
+    adopted_model = cat.find("llama3.2:1b")
+    assert adopted_model is not None and adopted_model.store is not None
+    entry = adopted_model.store
+    assert entry.adopted and entry.digest == "sha256:" + hashlib.sha256(raw).hexdigest()
+    assert entry.options == {"stop": ["<end>"], "temperature": 0}
+    assert entry.system == "Be brief." and entry.license == ("MIT",)
+    assert entry.template == "{{ .Prompt }}" and any("not executed" in n for n in entry.notes)
+
+
+def test_loose_files_keep_working_beside_a_store(data: Path) -> None:
+    from tests.test_catalog import tiny_gguf
+
+    tiny_gguf(data / "data" / "models" / "smollm2-135m-instruct-q8_0.gguf")
+    gguf = (data / "tiny.gguf").read_bytes()
+    write_model(data / "ollama", "registry.ollama.ai/library/other/1b", [(MEDIA_MODEL, gguf)])
+    cat = store_catalog(data)
+    assert [m.name for m in cat.models()] == ["target", "smollm2:135m", "other:1b"]
+    # the same name in a store: the store's model takes it, the file is served by its stem
+    write_model(data / "ollama", "registry.ollama.ai/library/smollm2/135m", [(MEDIA_MODEL, gguf)])
+    names = [m.name for m in cat.models()]
+    assert "smollm2:135m" in names and "smollm2-135m-instruct-q8_0" in names
+    found = cat.find("smollm2:135m")
+    assert found is not None and found.store is not None
+    assert store_catalog(data, ollama_models="none").find("other:1b") is None
+
+
+def test_bad_store_models_are_bad_models_not_crashes(data: Path) -> None:
+    gguf = (data / "tiny.gguf").read_bytes()
+    adopted = data / "ollama"
+    write_model(adopted, "registry.ollama.ai/library/notgguf/1b", [(MEDIA_MODEL, b"x" * 4000)])
+    write_model(adopted, "registry.ollama.ai/library/noblob/1b", [(MEDIA_MODEL, b"lost")])
+    (adopted / "blobs" / ("sha256-" + hashlib.sha256(b"lost").hexdigest())).unlink()
+    write_model(adopted, "registry.ollama.ai/library/nomodel/1b", [(MEDIA_SYSTEM, b"hi")])
+    write_model(
+        adopted, "registry.ollama.ai/library/badparams/1b",
+        [(MEDIA_MODEL, gguf), (MEDIA_PARAMS, b"[1, 2")],
+    )  # fmt: skip
+    write_model(
+        adopted, "registry.ollama.ai/library/adapter/1b",
+        [(MEDIA_MODEL, gguf), ("application/vnd.ollama.image.adapter", b"lora")],
+    )  # fmt: skip
+    write_model(
+        adopted, "registry.ollama.ai/library/future/1b",
+        [(MEDIA_MODEL, gguf), ("application/vnd.ollama.image.hologram", b"?")],
+    )  # fmt: skip
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    write_model(
+        adopted, "registry.ollama.ai/library/withmsgs/1b",
+        [(MEDIA_MODEL, gguf), ("application/vnd.ollama.image.messages",
+                               json.dumps(messages).encode())],
+    )  # fmt: skip
+    torn = adopted / "manifests/registry.ollama.ai/library/torn/1b"
+    torn.parent.mkdir(parents=True)
+    torn.write_bytes(b'{"schemaVersion": 2, "layers": [')
+    cat = store_catalog(data)
+    reasons = {b["name"]: b["reason"] for b in cat.bad_models()}
+    assert "not a valid GGUF" in reasons["notgguf:1b"] or "magic" in reasons["notgguf:1b"]
+    assert "missing" in reasons["noblob:1b"]
+    assert "no model" in reasons["nomodel:1b"]
+    assert "not JSON" in reasons["badparams:1b"]
+    assert "manifest" in reasons["torn:1b"]
+    assert ".adapter" in reasons["adapter:1b"] and ".hologram" in reasons["future:1b"]
+    listed = {m.name for m in cat.models()}
+    assert listed == {"target", "adapter:1b", "future:1b", "withmsgs:1b"}
+    withmsgs = cat.find("withmsgs:1b")
+    assert withmsgs is not None and withmsgs.store is not None
+    assert withmsgs.store.messages == tuple(messages)
+    for name in ("notgguf:1b", "noblob:1b", "torn:1b", "adapter:1b"):
+        assert cat.find(name) is None and cat.unusable(name) is not None
