@@ -7,7 +7,7 @@ import sys
 
 from pydantic import ValidationError
 
-from memspec.cli import doctor, drafts, generate, lab, pull, rpc, scheduling, serve
+from memspec.cli import create, doctor, drafts, generate, lab, pull, rpc, scheduling, serve
 from memspec.config import settings_error
 from memspec.errors import MemSpecError
 from memspec.memory.huge_pages import reexec_with_huge_pages
@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memspec", description=__doc__, epilog=lab.EPILOG)
     sub = parser.add_subparsers(dest="command", required=True)
     # the order of `--help` (the lab's commands, cli/lab.py, among them)
-    for group in (drafts, pull, generate, serve, rpc):
+    for group in (drafts, pull, create, generate, serve, rpc):
         group.register(sub)
     lab.add(sub, "bench")
     for group in (scheduling, doctor):
