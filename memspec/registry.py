@@ -56,7 +56,7 @@ NOT_FOUND = "pull model manifest: file does not exist"
 # Ollama's words for a blob whose bytes are not its digest (server/images.go errDigestMismatch).
 DIGEST_MISMATCH = "digest mismatch, file must be downloaded again"
 
-CHUNK = 1 << 20  # one buffer of a blob's stream
+CHUNK = 1 << 20  # bytes read from a blob file at a time when pushing
 RETRIES = 5  # tries per blob after a broken connection, each resuming with Range
 USER_AGENT = "memspec (ollama-compatible)"
 
@@ -285,7 +285,7 @@ class RegistryClient:
                 raise PullError(f"pull {layer.digest[:19]}: {_registry_error(r)}")
             skip = have if r.status_code == 200 else 0  # a registry that ignored the Range
             last = 0.0
-            for chunk in r.iter_bytes(CHUNK):
+            for chunk in r.iter_bytes():  # as the network delivers: a break loses nothing read
                 if cancel is not None and cancel.is_set():
                     raise PullCancelled("pull cancelled: every client went away")
                 if skip:

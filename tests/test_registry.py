@@ -1,0 +1,488 @@
+"""Pull and push over the distribution v2 API (memspec.registry) against a real registry.
+
+The registry is Debian's `docker-registry` on loopback (tests/registry.py; skipped, saying so,
+where it is not installed). The first tests move small random blobs through memspec.registry
+into a temp OllamaStore (no model needed); the last ones run a real daemon and the official
+`ollama` client on SmolLM2 (data/models/smollm2-135m-q8_0.gguf): pull, chat, push, pull back.
+The one fault injected is a TCP proxy that cuts a connection mid-blob (tests/registry.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from memspec import registry
+from memspec.ollama_name import parse
+from memspec.ollama_store import OllamaStore
+from tests.launcher import ADMIN_KEY, ROOT, require_models, running
+from tests.registry import (
+    CuttingProxy,
+    file_digest,
+    push_model,
+    require_registry,
+    running_registry,
+)
+
+ollama = pytest.importorskip("ollama")
+
+SMOLLM2 = ROOT / "data" / "models" / "smollm2-135m-q8_0.gguf"
+USERS = {"alice": "s3cret-pw"}
+
+
+# --- no registry needed ---------------------------------------------------------------------
+
+
+def test_a_bearer_challenge_is_read_as_registries_send_it():
+    scheme, params = registry._challenge(
+        'Bearer realm="https://auth.example/token",service="registry.example",'
+        'scope="repository:ns/model:pull,push"'
+    )
+    assert scheme == "bearer"
+    assert params == {
+        "realm": "https://auth.example/token",
+        "service": "registry.example",
+        "scope": "repository:ns/model:pull,push",
+    }
+    assert registry._challenge('Basic realm="memspec-test"') == ("basic", {"realm": "memspec-test"})
+
+
+def test_names_resolve_to_registries_as_ollamas():
+    def repo(name: str, insecure: bool = False) -> str:
+        return registry.RegistryClient(parse(name), insecure=insecure).repo
+
+    assert repo("smollm2") == "https://registry.ollama.ai/v2/library/smollm2"
+    assert repo("me/smollm2:135m") == "https://registry.ollama.ai/v2/me/smollm2"
+    assert repo("localhost:5000/ns/m:t", insecure=True) == "http://localhost:5000/v2/ns/m"
+    assert repo("hf.co/bartowski/SmolLM2-GGUF:Q4_K_M") == "https://hf.co/v2/bartowski/SmolLM2-GGUF"
+    with pytest.raises(registry.PullError, match="insecure protocol http"):
+        repo("http://localhost:5000/ns/m:t")  # http only with the insecure flag, as Ollama
+    creds = registry.Credentials("alice", "s3cret-pw")
+    assert "s3cret" not in repr(creds)
+
+
+# --- memspec.registry against the real registry, small blobs ------------------------------
+
+
+@pytest.fixture(scope="module")
+def reg(tmp_path_factory):
+    with running_registry(tmp_path_factory.mktemp("registry")) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory, reg) -> tuple[Path, object]:
+    """A 6 MiB random 'model' pushed as test/small:v1 (the bytes matter, not what they mean)."""
+    blob = tmp_path_factory.mktemp("small") / "model.bin"
+    blob.write_bytes(os.urandom(6 << 20))
+    return blob, push_model(reg, "test/small:v1", blob, params={"temperature": 0.1})
+
+
+def _store(tmp_path: Path) -> OllamaStore:
+    return OllamaStore(tmp_path / "store", writable=True)
+
+
+def _leftovers(store: OllamaStore) -> list[str]:
+    """Whatever a failed pull left: partial blobs, temp manifests, any manifest."""
+    found = [p.name for p in (store.root / "blobs").glob("*-partial")]
+    found += [str(p) for p in (store.root / "manifests").rglob("*") if p.is_file()]
+    return found
+
+
+def test_pull_stores_the_manifest_and_checked_blobs(reg, small_model, tmp_path):
+    blob, pushed = small_model
+    store, events = _store(tmp_path), []
+    name = parse(f"{reg.host}/test/small:v1")
+    manifest = registry.pull(name, store, events.append, insecure=True)
+    assert manifest.digest == pushed.manifest_digest  # the bytes the registry sent, kept
+    assert store.manifest_path(name).read_bytes() == pushed.manifest
+    for digest in pushed.digests:
+        assert file_digest(store.blob_path(digest)) == digest
+    statuses = [e["status"] for e in events if "digest" not in e]
+    assert statuses == [
+        "pulling manifest",
+        "verifying sha256 digest",
+        "writing manifest",
+        "success",
+    ]
+    layer_events = [e for e in events if "digest" in e]
+    assert {e["digest"] for e in layer_events} == set(pushed.digests)
+    assert all(e["status"] == f"pulling {e['digest'][7:19]}" for e in layer_events)
+    model = [e for e in layer_events if e["digest"] == pushed.model_digest]
+    assert model[-1]["completed"] == model[-1]["total"] == blob.stat().st_size
+    # A second pull finds every blob in place and sends only the manifest request.
+    events.clear()
+    registry.pull(name, store, events.append, insecure=True)
+    assert [
+        (e["completed"], e["total"]) for e in events if e.get("digest") == pushed.model_digest
+    ] == [(blob.stat().st_size, blob.stat().st_size)]
+
+
+def test_a_connection_cut_mid_blob_resumes_with_range(reg, small_model, tmp_path):
+    blob, pushed = small_model
+    store = _store(tmp_path)
+    with CuttingProxy("127.0.0.1", reg.port, cut_after=2 << 20, cuts=2) as proxy:
+        registry.pull(parse(f"{proxy.host}/test/small:v1"), store, lambda e: None, insecure=True)
+    assert proxy.cut == 2
+    ranges = [
+        line.split(":", 1)[1].strip()
+        for head in proxy.requests
+        for line in head.splitlines()
+        if line.lower().startswith("range:")
+    ]
+    assert ranges and all(r.startswith("bytes=") and r != "bytes=0-" for r in ranges), ranges
+    assert store.blob_path(pushed.model_digest).read_bytes() == blob.read_bytes()
+    assert not list((store.root / "blobs").glob("*-partial"))
+
+
+def test_a_pull_broken_for_good_resumes_on_the_next_pull(reg, small_model, tmp_path):
+    blob, pushed = small_model
+    store = _store(tmp_path)
+    cuts = registry.RETRIES + 1  # every try of this pull is cut
+    with CuttingProxy("127.0.0.1", reg.port, cut_after=1 << 20, cuts=cuts) as proxy:
+        name = parse(f"{proxy.host}/test/small:v1")
+        with pytest.raises(registry.PullError, match="the connection kept breaking"):
+            registry.pull(name, store, lambda e: None, insecure=True)
+        assert not store.manifest_path(name).exists()
+        partial = store.blob_path(pushed.model_digest).with_name(
+            store.blob_path(pushed.model_digest).name + "-partial"
+        )
+        kept = partial.stat().st_size
+        assert kept > 0 and not store.has_blob(pushed.model_digest)
+        seen = len(proxy.requests)
+        registry.pull(name, store, lambda e: None, insecure=True)
+        assert f"Range: bytes={kept}-" in "\n".join(proxy.requests[seen:])
+    assert store.blob_path(pushed.model_digest).read_bytes() == blob.read_bytes()
+
+
+def test_a_corrupted_blob_is_refused_and_nothing_stays(tmp_path):
+    with running_registry(tmp_path / "reg") as r:
+        blob = tmp_path / "m.bin"
+        blob.write_bytes(os.urandom(3 << 20))
+        pushed = push_model(r, "test/bad:v1", blob)
+        stored = r.blob_file(pushed.model_digest)
+        data = bytearray(stored.read_bytes())
+        data[1_000_000] ^= 0xFF  # one flipped byte, same size
+        stored.write_bytes(bytes(data))
+        store, events = _store(tmp_path), []
+        with pytest.raises(registry.PullError, match=registry.DIGEST_MISMATCH) as e:
+            registry.pull(parse(f"{r.host}/test/bad:v1"), store, events.append, insecure=True)
+        assert pushed.model_digest in e.value.message
+        assert not store.has_blob(pushed.model_digest)
+        assert _leftovers(store) == []
+        assert "success" not in [ev.get("status") for ev in events]
+
+
+def test_an_unknown_model_is_ollamas_not_found(reg, tmp_path):
+    store = _store(tmp_path)
+    for name in (f"{reg.host}/test/nosuch:v1", f"{reg.host}/test/small:nosuchtag"):
+        with pytest.raises(registry.ModelNotFound) as e:
+            registry.pull(parse(name), store, lambda e: None, insecure=True)
+        assert e.value.message == "pull model manifest: file does not exist"
+    assert _leftovers(store) == []
+
+
+def test_htpasswd_auth_and_push_then_pull_back_byte_identical(tmp_path):
+    with running_registry(tmp_path / "reg", users=USERS) as r:
+        blob = tmp_path / "m.bin"
+        blob.write_bytes(os.urandom(5 << 20))
+        pushed = push_model(r, "test/auth:v1", blob)
+        source, name = _store(tmp_path / "a"), parse(f"{r.host}/test/auth:v1")
+        with pytest.raises(registry.Unauthorized) as e:
+            registry.pull(name, source, lambda e: None, insecure=True)
+        assert "s3cret" not in e.value.message
+        wrong = registry.Credentials("alice", "wrong")
+        with pytest.raises(registry.Unauthorized):
+            registry.pull(name, source, lambda e: None, insecure=True, credentials=wrong)
+        alice = registry.Credentials(*next(iter(USERS.items())))
+        registry.pull(name, source, lambda e: None, insecure=True, credentials=alice)
+
+        # Push it under another repository, then pull that into a fresh store.
+        copy = parse(f"{r.host}/other/copy:v2")
+        source.write_manifest(copy, pushed.manifest)
+        events: list[dict] = []
+        registry.push(copy, True, events.append, store=source, credentials=alice)
+        statuses = [ev["status"] for ev in events if "digest" not in ev]
+        assert statuses == ["retrieving manifest", "pushing manifest", "success"]
+        assert {ev["digest"] for ev in events if "digest" in ev} == set(pushed.digests)
+        fresh = _store(tmp_path / "b")
+        registry.pull(copy, fresh, lambda e: None, insecure=True, credentials=alice)
+        assert fresh.manifest_path(copy).read_bytes() == pushed.manifest
+        for digest in pushed.digests:
+            assert fresh.blob_path(digest).read_bytes() == source.blob_path(digest).read_bytes()
+        # A second push finds every blob there (HEAD) and sends none again.
+        events.clear()
+        registry.push(copy, True, events.append, store=source, credentials=alice)
+        assert all(ev["completed"] == ev["total"] for ev in events if "digest" in ev)
+
+
+def test_two_pulls_sharing_a_blob_at_once_both_succeed(reg, small_model, tmp_path):
+    blob, pushed = small_model
+    push_model(reg, "test/small:v2", blob)  # the same model blob under a second tag
+    store, errors = _store(tmp_path), []
+
+    def one(tag: str) -> None:
+        try:
+            registry.pull(
+                parse(f"{reg.host}/test/small:{tag}"), store, lambda e: None, insecure=True
+            )
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(t,)) for t in ("v1", "v2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    assert file_digest(store.blob_path(pushed.model_digest)) == pushed.model_digest
+
+
+def _memspec(
+    *args: str, data: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("MEMSPEC_")}
+    full |= {"MEMSPEC_DATA_DIR": str(data), "PYTHONPATH": str(ROOT)} | (env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "memspec.cli", *args],
+        env=full,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_pull_push_and_rm(reg, small_model, tmp_path):
+    blob, pushed = small_model
+    data = tmp_path / "data"
+    name = f"{reg.host}/test/small:v1"
+    bad = _memspec("pull", "--insecure", f"{reg.host}/test/nosuch:v1", data=data)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "memspec: error: pull model manifest: file does not exist"
+    )
+    done = _memspec("pull", "--insecure", name, data=data)
+    assert done.returncode == 0, done.stderr[-3000:]
+    store = OllamaStore(data / "models" / "store", writable=True)
+    assert done.stdout.strip() == str(store.manifest_path(parse(name)))
+    assert f"pulling {pushed.model_digest[7:19]}" in done.stderr and "success" in done.stderr
+    assert store.blob_path(pushed.model_digest).read_bytes() == blob.read_bytes()
+    sent = _memspec("push", "--insecure", name, data=data)
+    assert sent.returncode == 0 and "pushing manifest" in sent.stderr, sent.stderr[-2000:]
+    gone = _memspec("rm", name, data=data)
+    assert gone.returncode == 0, gone.stderr
+    assert not store.manifest_path(parse(name)).exists() and not store.has_blob(pushed.model_digest)
+    again = _memspec("rm", name, data=data)
+    assert again.returncode == 1
+    assert again.stderr.strip() == f"memspec: error: model '{name}' not found"
+
+
+# --- a real daemon and the official ollama client on SmolLM2 ------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_registry(tmp_path_factory):
+    require_models()
+    require_registry()
+    if not SMOLLM2.is_file():
+        pytest.skip(f"{SMOLLM2.name} missing: run scripts/setup.sh")
+    with running_registry(tmp_path_factory.mktemp("smolreg"), users=USERS) as r:
+        pushed = push_model(r, "test/smollm2:q8", SMOLLM2, params={"stop": ["<|im_end|>"]})
+        yield r, pushed
+
+
+@pytest.fixture(scope="module")
+def daemon_data(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pulled")
+
+
+@pytest.fixture(scope="module")
+def daemon(smollm2_registry, daemon_data, tmp_path_factory):
+    """A daemon on the testbed target with the admin key set, pulling into a temp data dir,
+    with the registry's credentials in its environment."""
+    user, password = next(iter(USERS.items()))
+    with running(
+        tmp_path_factory.mktemp("serve"),
+        "lookup",
+        env={
+            "MEMSPEC_DATA_DIR": str(daemon_data),
+            "MEMSPEC_REGISTRY_USERNAME": user,
+            "MEMSPEC_REGISTRY_PASSWORD": password,
+        },
+        keys=True,
+    ) as d:
+        yield d
+
+
+def _client(daemon, key: str = ADMIN_KEY) -> object:
+    return ollama.Client(host=daemon.url, headers={"Authorization": f"Bearer {key}"})
+
+
+def _store_of(data: Path) -> OllamaStore:
+    return OllamaStore(data / "models" / "store", writable=True)
+
+
+def test_ollama_client_pulls_through_memspec_and_chats(smollm2_registry, daemon, daemon_data):
+    reg, pushed = smollm2_registry
+    client = _client(daemon)
+    with CuttingProxy("127.0.0.1", reg.port, cut_after=40 << 20) as proxy:
+        name = f"{proxy.host}/test/smollm2:q8"
+        progress = list(client.pull(name, insecure=True, stream=True))
+    assert proxy.cut == 1  # the connection was cut mid-blob, and the pull resumed
+    assert any("range: bytes=" in h.lower() for h in proxy.requests)
+    statuses = [p.status for p in progress if not p.digest]
+    assert statuses == [
+        "pulling manifest",
+        "verifying sha256 digest",
+        "writing manifest",
+        "success",
+    ]
+    model_events = [p for p in progress if p.digest == pushed.model_digest]
+    done = [p.completed or 0 for p in model_events]
+    assert done[-1] == SMOLLM2.stat().st_size and len(set(done)) > 2
+    store = _store_of(daemon_data)
+    manifest = store.read_manifest(parse(name))
+    assert manifest is not None and manifest.raw == pushed.manifest
+    for layer in (manifest.config, *manifest.layers):  # the stored files are the digests
+        assert file_digest(store.blob_path(layer.digest)) == layer.digest
+    assert not list((store.root / "blobs").glob("*-partial"))
+    # Servable as soon as its manifest is written: listed, and it chats.
+    listed = {m.model for m in client.list().models}
+    short = f"{proxy.host}/test/smollm2:q8"
+    assert short in listed, listed
+    reply = client.chat(
+        model=short,
+        messages=[{"role": "user", "content": "Say hi."}],
+        options={"num_predict": 4, "temperature": 0},
+    )
+    assert reply.message.content.strip()
+
+
+def test_ollama_client_sees_ollamas_errors(smollm2_registry, daemon, daemon_data):
+    reg, _ = smollm2_registry
+    client = _client(daemon)
+    with pytest.raises(ollama.ResponseError) as e:
+        list(client.pull(f"{reg.host}/test/nosuch:v1", insecure=True, stream=True))
+    assert e.value.error == "pull model manifest: file does not exist"
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull(f"{reg.host}/test/nosuch:v1", insecure=True)
+    assert (e.value.error, e.value.status_code) == (registry.NOT_FOUND, 500)
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull(f"{reg.host}/test/smollm2:q8")  # https to an http registry
+    assert e.value.status_code == 500 and e.value.error.startswith("pull model manifest")
+    with pytest.raises(ollama.ResponseError) as e:  # a chat client's key is not the admin key
+        ollama.Client(host=daemon.url).pull(f"{reg.host}/test/smollm2:q8", insecure=True)
+    assert e.value.status_code == 401
+    with pytest.raises(ollama.ResponseError) as e:
+        client.push(f"{reg.host}/test/never-pulled:v1", insecure=True)
+    assert e.value.status_code == 404
+
+
+def test_a_corrupted_blob_through_the_daemon_leaves_nothing(daemon, daemon_data, tmp_path):
+    with running_registry(tmp_path / "reg", users=USERS) as r:
+        blob = tmp_path / "m.bin"
+        blob.write_bytes(os.urandom(4 << 20))
+        pushed = push_model(r, "test/corrupt:v1", blob)
+        stored = r.blob_file(pushed.model_digest)
+        stored.write_bytes(b"\0" * stored.stat().st_size)
+        with pytest.raises(ollama.ResponseError) as e:
+            list(_client(daemon).pull(f"{r.host}/test/corrupt:v1", insecure=True, stream=True))
+        assert registry.DIGEST_MISMATCH in e.value.error
+    store = _store_of(daemon_data)
+    assert not store.has_blob(pushed.model_digest)
+    assert not list((store.root / "blobs").glob("*-partial"))
+    assert store.read_manifest(parse(f"{r.host}/test/corrupt:v1")) is None
+
+
+def test_push_then_pull_back_byte_identical_then_delete(
+    smollm2_registry, daemon, daemon_data, tmp_path
+):
+    reg, pushed = smollm2_registry
+    client = _client(daemon)
+    src = f"{reg.host}/test/smollm2:q8"
+    client.pull(src, insecure=True)
+    # Copy the manifest under a new name (what /api/copy does), push it, pull it back.
+    store = _store_of(daemon_data)
+    dest = f"{reg.host}/pushed/smollm2:v1"
+    store.write_manifest(parse(dest), pushed.manifest)
+    progress = list(client.push(dest, insecure=True, stream=True))
+    statuses = [p.status for p in progress if not p.digest]
+    assert statuses == ["retrieving manifest", "pushing manifest", "success"]
+    fresh = OllamaStore(tmp_path / "fresh", writable=True)
+    user, password = next(iter(USERS.items()))
+    registry.pull(
+        parse(dest),
+        fresh,
+        lambda e: None,
+        insecure=True,
+        credentials=registry.Credentials(user, password),
+    )
+    assert fresh.manifest_path(parse(dest)).read_bytes() == pushed.manifest
+    assert fresh.blob_path(pushed.model_digest).read_bytes() == SMOLLM2.read_bytes()
+    # Delete: the copy goes, the blobs the source still uses stay.
+    assert client.delete(dest).status == "success"
+    assert store.read_manifest(parse(dest)) is None and store.has_blob(pushed.model_digest)
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete(dest)
+    assert e.value.status_code == 404
+
+
+def test_delete_refuses_the_model_being_served(smollm2_registry, daemon, daemon_data):
+    reg, pushed = smollm2_registry
+    client = _client(daemon)
+    name = f"{reg.host}/test/smollm2:q8"
+    client.pull(name, insecure=True)
+    client.generate(model=name, prompt="hi", options={"num_predict": 1}, keep_alive=-1)
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete(name)
+    assert e.value.status_code == 400 and "in use by this daemon" in e.value.error
+    assert _store_of(daemon_data).has_blob(pushed.model_digest)
+    client.generate(model=name, prompt="", keep_alive=0)  # unloaded: now it may go
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.delete(name)
+            break
+        except ollama.ResponseError as err:
+            if "in use" not in err.error or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    assert not _store_of(daemon_data).has_blob(pushed.model_digest)
+
+
+# --- the benchmark (not a test): `python -m tests.test_registry` ---------------------------
+
+
+def bench(tmp: Path) -> dict[str, float]:
+    """Pull throughput of the SmolLM2 blob through memspec.registry vs curl, same registry."""
+    with running_registry(tmp / "reg") as r:
+        pushed = push_model(r, "test/smollm2:q8", SMOLLM2)
+        url = f"{r.url}/v2/test/smollm2/blobs/{pushed.model_digest}"
+        size = SMOLLM2.stat().st_size
+        t = time.perf_counter()
+        subprocess.run(["curl", "-sS", "-o", str(tmp / "curl.bin"), url], check=True)
+        curl_s = time.perf_counter() - t
+        t = time.perf_counter()
+        registry.pull(
+            parse(f"{r.host}/test/smollm2:q8"), _store(tmp), lambda e: None, insecure=True
+        )
+        ours_s = time.perf_counter() - t
+    return {
+        "curl_MBps": size / curl_s / 1e6,
+        "memspec_MBps": size / ours_s / 1e6,
+        "ratio": curl_s / ours_s,
+    }
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    print(json.dumps(bench(Path(tempfile.mkdtemp())), indent=1))
