@@ -9,6 +9,12 @@ that would change the output and that this daemon cannot honour is a 400 naming 
 ignored; a null option is an option not set; a hardware hint (num_thread, num_gpu, ...) is the
 daemon's settings' business: accepted, logged and reported in X-Memspec-Ignored-Options. A
 model name is checked as Ollama checks it (memspec.ollama_name) before any lookup.
+
+A model of an Ollama-layout store (memspec.catalog: memspec's own, or the adopted Ollama store)
+brings its defaults as Ollama applies them: its `.params` options under the request's own, its
+`.system` prompt when the request has no system message of its own, its `.messages` before the
+conversation; /api/tags and /api/ps list it with its manifest's digest, /api/show with its
+system prompt, license, parameters and messages.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import memspec
 from memspec import ollama_name
+from memspec.catalog import ServableModel
 from memspec.drafts.family import FTYPE_NAMES
 from memspec.engine.speculative import Generation
 from memspec.errors import InvalidRequest, MemSpecError, UnknownModel
@@ -47,6 +54,7 @@ from memspec.server.openai_api import (
     served_model,
 )
 from memspec.server.openai_schema import ChatCompletionRequest, CompletionRequest
+from memspec.store_model import StoreModel
 from memspec.units import MAX_DURATION_S, parse_duration_s
 
 log = logging.getLogger("memspec.server")
@@ -379,9 +387,16 @@ async def chat(request: Request, ctx: Ctx) -> Any:
             ctx, check_model(ctx, body.model), body.keep_alive, "message", empty
         )
         return with_ignored(loaded, ignored)
+    entry = _store_model(ctx, body.model)
+    messages = _openai_messages(body.messages)
+    if entry is not None:  # the model's defaults, as Ollama's ChatHandler applies them
+        _model_options(body, entry, ctx.n_ctx)
+        messages = [dict(m) for m in entry.messages] + messages
+        if entry.system and body.messages[0].role != "system":
+            messages.insert(0, {"role": "system", "content": entry.system})
     oa = {
         "model": body.model,
-        "messages": _openai_messages(body.messages),
+        "messages": messages,
         "stream": body.stream,
         **_sampling(body, ctx.n_ctx),
     }
@@ -443,6 +458,9 @@ async def generate(request: Request, ctx: Ctx) -> Any:
         model = check_model(ctx, body.model)
         loaded = await _load_or_unload(ctx, model, body.keep_alive, "response", "")
         return with_ignored(loaded, ignored)
+    entry = _store_model(ctx, body.model)
+    if entry is not None:
+        _model_options(body, entry, ctx.n_ctx)
     sampling = _sampling(body, ctx.n_ctx)
     if body.raw or body.suffix is not None:  # the prompt as it is, or the text before a hole
         if body.system is not None:
@@ -455,7 +473,11 @@ async def generate(request: Request, ctx: Ctx) -> Any:
             oa["suffix"] = body.suffix
         model, req = plan_completion(request, ctx, _parse(CompletionRequest, oa))
     else:
-        messages = [{"role": "system", "content": body.system}] if body.system else []
+        # As Ollama's GenerateHandler: the request's system, else the model's; then the
+        # model's messages; then the prompt.
+        system = body.system or (entry.system if entry is not None else None)
+        messages = [{"role": "system", "content": system}] if system else []
+        messages += [dict(m) for m in entry.messages] if entry is not None else []
         messages.append({"role": "user", "content": body.prompt})
         oa = {"model": body.model, "messages": messages, "stream": body.stream, **sampling}
         model, _, req = plan_chat(request, ctx, _parse(ChatCompletionRequest, oa))
@@ -472,6 +494,37 @@ async def generate(request: Request, ctx: Ctx) -> Any:
 
     answer = await _run(request, ctx, _keep(req, body.keep_alive), body.stream, chunk, final, last)
     return with_ignored(answer, ignored)
+
+
+def _store_model(ctx: ServerContext, name: str | None) -> StoreModel | None:
+    """The store model a request names (its layers' defaults apply); None for a loose file,
+    the default target, or a name the catalog does not serve (planning then says why)."""
+    if not name:
+        return None
+    found = ctx.worker.catalog.find(name)
+    return found.store if found is not None else None
+
+
+def _model_options(body: _Body, entry: StoreModel, n_ctx: int) -> None:
+    """body.options over the model's `.params` defaults (the request's own win). The model's
+    hardware hints are the daemon's business (dropped, as a request's are); its num_ctx is a
+    wish this daemon's context may not meet (dropped when larger); an option that would change
+    the output and is not implemented refuses the request, naming the model's layer."""
+    defaults: dict[str, Any] = {}
+    for key, value in entry.options.items():
+        if value is None or key in HARDWARE_OPTIONS:
+            continue
+        if key == "num_ctx":
+            continue  # the daemon's context serves it (a request's own num_ctx is checked)
+        if key not in OPTION_FIELDS:
+            raise InvalidRequest(
+                f"model {entry.name.display} sets the option {key!r} in its .params layer, "
+                "which this server does not implement (docs/ollama.md lists the options it "
+                "honours)",
+                param="model",
+            )
+        defaults[key] = value
+    body.options = {**defaults, **(body.options or {})}
 
 
 async def _run(
@@ -508,11 +561,11 @@ def file_digest(path: Path) -> str:
     return _digests[key]
 
 
-def _model_path(ctx: ServerContext, name: str) -> Path:
-    found = ctx.worker.catalog.find(name)
+def _find_model(ctx: ServerContext, name: str, *, refused: bool = False) -> ServableModel:
+    found = ctx.worker.catalog.find(name, refused=refused)
     if found is None:
         raise UnknownModel(f"model {name!r} not found", param="model")
-    return found.path
+    return found
 
 
 def _header_fields(path: Path) -> dict[str, Any]:
@@ -557,15 +610,23 @@ def _modified_at(path: Path) -> str:
     return _iso(datetime.fromtimestamp(path.stat().st_mtime, timezone.utc))
 
 
-async def _model_row(ctx: ServerContext, name: str, path: Path) -> dict[str, Any]:
+async def _model_row(ctx: ServerContext, model: ServableModel) -> dict[str, Any]:
+    path, entry = model.path, model.store
+
     def read() -> dict[str, Any]:
         info = _header_fields(path)
+        if entry is None:  # a loose file: its own hash, size and time
+            digest, size, modified = file_digest(path), path.stat().st_size, _modified_at(path)
+        else:  # a store model: as Ollama lists it, by its manifest
+            digest = entry.digest.removeprefix("sha256:")
+            size = entry.manifest.size
+            modified = _iso(datetime.fromtimestamp(entry.modified, timezone.utc))
         return {
-            "name": name,
-            "model": name,
-            "modified_at": _modified_at(path),
-            "size": path.stat().st_size,
-            "digest": file_digest(path),
+            "name": model.name,
+            "model": model.name,
+            "modified_at": modified,
+            "size": size,
+            "digest": digest,
             "details": _details(path, info),
         }
 
@@ -577,7 +638,7 @@ async def tags(ctx: Ctx) -> dict[str, Any]:
     """Every model this daemon serves (memspec.catalog), the default target first."""
     served_model(ctx)  # NotReady while loading
     models = await asyncio.to_thread(ctx.worker.catalog.models)
-    return {"models": [await _model_row(ctx, m.name, m.path) for m in models]}
+    return {"models": [await _model_row(ctx, m) for m in models]}
 
 
 # Ollama's expiry for a model loaded with keep_alive -1 (no expiry).
@@ -604,7 +665,7 @@ async def ps(ctx: Ctx) -> dict[str, Any]:
     for m in await asyncio.to_thread(ctx.worker.models_status):
         if not m["resident"]:
             continue
-        row = await _model_row(ctx, m["name"], _model_path(ctx, m["name"]))
+        row = await _model_row(ctx, _find_model(ctx, m["name"]))
         row["size"] = m["bytes"]  # target + resident drafts + KV, as the budget counts
         row["size_vram"] = 0 if ctx.settings.n_gpu_layers == 0 else row["size"]
         row["expires_at"] = expires_at(m["expires_at"])
@@ -621,8 +682,38 @@ def _has_fim_tokens(path: Path) -> bool:
     return any(t in raw for t in (b"fim_prefix", b"fim_pre>", b"<PRE>"))
 
 
-def _parameters_text() -> str:
-    return "\n".join(f"{k:<15}{v}" for k, v in DEFAULT_OPTIONS.items())
+def _parameters_text(entry: StoreModel | None) -> str:
+    """Ollama's `parameters`: a store model's own options (as Ollama writes them: one line
+    per value, a list's values each on a line); else the defaults this daemon applies."""
+    if entry is None:
+        return "\n".join(f"{k:<15}{v}" for k, v in DEFAULT_OPTIONS.items())
+    lines = []
+    for key, value in entry.options.items():
+        for v in value if isinstance(value, list) else [value]:
+            lines.append(f"{key:<30} {json.dumps(v)}")
+    return "\n".join(lines)
+
+
+def _modelfile(model: ServableModel, template: str) -> str:
+    """A Modelfile that says what the model is (Ollama's `modelfile` field)."""
+    entry = model.store
+    if entry is None:
+        return f"FROM {model.path}\n"
+    lines = [f"# Modelfile of {model.name} ({'the Ollama store' if entry.adopted else 'memspec'})"]
+    lines.append(f"FROM {model.path}")
+    if entry.template is not None:
+        lines.append(f"# TEMPLATE not executed; the GGUF's own chat template is used:\n"
+                     f"# {template[:200]!r}")  # fmt: skip
+    if entry.system:
+        lines.append(f"SYSTEM {json.dumps(entry.system)}")
+    for key, value in entry.options.items():
+        for v in value if isinstance(value, list) else [value]:
+            lines.append(f"PARAMETER {key} {json.dumps(v)}")
+    for m in entry.messages:
+        lines.append(f"MESSAGE {m['role']} {json.dumps(m['content'])}")
+    for text in entry.license:
+        lines.append(f"LICENSE {json.dumps(text)}")
+    return "\n".join(lines) + "\n"
 
 
 @router.post("/api/show")
@@ -636,11 +727,19 @@ async def show(request: Request, ctx: Ctx) -> dict[str, Any]:
     asked = model_name(body.model or body.name)
     if not asked:
         raise InvalidRequest("model is required", param="model")
-    name = check_model(ctx, asked)
-    path = _model_path(ctx, name)
+    # A refused store model (a projector, an adapter) is shown, saying why it is not served.
+    found = ctx.worker.catalog.find(asked, refused=True) if asked != served_model(ctx) else None
+    if found is not None and found.refused:
+        model, name = found, found.name
+    else:
+        name = check_model(ctx, asked)
+        model = _find_model(ctx, name)
+    path, entry = model.path, model.store
     rt = ctx.worker.targets.runtime(name)
     info = await asyncio.to_thread(_header_fields, path)
-    template = chat_template(ctx, name)
+    template = (
+        ctx.worker.catalog.chat_template(model) if model.refused else chat_template(ctx, name)
+    )
     # Tools work on every target: a template without a place for them gets them described in
     # a system message (server/tools.py), so Open WebUI's and editors' tools are not refused.
     # Embeddings too: the target serves them unless embedding_model names another model.
@@ -650,16 +749,37 @@ async def show(request: Request, ctx: Ctx) -> dict[str, Any]:
         capabilities.append("insert")
     if not ctx.settings.embedding_model and name == ctx.worker.default_model:
         capabilities.append("embedding")
-    return {
-        "modelfile": f"FROM {path}\n",
-        "parameters": _parameters_text(),
-        "template": template.jinja or template.builtin or "",
+    template_text = template.jinja or template.builtin or ""
+    out: dict[str, Any] = {
+        "modelfile": _modelfile(model, template_text),
+        "parameters": _parameters_text(entry),
+        "template": template_text,
         "details": _details(path, info),
         "model_info": info,
         "capabilities": capabilities,
         "modified_at": _modified_at(path),
         "license": str(info.get("general.license", "")),
     }
+    if entry is not None:
+        out["modified_at"] = _iso(datetime.fromtimestamp(entry.modified, timezone.utc))
+        out["license"] = "\n".join(entry.license) or out["license"]
+        if entry.system:
+            out["system"] = entry.system
+        if entry.messages:
+            out["messages"] = [dict(m) for m in entry.messages]
+        # What memspec makes of the layers: the template it runs, what is not used, why a
+        # model is refused.
+        out["memspec"] = {
+            "store": "ollama" if entry.adopted else "memspec",
+            "digest": entry.digest,
+            "template": "the GGUF's own chat template (the model's TEMPLATE layer, a Go "
+            "template, is not executed)"
+            if entry.template is not None
+            else "the GGUF's own chat template",
+            "notes": list(entry.notes),
+            "refused": model.refused,
+        }
+    return out
 
 
 # --- liveness (no key, as Ollama's clients probe them first) --------------------------------

@@ -1,0 +1,184 @@
+"""An Ollama store, laid out by the test as Ollama's source writes it, adopted read-only by a
+real daemon and driven with the official `ollama` client.
+
+Two models, their GGUF a hard link of the testbed's SmolLM2 (a blob used in place): one with
+`.params` (a stop string, a token limit, greedy), `.system`, `.license` and a `.template`; one
+with a `.projector`, listed but refused. The store's files hash the same before and after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ollama
+import pytest
+from launcher import API_KEY, running
+
+from memspec.paths import models_dir
+from tests.test_ollama_store import write_model
+
+pytestmark = pytest.mark.models
+
+GGUF = "smollm2-135m-q8_0.gguf"
+CHAT = "smol:135m"
+VISION = "hf.co/test/smolvision:Q8_0"
+QUESTION = "Name three primary colors."
+SYSTEM = (
+    "You are a helpful assistant who answers every question about colours, paint and art in "
+    "a careful, friendly and complete way, and who never uses more words than needed."
+)
+PARAMS = {"stop": [" "], "num_predict": 16, "temperature": 0}
+
+
+def _link_blob(store: Path, source: Path) -> None:
+    """The GGUF as Ollama's blob of it: a hard link where the filesystem allows (no copy)."""
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    blob = store / "blobs" / f"sha256-{digest}"
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, blob)
+    except OSError:
+        shutil.copyfile(source, blob)
+
+
+def snapshot(root: Path) -> dict[str, Any]:
+    """Every entry under `root` by relative path: a file's SHA-256, a directory's mark."""
+    out: dict[str, Any] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, Any]]]:
+    source = models_dir() / GGUF
+    if not source.is_file():
+        pytest.skip(f"{GGUF} is not in the models dir (memspec testbed fetch)")
+    root = tmp_path_factory.mktemp("ollama") / "models"
+    _link_blob(root, source)  # write_model then finds the blob already there
+    gguf = source.read_bytes()
+    write_model(
+        root,
+        "registry.ollama.ai/library/smol/135m",
+        [
+            ("application/vnd.ollama.image.model", gguf),
+            ("application/vnd.ollama.image.template", b"{{ .System }} {{ .Prompt }}"),
+            ("application/vnd.ollama.image.system", SYSTEM.encode()),
+            ("application/vnd.ollama.image.params", json.dumps(PARAMS).encode()),
+            ("application/vnd.ollama.image.license", b"Apache License 2.0 (test)"),
+        ],
+    )
+    write_model(
+        root,
+        "hf.co/test/smolvision/Q8_0",
+        [
+            ("application/vnd.ollama.image.model", gguf),
+            ("application/vnd.ollama.image.projector", b"not a real projector"),
+        ],
+    )
+    del gguf
+    yield root, snapshot(root)
+
+
+@pytest.fixture(scope="module")
+def daemon(store: tuple[Path, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory):
+    root, _ = store
+    env = {"MEMSPEC_OLLAMA_MODELS": str(root)}
+    with running(tmp_path_factory.mktemp("daemon"), "lookup", keys=True, env=env) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def oc(daemon) -> ollama.Client:
+    return ollama.Client(host=daemon.url, headers={"Authorization": f"Bearer {API_KEY}"})
+
+
+def ask(oc: ollama.Client, messages: list[dict[str, str]], **options: Any) -> Any:
+    return oc.chat(model=CHAT, messages=messages, options=options or None, stream=False)
+
+
+def test_both_models_listed_with_the_manifests_digest(oc, store) -> None:
+    root, _ = store
+    listed = {m.model: m for m in oc.list().models}
+    assert CHAT in listed and VISION in listed
+    raw = (root / "manifests/registry.ollama.ai/library/smol/135m").read_bytes()
+    assert listed[CHAT].digest == hashlib.sha256(raw).hexdigest()
+    assert listed[CHAT].details.format == "gguf" and listed[CHAT].details.family == "llama"
+
+
+def test_params_are_defaults_and_the_requests_own_win(oc) -> None:
+    user = [{"role": "user", "content": QUESTION}]
+    default = ask(oc, user)
+    # stop " " from the model's .params cuts the answer at its first space
+    assert default.done_reason == "stop" and " " not in default.message.content
+    # the request's own stop wins; num_predict 16 and temperature 0 still come from the model
+    longer = ask(oc, user, stop=["zzzz"])
+    assert " " in longer.message.content.strip() and longer.eval_count <= 16
+    assert ask(oc, user, stop=["zzzz"]).message.content == longer.message.content  # greedy
+
+
+def test_system_is_the_default_and_a_requests_own_replaces_it(oc) -> None:
+    user = {"role": "user", "content": QUESTION}
+    with_model_system = ask(oc, [user]).prompt_eval_count
+    given_same = ask(oc, [{"role": "system", "content": SYSTEM}, user]).prompt_eval_count
+    given_short = ask(oc, [{"role": "system", "content": "Hi."}, user]).prompt_eval_count
+    assert with_model_system == given_same  # the model's system prompt, word for word
+    assert given_short < with_model_system - 20  # a request's own replaces it
+
+
+def test_show_says_what_the_layers_mean(daemon, oc) -> None:
+    shown = oc.show(CHAT)
+    assert shown.license == "Apache License 2.0 (test)"
+    assert '"stop"' not in shown.parameters and "stop" in shown.parameters
+    assert "temperature" in shown.parameters and "num_predict" in shown.parameters
+    raw = httpx.post(
+        daemon.url + "/api/show",
+        json={"model": CHAT},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()
+    assert raw["system"] == SYSTEM
+    assert "not executed" in raw["memspec"]["template"]
+    assert raw["memspec"]["store"] == "ollama" and raw["memspec"]["refused"] is None
+    # the GGUF's own chat template (Jinja), not the Go template of the layer
+    assert ".Prompt" not in shown.template and "<|im_start|>" in shown.template
+
+
+def test_projector_model_is_refused_naming_the_layer(daemon, oc) -> None:
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.chat(model=VISION, messages=[{"role": "user", "content": "hi"}], stream=False)
+    assert e.value.status_code in (400, 422) and ".projector" in str(e.value.error)
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.generate(model=VISION, prompt="hi", stream=False)
+    assert ".projector" in str(e.value.error)
+    shown = httpx.post(
+        daemon.url + "/api/show",
+        json={"model": VISION},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()
+    assert ".projector" in shown["memspec"]["refused"]
+    # the daemon serves on
+    assert ask(oc, [{"role": "user", "content": QUESTION}]).message.role == "assistant"
+
+
+def test_ps_names_the_store_model(oc) -> None:
+    ask(oc, [{"role": "user", "content": QUESTION}])
+    running_models = {m.model: m for m in oc.ps().models}
+    assert CHAT in running_models
+    assert running_models[CHAT].digest == {m.model: m for m in oc.list().models}[CHAT].digest
+
+
+def test_the_store_is_unchanged(store, oc) -> None:
+    """Last: after the listings, chats and shows above, every file hashes the same and the
+    directory's listing is the same (nothing written, nothing left beside the blobs)."""
+    root, before = store
+    oc.list()
+    oc.show(CHAT)
+    assert snapshot(root) == before
