@@ -8,10 +8,16 @@ package, the tests and scripts/, so a 3.11-only name used anywhere else fails CI
 - `StrEnum`: an enum whose members are strings and print as their value, as 3.11's
   `enum.StrEnum`: `str(m)`, `f"{m}"` and `format(m)` are `m.value` on every version (a plain
   `class X(str, Enum)` formats as "X.NAME" on 3.12+ and str() is "X.NAME" everywhere).
+- `name_os_thread`: the calling thread's name as the kernel shows it (`top -H`, `ps -L`,
+  /proc/PID/task/TID/comm), as 3.14's threading does by itself. Threads started later by this
+  one (llama.cpp's workers) inherit it, so a thread's CPU time is told apart by its role.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
 from enum import Enum
 
 try:
@@ -19,7 +25,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-__all__ = ["StrEnum", "tomllib"]
+__all__ = ["StrEnum", "name_os_thread", "tomllib"]
 
 
 class StrEnum(str, Enum):
@@ -35,3 +41,17 @@ class StrEnum(str, Enum):
     # auto() gives the lower-cased name, as enum.StrEnum's does (a plain function, as there).
     def _generate_next_value_(name: str, start: int, count: int, last_values: list) -> str:
         return name.lower()
+
+
+_PR_SET_NAME = 15  # prctl(2); the kernel keeps 15 bytes of the name
+
+
+def name_os_thread(name: str) -> None:
+    """Name the calling thread for the kernel (Linux; elsewhere, and on failure, nothing)."""
+    if not sys.platform.startswith("linux") or sys.version_info >= (3, 14):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # a name is a convenience for ps/top: never worth failing a thread for

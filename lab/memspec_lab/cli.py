@@ -15,6 +15,7 @@ from memspec.cli.flags import load_settings, model_flags, workload_flags
 from memspec.config import Settings
 from memspec.package_index import FAMILIES
 from memspec_lab.bench import batch as batch_bench  # concurrent streams against a daemon
+from memspec_lab.bench import daemon as daemon_bench  # the daemon over HTTP vs llama-server
 from memspec_lab.bench import kernels as kernels_bench  # the price of bit-exactness
 from memspec_lab.bench import load as load_bench  # load and soak runs against a daemon
 from memspec_lab.bench import models as models_bench  # several models under one budget
@@ -220,6 +221,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     batch_bench.register(bsub)
     ollama_route.register(bsub)
     models_bench.register(bsub)
+    daemon_bench.register(bsub)
     kernels_bench.register(bsub)
     _register_rpc(bsub)
     _register_runtime(bsub)

@@ -35,7 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import psutil
 
-from memspec.compat import StrEnum
+from memspec.compat import StrEnum, name_os_thread
 from memspec.engine.types import Draft
 from memspec.errors import BudgetExceeded, InvalidRequest, ModelLoadError, UnknownDraft
 from memspec.memory.fill import fill_by_value
@@ -648,6 +648,7 @@ class WorkingSet:
         return None
 
     def _run(self) -> None:
+        name_os_thread("memspec-drafts")  # loads and calibrations, told apart from decoding
         while True:
             with self._cond:
                 while True:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memspec.catalog import ModelCatalog
+from memspec.compat import name_os_thread
 from memspec.config import Settings
 from memspec.engine.prefix_cache import PrefixCache
 from memspec.engine.speculative import Sequence
@@ -318,6 +319,7 @@ class EngineWorker:
 
     # --- the thread -----------------------------------------------------------------------
     def _main(self) -> None:
+        name_os_thread("memspec-engine")  # and llama.cpp's workers, which it starts
         self.state = EngineState.LOADING
         try:
             t0 = time.monotonic()
