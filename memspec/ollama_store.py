@@ -35,7 +35,7 @@ from typing import Any
 from memspec.config import Settings
 from memspec.errors import InvalidRequest, MemSpecError
 from memspec.ollama_name import OllamaName, parse
-from memspec.paths import models_dir
+from memspec.paths import store_dir
 
 MANIFEST_MEDIA_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
 CONFIG_MEDIA_TYPE = "application/vnd.docker.container.image.v1+json"
@@ -365,7 +365,7 @@ def _fsync_dir(directory: Path) -> None:
 
 def own_store() -> OllamaStore:
     """memspec's own store (pulled and created models): `<models dir>/store`, writable."""
-    return OllamaStore(models_dir() / "store", writable=True)
+    return OllamaStore(store_dir(), writable=True)
 
 
 def default_ollama_root() -> Path | None:

@@ -30,6 +30,12 @@ def models_dir() -> Path:
     return data_dir() / "models"
 
 
+def store_dir() -> Path:
+    """memspec's own model store, in Ollama's layout (memspec.ollama_store): pulled and
+    created models."""
+    return models_dir() / "store"
+
+
 def cache_dir() -> Path:
     return data_dir() / "cache"
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import ollama
 import pytest
-from launcher import API_KEY, running
+from launcher import API_KEY, MODEL, running
 
 from memspec.paths import models_dir
 from tests.test_ollama_store import write_model
@@ -29,6 +29,11 @@ pytestmark = pytest.mark.models
 GGUF = "smollm2-135m-q8_0.gguf"
 CHAT = "smol:135m"
 VISION = "hf.co/test/smolvision:Q8_0"
+HISTORY = "myhost:5000/team/smolhistory:v1"
+MESSAGES = [
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "Four."},
+]
 QUESTION = "Name three primary colors."
 SYSTEM = (
     "You are a helpful assistant who answers every question about colours, paint and art in "
@@ -84,6 +89,14 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict
             ("application/vnd.ollama.image.projector", b"not a real projector"),
         ],
     )
+    write_model(
+        root,
+        "myhost:5000/team/smolhistory/v1",
+        [
+            ("application/vnd.ollama.image.model", gguf),
+            ("application/vnd.ollama.image.messages", json.dumps(MESSAGES).encode()),
+        ],
+    )
     del gguf
     yield root, snapshot(root)
 
@@ -108,7 +121,7 @@ def ask(oc: ollama.Client, messages: list[dict[str, str]], **options: Any) -> An
 def test_both_models_listed_with_the_manifests_digest(oc, store) -> None:
     root, _ = store
     listed = {m.model: m for m in oc.list().models}
-    assert CHAT in listed and VISION in listed
+    assert {CHAT, VISION, HISTORY} <= set(listed)
     raw = (root / "manifests/registry.ollama.ai/library/smol/135m").read_bytes()
     assert listed[CHAT].digest == hashlib.sha256(raw).hexdigest()
     assert listed[CHAT].details.format == "gguf" and listed[CHAT].details.family == "llama"
@@ -132,6 +145,25 @@ def test_system_is_the_default_and_a_requests_own_replaces_it(oc) -> None:
     given_short = ask(oc, [{"role": "system", "content": "Hi."}, user]).prompt_eval_count
     assert with_model_system == given_same  # the model's system prompt, word for word
     assert given_short < with_model_system - 20  # a request's own replaces it
+
+
+def test_generate_uses_the_models_system_unless_given_one(oc) -> None:
+    chat = ask(oc, [{"role": "user", "content": QUESTION}])
+    generated = oc.generate(model=CHAT, prompt=QUESTION, stream=False)
+    assert generated.prompt_eval_count == chat.prompt_eval_count
+    assert " " not in generated.response  # the model's stop applies here too
+    own = oc.generate(model=CHAT, prompt=QUESTION, system="Hi.", stream=False)
+    assert own.prompt_eval_count < chat.prompt_eval_count - 20
+
+
+def test_messages_go_before_the_conversation(oc) -> None:
+    """The .messages turns are put before a chat's own, as Ollama does: the same prompt as
+    the default target (the same tokenizer and chat template) given them by the request."""
+    user = {"role": "user", "content": QUESTION}
+    from_layer = oc.chat(model=HISTORY, messages=[user], options={"num_predict": 1})
+    given = oc.chat(model=MODEL, messages=[*MESSAGES, user], options={"num_predict": 1})
+    plain = oc.chat(model=MODEL, messages=[user], options={"num_predict": 1})
+    assert from_layer.prompt_eval_count == given.prompt_eval_count > plain.prompt_eval_count
 
 
 def test_show_says_what_the_layers_mean(daemon, oc) -> None:
