@@ -21,7 +21,14 @@ from fastapi.responses import JSONResponse, Response
 
 import memspec
 from memspec.config import Settings
-from memspec.server import admin, embeddings_api, ollama_api, ollama_pull, openai_api
+from memspec.server import (
+    admin,
+    embeddings_api,
+    ollama_api,
+    ollama_create,
+    ollama_pull,
+    openai_api,
+)
 from memspec.server.auth import fully_keyed
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.engine_state import EngineState
@@ -170,6 +177,8 @@ def create_app(
     app.include_router(embeddings_api.router)
     app.include_router(embeddings_api.ollama_router)
     app.include_router(ollama_pull.router)
+    app.include_router(ollama_create.router)
+    app.include_router(ollama_create.blob_router)
 
     @app.get("/health", tags=["daemon"])
     async def health(ctx: Ctx) -> JSONResponse:
@@ -192,7 +201,10 @@ def create_app(
     # Outermost first: count every request, refuse foreign hosts and origins, then oversize
     # or slow bodies.
     app.add_middleware(
-        BodyLimit, limit=parse_size(settings.max_body), timeout_s=settings.body_timeout_s
+        BodyLimit,
+        limit=parse_size(settings.max_body),
+        timeout_s=settings.body_timeout_s,
+        streamed=ollama_create.STREAMED_PATHS,
     )
     app.add_middleware(
         HostGuard,

@@ -189,13 +189,26 @@ class HostGuard:
 class BodyLimit:
     """Refuse bodies over `limit` bytes: by Content-Length up front, else while reading."""
 
-    def __init__(self, app: ASGIApp, limit: int, timeout_s: float | None = None):
+    def __init__(
+        self,
+        app: ASGIApp,
+        limit: int,
+        timeout_s: float | None = None,
+        streamed: tuple[str, ...] = (),
+    ):
         self.app = app
         self.limit = limit
         self.timeout_s = timeout_s  # the whole body must arrive within it (408 otherwise)
+        # Path prefixes whose routes stream the body and bound it themselves (a blob upload
+        # is a model file: gigabytes, for minutes).
+        self.streamed = streamed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if (
+            scope["type"] != "http"
+            or scope["method"] in ("GET", "HEAD", "OPTIONS")
+            or (self.streamed and scope.get("path", "").startswith(self.streamed))
+        ):
             await self.app(scope, receive, send)
             return
         too_large = PayloadTooLarge(
