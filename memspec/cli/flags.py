@@ -23,7 +23,7 @@ MODEL_SETTINGS = (
 SERVE_SETTINGS = (
     "host", "port", "budget", "policy", "max_queue", "parallel", "state_dir", "log_level",
     "allow_insecure_bind", "model_name", "embedding_model", "context_overflow",
-    "keep_alive", "residency", "model_switch_wait_s", "pinned_models",
+    "keep_alive", "residency", "model_switch_wait_s", "pinned_models", "ollama_models",
 )  # fmt: skip
 # Checked on the command line only: the model takes any string (a TOML "INFO" stays valid).
 CHOICES = {
