@@ -39,10 +39,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from memspec import ollama_name, registry
+from memspec.errors import MemSpecError
 from memspec.files import dest_lock, staging_dir
 from memspec.model_id import OLLAMA_NAMES
 from memspec.ollama_name import OllamaName
-from memspec.ollama_store import OllamaStore, StoreReadOnly, own_store
+from memspec.ollama_store import Layer, Manifest, OllamaStore, StoreReadOnly, own_store
 from memspec.package_index import Asset, Progress, family_assets, fetch_many, smollm2_asset
 from memspec.paths import cache_dir, data_dir, models_dir
 
@@ -90,9 +91,11 @@ def delete(
     *,
     store: OllamaStore | None = None,
     adopted: OllamaStore | None = None,
+    serving: Iterable[str] = (),
 ) -> list[Path]:
     """Remove `name` from memspec's own store (its manifest, then the blobs no other model
-    there uses). PullError when a file of it is in `in_use` (what a daemon serves now);
+    there uses). PullError when it is one of `serving` (the names a daemon has resident) or a
+    file only it uses is in `in_use` (the files a daemon serves from now);
     StoreReadOnly when it is only in the adopted Ollama store; ModelNotFound when neither
     store has it."""
     parsed = name if isinstance(name, OllamaName) else ollama_name.parse(name)
@@ -107,8 +110,15 @@ def delete(
                 code="read_only",
             )
         raise ModelNotFound(f"model '{parsed.display}' not found", param="model")
+    if parsed.display in set(serving) or parsed.full in set(serving):
+        raise PullError(
+            f"model '{parsed.display}' is in use by this daemon: unload it (keep_alive 0) "
+            "before deleting it",
+            param="model",
+            code="model_in_use",
+        )
     busy = {Path(p).resolve() for p in in_use}
-    for layer in (manifest.config, *manifest.layers):
+    for layer in _own_layers(store, parsed, manifest):
         if store.blob_path(layer.digest).resolve() in busy:
             raise PullError(
                 f"model '{parsed.display}' is in use by this daemon: unload it or serve "
@@ -117,6 +127,20 @@ def delete(
                 code="model_in_use",
             )
     return store.delete(parsed)
+
+
+def _own_layers(store: OllamaStore, name: OllamaName, manifest: Manifest) -> list[Layer]:
+    """The layers no other model in the store refers to: what a delete would remove (a blob
+    another name shares stays, so deleting that name does not disturb a model being served)."""
+    shared: set[str] = set()
+    for other in store.names():
+        if other.full == name.full:
+            continue
+        with contextlib.suppress(MemSpecError):
+            m = store.read_manifest(other)
+            if m is not None:
+                shared.update(x.digest for x in (m.config, *m.layers))
+    return [x for x in (manifest.config, *manifest.layers) if x.digest not in shared]
 
 
 # --- the package-index testbed -------------------------------------------------------------

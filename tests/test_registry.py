@@ -22,7 +22,8 @@ import pytest
 from memspec import registry
 from memspec.ollama_name import parse
 from memspec.ollama_store import OllamaStore
-from tests.launcher import ADMIN_KEY, ROOT, require_models, running
+from memspec.paths import models_dir
+from tests.launcher import ADMIN_KEY, API_KEY, ROOT, TARGET_FILE, require_models, running
 from tests.registry import (
     CuttingProxy,
     file_digest,
@@ -312,6 +313,7 @@ def daemon(smollm2_registry, daemon_data, tmp_path_factory):
     with running(
         tmp_path_factory.mktemp("serve"),
         "lookup",
+        settings={"target": str(models_dir() / TARGET_FILE)},
         env={
             "MEMSPEC_DATA_DIR": str(daemon_data),
             "MEMSPEC_REGISTRY_USERNAME": user,
@@ -355,10 +357,11 @@ def test_ollama_client_pulls_through_memspec_and_chats(smollm2_registry, daemon,
         assert file_digest(store.blob_path(layer.digest)) == layer.digest
     assert not list((store.root / "blobs").glob("*-partial"))
     # Servable as soon as its manifest is written: listed, and it chats.
-    listed = {m.model for m in client.list().models}
+    user = _client(daemon, API_KEY)
+    listed = {m.model for m in user.list().models}
     short = f"{proxy.host}/test/smollm2:q8"
     assert short in listed, listed
-    reply = client.chat(
+    reply = user.chat(
         model=short,
         messages=[{"role": "user", "content": "Say hi."}],
         options={"num_predict": 4, "temperature": 0},
@@ -440,12 +443,13 @@ def test_delete_refuses_the_model_being_served(smollm2_registry, daemon, daemon_
     client = _client(daemon)
     name = f"{reg.host}/test/smollm2:q8"
     client.pull(name, insecure=True)
-    client.generate(model=name, prompt="hi", options={"num_predict": 1}, keep_alive=-1)
+    user = _client(daemon, API_KEY)
+    user.generate(model=name, prompt="hi", options={"num_predict": 1}, keep_alive=-1)
     with pytest.raises(ollama.ResponseError) as e:
         client.delete(name)
     assert e.value.status_code == 400 and "in use by this daemon" in e.value.error
     assert _store_of(daemon_data).has_blob(pushed.model_digest)
-    client.generate(model=name, prompt="", keep_alive=0)  # unloaded: now it may go
+    user.generate(model=name, prompt="", keep_alive=0)  # unloaded: now it may go
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -455,7 +459,8 @@ def test_delete_refuses_the_model_being_served(smollm2_registry, daemon, daemon_
             if "in use" not in err.error or time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
-    assert not _store_of(daemon_data).has_blob(pushed.model_digest)
+    assert _store_of(daemon_data).read_manifest(parse(name)) is None
+    assert name not in {m.model for m in user.list().models}
 
 
 # --- the benchmark (not a test): `python -m tests.test_registry` ---------------------------

@@ -297,6 +297,17 @@ def _in_use(ctx: ServerContext) -> list[Path]:
     return used
 
 
+def _resident_names(ctx: ServerContext) -> list[str]:
+    """The names of the models resident now (the catalog's names)."""
+    targets = getattr(ctx.worker, "targets", None)
+    for _ in range(3):  # the engine thread may load or evict meanwhile
+        try:
+            return list(targets.runtimes) if targets is not None else []
+        except RuntimeError:
+            continue
+    return []
+
+
 @router.delete("/api/delete")
 async def delete(request: Request, ctx: Ctx) -> Response:
     body: DeleteBody = await _body(request, DeleteBody)
@@ -309,7 +320,11 @@ async def delete(request: Request, ctx: Ctx) -> Response:
         )
     try:
         removed = await asyncio.to_thread(
-            pulls.delete, name, _in_use(ctx), adopted=adopted_store(ctx.settings)
+            pulls.delete,
+            name,
+            _in_use(ctx),
+            adopted=adopted_store(ctx.settings),
+            serving=_resident_names(ctx),
         )
     except pulls.ModelNotFound:
         raise UnknownModel(f"model '{name.display}' not found", param="model") from None
