@@ -694,7 +694,7 @@ def _parameters_text(entry: StoreModel | None) -> str:
     return "\n".join(lines)
 
 
-def _modelfile(model: ServableModel, template: str) -> str:
+def _modelfile(model: ServableModel) -> str:
     """A Modelfile that says what the model is (Ollama's `modelfile` field)."""
     entry = model.store
     if entry is None:
@@ -702,8 +702,7 @@ def _modelfile(model: ServableModel, template: str) -> str:
     lines = [f"# Modelfile of {model.name} ({'the Ollama store' if entry.adopted else 'memspec'})"]
     lines.append(f"FROM {model.path}")
     if entry.template is not None:
-        lines.append(f"# TEMPLATE not executed; the GGUF's own chat template is used:\n"
-                     f"# {template[:200]!r}")  # fmt: skip
+        lines.append("# TEMPLATE (a Go template) not executed: chats use the GGUF's own")
     if entry.system:
         lines.append(f"SYSTEM {json.dumps(entry.system)}")
     for key, value in entry.options.items():
@@ -751,7 +750,7 @@ async def show(request: Request, ctx: Ctx) -> dict[str, Any]:
         capabilities.append("embedding")
     template_text = template.jinja or template.builtin or ""
     out: dict[str, Any] = {
-        "modelfile": _modelfile(model, template_text),
+        "modelfile": _modelfile(model),
         "parameters": _parameters_text(entry),
         "template": template_text,
         "details": _details(path, info),

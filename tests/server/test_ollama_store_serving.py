@@ -196,6 +196,13 @@ def test_projector_model_is_refused_naming_the_layer(daemon, oc) -> None:
         headers={"Authorization": f"Bearer {API_KEY}"},
     ).json()
     assert ".projector" in shown["memspec"]["refused"]
+    v1 = httpx.post(
+        daemon.url + "/v1/chat/completions",
+        json={"model": VISION, "messages": [{"role": "user", "content": "hi"}]},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert v1.status_code == 422 and ".projector" in v1.json()["error"]["message"]
+    assert v1.json()["error"]["code"] == "model_layer_unsupported"
     # the daemon serves on
     assert ask(oc, [{"role": "user", "content": QUESTION}]).message.role == "assistant"
 
