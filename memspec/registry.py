@@ -56,7 +56,7 @@ NOT_FOUND = "pull model manifest: file does not exist"
 # Ollama's words for a blob whose bytes are not its digest (server/images.go errDigestMismatch).
 DIGEST_MISMATCH = "digest mismatch, file must be downloaded again"
 
-CHUNK = 1 << 20  # bytes read from a blob file at a time when pushing
+CHUNK = 1 << 20  # bytes per write of a pulled blob, per read of a pushed one
 RETRIES = 5  # tries per blob after a broken connection, each resuming with Range
 USER_AGENT = "memspec (ollama-compatible)"
 
@@ -284,21 +284,26 @@ class RegistryClient:
                 r.read()
                 raise PullError(f"pull {layer.digest[:19]}: {_registry_error(r)}")
             skip = have if r.status_code == 200 else 0  # a registry that ignored the Range
-            last = 0.0
-            for chunk in r.iter_bytes():  # as the network delivers: a break loses nothing read
-                if cancel is not None and cancel.is_set():
-                    raise PullCancelled("pull cancelled: every client went away")
-                if skip:
-                    cut = min(skip, len(chunk))
-                    chunk, skip = chunk[cut:], skip - cut
-                    if not chunk:
-                        continue
-                writer.write(chunk)
-                have += len(chunk)
-                now = time.monotonic()
-                if now - last >= every_s:
-                    last = now
-                    emit(_layer_event("pulling", layer.digest, have, layer.size))
+            last, buf = 0.0, bytearray()  # the network's 64 KiB reads, written a MiB at a time
+            try:
+                for chunk in r.iter_bytes():
+                    if cancel is not None and cancel.is_set():
+                        raise PullCancelled("pull cancelled: every client went away")
+                    if skip:
+                        cut = min(skip, len(chunk))
+                        chunk, skip = chunk[cut:], skip - cut
+                    buf += chunk
+                    have += len(chunk)
+                    if len(buf) >= CHUNK:
+                        writer.write(buf)
+                        buf.clear()
+                    now = time.monotonic()
+                    if now - last >= every_s:
+                        last = now
+                        emit(_layer_event("pulling", layer.digest, have, layer.size))
+            finally:  # a break loses nothing that was read: the resume asks for the rest
+                if buf:
+                    writer.write(buf)
             if have < layer.size:
                 raise _ShortRead(f"the stream ended at {have} of {layer.size} bytes")
             return have
