@@ -25,13 +25,23 @@ from launcher import ADMIN_KEY, API_KEY, ROOT, TARGET_FILE, require_testbed, run
 
 from memspec.errors import InvalidRequest
 from memspec.ollama_name import parse
-from memspec.ollama_store import MEDIA_MODEL, MEDIA_PARAMS, MEDIA_SYSTEM, OllamaStore
+from memspec.ollama_store import (
+    CONFIG_MEDIA_TYPE,
+    MEDIA_MODEL,
+    MEDIA_PARAMS,
+    MEDIA_SYSTEM,
+    Layer,
+    Manifest,
+    OllamaStore,
+)
 from memspec.paths import models_dir
 from memspec.quantize import file_type
 from memspec.server.ollama_create import check_parameters, human_number, manifest_bytes
 
 NAME = "smollm2-made:q4"
 LOOSE_FILE = "smollm2-135m-q8_0.gguf"  # a second GGUF in the daemon's models dir
+ADOPTED = "adopted:q4_0"  # a model of the adopted Ollama store
+ADOPTED_FILE = "smollm2-135m-q4_0.gguf"
 SYSTEM = "You are a terse assistant."
 PARAMS = {"temperature": 0.0, "num_predict": 8, "stop": ["<|im_end|>"], "num_thread": 1}
 
@@ -55,8 +65,6 @@ def test_numbers_and_manifests_as_ollama_writes_them() -> None:
     assert human_number(1_500_000_000) == "1.5B"
     assert human_number(7_000_000_000) == "7B"
     assert human_number(5_000) == "5K"
-    from memspec.ollama_store import Layer, Manifest
-
     config = Layer("application/vnd.docker.container.image.v1+json", "sha256:" + "a" * 64, 10)
     raw = manifest_bytes(config, [Layer(MEDIA_MODEL, "sha256:" + "b" * 64, 20)])
     assert raw.startswith(b'{"schemaVersion":2,"mediaType":') and raw.endswith(b"}\n")
@@ -76,10 +84,38 @@ def data_dir(tmp_path_factory) -> Path:
     return data
 
 
+def _tree_hashes(root: Path) -> dict[str, str]:
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, data_dir: Path) -> Iterator:
+def adopted(tmp_path_factory) -> Path:
+    """An Ollama store as Ollama lays it out, with one model (SmolLM2 Q4_0, a system prompt),
+    its blob a hard link of the testbed's file (the same filesystem as the daemon's store)."""
+    require_testbed()
+    root = tmp_path_factory.mktemp("ollama-home") / "models"
+    ollama_store = OllamaStore(root, writable=True)  # written here by the test only
+    gguf = models_dir() / ADOPTED_FILE
+    digest = "sha256:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
+    ollama_store.blobs_dir.mkdir(parents=True)
+    os.link(gguf, ollama_store.blob_path(digest))
+    layers = [Layer(MEDIA_MODEL, digest, gguf.stat().st_size)]
+    for media_type, data in ((MEDIA_SYSTEM, b"adopted system"), (CONFIG_MEDIA_TYPE, b"{}\n")):
+        d = "sha256:" + hashlib.sha256(data).hexdigest()
+        ollama_store.blob_path(d).write_bytes(data)
+        layers.append(Layer(media_type, d, len(data)))
+    ollama_store.write_manifest(parse(ADOPTED), manifest_bytes(layers[-1], layers[:-1]))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, data_dir: Path, adopted: Path) -> Iterator:
     tmp = tmp_path_factory.mktemp("create-daemon")
-    env = {"MEMSPEC_DATA_DIR": str(data_dir), "MEMSPEC_OLLAMA_MODELS": "none"}
+    env = {"MEMSPEC_DATA_DIR": str(data_dir), "MEMSPEC_OLLAMA_MODELS": str(adopted)}
     with running(tmp, "lookup", keys=True, env=env) as daemon:
         daemon.require_own()
         yield daemon
@@ -295,3 +331,32 @@ def test_memspec_create_cli(created, server, tmp_path, store) -> None:
     modelfile.write_text("FROM m\nTEMPLATE x\n")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "TEMPLATE is not supported" in done.stderr
+
+
+def test_from_and_copy_of_an_adopted_model_never_write_into_its_store(
+    server, http, admin, user, store, adopted
+) -> None:
+    before = _tree_hashes(adopted)
+    assert http.head(f"/api/blobs/{_adopted_model(adopted).digest}").status_code == 200
+    r = http.post(
+        "/api/create",
+        json={"model": "mine:1", "from": ADOPTED, "parameters": {"top_k": 5}, "stream": False},
+    )
+    assert r.status_code == 200, r.text
+    admin.copy(ADOPTED, "mine:2")
+    layer = _adopted_model(adopted)
+    for name in ("mine:1", "mine:2"):
+        made = store.read_manifest(parse(name))
+        assert made.layer(MEDIA_MODEL) == layer  # the same bytes, in the own store
+        assert store.blob_path(layer.digest).stat().st_ino == (
+            OllamaStore(adopted, writable=False).blob_path(layer.digest).stat().st_ino
+        )  # hard linked: one file on disk
+        assert store.blob_path(made.layer(MEDIA_SYSTEM).digest).read_text() == "adopted system"
+    assert "hard linked" in server.logs(tail=None)
+    reply = user.chat("mine:1", messages=[{"role": "user", "content": "Hi"}], options=PARAMS)
+    assert reply.done
+    assert _tree_hashes(adopted) == before  # nothing written, nothing removed there
+
+
+def _adopted_model(root: Path) -> Layer:
+    return OllamaStore(root, writable=False).read_manifest(parse(ADOPTED)).layer(MEDIA_MODEL)
