@@ -16,13 +16,15 @@ created models, writable) and the user's Ollama store, adopted read-only (`adopt
 its blobs are served in place and nothing is ever written there (StoreReadOnly).
 
 Writes are atomic: a blob streams into `<blob>-partial` (kept on a break, so a download
-resumes from its size with a Range request), is SHA-256-checked whole, then renamed into
-place; a manifest is written to a temp file and renamed. A blob that does not match its digest
-is deleted and BlobMismatch raised: no half-written or wrong file is ever under a blob's name.
+resumes from its size with a Range request; locked while written), is SHA-256-checked whole,
+then renamed into place; a manifest is written to a temp file and renamed. A blob that does
+not match its digest is deleted and BlobMismatch raised: no half-written or wrong file is ever
+under a blob's name.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -154,18 +156,45 @@ class BlobWriter:
     """One blob written by streaming: `offset` bytes are already in `<blob>-partial` (send a
     Range request from there), `write` appends, `commit` checks and renames, `abort` keeps
     the partial for a later resume. Use it as a context manager: leaving without commit
-    aborts."""
+    aborts.
+
+    The partial is locked (flock) from open to commit or abort: a second writer of the same
+    blob, in this process or another, waits for the first, then resumes from what it left (or
+    finds the blob there). The SHA-256 is computed as the bytes are written (the resumed
+    prefix read once, on the first write), so commit does not read the whole blob again."""
 
     def __init__(self, target: Path, digest: str):
         self.target = target
         self.digest = digest
         self.partial = target.with_name(target.name + "-partial")
         self.partial.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.partial, "ab")
-        self.offset = self._file.tell()
+        while True:  # lock the partial that is at the path now (not one renamed meanwhile)
+            f = open(self.partial, "ab")
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                if os.stat(self.partial).st_ino == os.fstat(f.fileno()).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            f.close()
+        self._file = f
+        self.offset = f.seek(0, os.SEEK_END)
+        self._hash: Any = None  # sha256 of the bytes so far, once the prefix is read
         self._done = False
 
+    def _hashed(self) -> Any:
+        if self._hash is None:
+            h = hashlib.sha256()
+            with open(self.partial, "rb") as f:
+                left = self.offset
+                while left > 0 and (chunk := f.read(min(_CHUNK, left))):
+                    h.update(chunk)
+                    left -= len(chunk)
+            self._hash = h
+        return self._hash
+
     def write(self, chunk: bytes) -> None:
+        self._hashed().update(chunk)
         self._file.write(chunk)
 
     @property
@@ -174,22 +203,24 @@ class BlobWriter:
         return self._file.tell()
 
     def commit(self) -> Path:
-        """Hash the whole partial; when it is the digest, rename it into place and return the
-        blob's path; else delete it and raise BlobMismatch."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._done = True
-        got = file_digest(self.partial)
-        if got != self.digest:
-            self.partial.unlink(missing_ok=True)
-            raise BlobMismatch(
-                f"blob {self.digest} does not match its content (sha256 {got}): deleted",
-                param="digest",
-            )
-        os.replace(self.partial, self.target)
-        _fsync_dir(self.target.parent)
-        return self.target
+        """Check the whole partial's SHA-256; when it is the digest, rename it into place and
+        return the blob's path; else delete it and raise BlobMismatch."""
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            got = "sha256:" + self._hashed().hexdigest()
+            if got != self.digest:
+                self.partial.unlink(missing_ok=True)
+                raise BlobMismatch(
+                    f"blob {self.digest} does not match its content (sha256 {got}): deleted",
+                    param="digest",
+                )
+            os.replace(self.partial, self.target)  # still locked: no writer appends meanwhile
+            _fsync_dir(self.target.parent)
+            return self.target
+        finally:
+            self._file.close()
+            self._done = True
 
     def abort(self) -> None:
         """Stop, keeping the partial (a resume starts from its size)."""

@@ -368,3 +368,40 @@ def test_bad_store_models_are_bad_models_not_crashes(data: Path) -> None:
     assert withmsgs.store.messages == tuple(messages)
     for name in ("notgguf:1b", "noblob:1b", "torn:1b", "adapter:1b"):
         assert cat.find(name) is None and cat.unusable(name) is not None
+
+
+def test_a_second_writer_of_a_blob_waits_then_resumes(tmp_path: Path) -> None:
+    import threading
+
+    store = OllamaStore(tmp_path, writable=True)
+    data = os.urandom(50_000)
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    first = store.open_blob_writer(digest)
+    first.write(data[:20_000])
+    got: list[int] = []
+    second = threading.Thread(target=lambda: got.append(store.open_blob_writer(digest).offset))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive() and not got  # it waits: no two writers append to one partial
+    first.abort()  # the first breaks off: the second resumes from what it left
+    second.join(10)
+    assert got == [20_000]
+
+
+def test_a_manifest_write_that_fails_leaves_the_old_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "src"
+    raw = write_model(src, "registry.ollama.ai/library/m/t", [(MEDIA_MODEL, b"GGUF")])
+    store = OllamaStore(tmp_path / "own", writable=True)
+    name = parse("m:t")
+    store.write_manifest(name, raw)
+
+    def power_cut(*args: object) -> None:  # the fault injected: the rename never happens
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "replace", power_cut)
+    with pytest.raises(OSError):
+        store.write_manifest(name, raw.rstrip(b"\n"))
+    assert store.manifest_path(name).read_bytes() == raw
+    assert [p.name for p in store.manifest_path(name).parent.iterdir()] == ["t"]
