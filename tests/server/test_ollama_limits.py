@@ -17,7 +17,6 @@ import pytest
 from launcher import MODEL, TARGET_FILE, RawStream, running
 
 from memspec import ollama_name
-from memspec.pull import NOT_FOUND
 from memspec.server.embeddings_api import MAX_INPUTS, MAX_TOTAL_TOKENS
 from memspec.server.ollama_api import IGNORED_HEADER, NEVER_EXPIRES
 
@@ -77,6 +76,7 @@ def _ask(http: httpx.Client, route: str, name: str) -> httpx.Response:
 ROUTES = [
     "/api/pull",
     "/api/delete",
+    "/api/push",
     "/api/show",
     "/api/chat",
     "/api/generate",
@@ -96,9 +96,16 @@ def test_invalid_names_are_400_before_any_lookup(http, route):
 
 
 def test_valid_unknown_names_keep_ollamas_answers(http):
-    r = http.post("/api/pull", json={"model": "llama3:8b", "stream": False})
-    assert r.status_code == 500 and r.json() == {"error": NOT_FOUND}
-    r = http.post("/api/pull", json={"model": "hf.co/someone/model:Q4_0"})  # streamed
+    # A registry that does not answer (a closed loopback port; a registry without the model
+    # is tests/test_registry.py's): Ollama's "pull model manifest: ..." error.
+    nowhere = "127.0.0.1:9/someone"
+    r = http.post(
+        "/api/pull", json={"model": f"{nowhere}/llama3:8b", "insecure": True, "stream": False}
+    )
+    assert r.status_code == 500 and r.json()["error"].startswith("pull model manifest: ")
+    r = http.post(
+        "/api/pull", json={"model": f"{nowhere}/model:Q4_0", "insecure": True}
+    )  # streamed
     assert r.status_code == 200 and '"error": "pull model manifest' in r.text
     assert http.request("DELETE", "/api/delete", json={"model": "nope:1b"}).status_code == 404
     for route in ("/api/show", "/api/chat", "/api/generate", "/api/embed", "/api/embeddings"):
