@@ -505,17 +505,25 @@ def _store_model(ctx: ServerContext, name: str | None) -> StoreModel | None:
     return found.store if found is not None else None
 
 
+# A model's .params may spell out an option at the value that turns it off (`PARAMETER
+# mirostat 0`): that changes nothing, so it is no reason to refuse the model.
+NEUTRAL_OPTIONS: dict[str, float] = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1.0}
+
+
 def _model_options(body: _Body, entry: StoreModel, n_ctx: int) -> None:
     """body.options over the model's `.params` defaults (the request's own win). The model's
     hardware hints are the daemon's business (dropped, as a request's are); its num_ctx is a
-    wish this daemon's context may not meet (dropped when larger); an option that would change
-    the output and is not implemented refuses the request, naming the model's layer."""
+    wish this daemon's context may not meet (dropped); an option at the value that turns it off
+    is dropped; any other option that would change the output and is not implemented refuses
+    the request, naming the model's layer."""
     defaults: dict[str, Any] = {}
     for key, value in entry.options.items():
         if value is None or key in HARDWARE_OPTIONS:
             continue
         if key == "num_ctx":
             continue  # the daemon's context serves it (a request's own num_ctx is checked)
+        if key in NEUTRAL_OPTIONS and value == NEUTRAL_OPTIONS[key]:
+            continue
         if key not in OPTION_FIELDS:
             raise InvalidRequest(
                 f"model {entry.name.display} sets the option {key!r} in its .params layer, "
@@ -665,7 +673,10 @@ async def ps(ctx: Ctx) -> dict[str, Any]:
     for m in await asyncio.to_thread(ctx.worker.models_status):
         if not m["resident"]:
             continue
-        row = await _model_row(ctx, _find_model(ctx, m["name"]))
+        model = ctx.worker.catalog.find(m["name"], refused=True)
+        if model is None:  # its file or manifest left while it was resident: not described
+            continue
+        row = await _model_row(ctx, model)
         row["size"] = m["bytes"]  # target + resident drafts + KV, as the budget counts
         row["size_vram"] = 0 if ctx.settings.n_gpu_layers == 0 else row["size"]
         row["expires_at"] = expires_at(m["expires_at"])

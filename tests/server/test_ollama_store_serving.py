@@ -39,7 +39,11 @@ SYSTEM = (
     "You are a helpful assistant who answers every question about colours, paint and art in "
     "a careful, friendly and complete way, and who never uses more words than needed."
 )
-PARAMS = {"stop": [" "], "num_predict": 16, "temperature": 0}
+# Also what changes nothing here: an option at its off value, a context wish beyond the
+# daemon's, a hardware hint.
+PARAMS = {"stop": [" "], "num_predict": 16, "temperature": 0, "mirostat": 0, "num_ctx": 131072,
+          "num_thread": 2}  # fmt: skip
+MIROSTAT = "smolmirostat:135m"
 
 
 def _link_blob(store: Path, source: Path) -> None:
@@ -97,6 +101,14 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict
             ("application/vnd.ollama.image.messages", json.dumps(MESSAGES).encode()),
         ],
     )
+    write_model(
+        root,
+        "registry.ollama.ai/library/smolmirostat/135m",
+        [
+            ("application/vnd.ollama.image.model", gguf),
+            ("application/vnd.ollama.image.params", json.dumps({"mirostat": 2}).encode()),
+        ],
+    )
     del gguf
     yield root, snapshot(root)
 
@@ -136,6 +148,13 @@ def test_params_are_defaults_and_the_requests_own_win(oc) -> None:
     longer = ask(oc, user, stop=["zzzz"])
     assert " " in longer.message.content.strip() and longer.eval_count <= 16
     assert ask(oc, user, stop=["zzzz"]).message.content == longer.message.content  # greedy
+
+
+def test_an_option_not_implemented_in_params_is_a_400_naming_it(oc) -> None:
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.chat(model=MIROSTAT, messages=[{"role": "user", "content": "hi"}], stream=False)
+    assert e.value.status_code == 400 and "mirostat" in str(e.value.error)
+    assert ".params" in str(e.value.error)
 
 
 def test_system_is_the_default_and_a_requests_own_replaces_it(oc) -> None:
