@@ -814,7 +814,6 @@ async def _receive_blob(store: OllamaStore, digest: str, request: Request, room:
         return writer
 
     writer = await asyncio.to_thread(fresh)
-    hashed = hashlib.sha256()  # for the error's "got": the writer checks on its own
     size = 0
     pending: list[bytes] = []
     pending_bytes = 0
@@ -827,7 +826,6 @@ async def _receive_blob(store: OllamaStore, digest: str, request: Request, room:
                     f"blob {digest}: the body goes past the {room} bytes free on the models disk",
                     param="digest",
                 )
-            hashed.update(chunk)
             pending.append(chunk)
             pending_bytes += len(chunk)
             if pending_bytes >= WRITE_CHUNK:
@@ -837,10 +835,9 @@ async def _receive_blob(store: OllamaStore, digest: str, request: Request, room:
             await asyncio.to_thread(writer.write, b"".join(pending))
         try:
             await asyncio.to_thread(writer.commit)
-        except BlobMismatch:  # the partial is gone; Ollama's words
+        except BlobMismatch as e:  # the partial is gone
             raise InvalidRequest(
-                f'digest mismatch, expected "{digest}", got "sha256:{hashed.hexdigest()}"',
-                param="digest",
+                f'digest mismatch, expected "{digest}": {e.message}', param="digest"
             ) from None
         done = True
         log.info("blob %s: %d bytes received", digest, size)
