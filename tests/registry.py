@@ -255,11 +255,14 @@ def push_model(
 
 class CuttingProxy:
     """A loopback TCP proxy to `host:port` that cuts each of its first `cuts` connections
-    once `cut_after` bytes have come back from upstream. `requests` holds each connection's
-    request head (to see the Range a resume sends)."""
+    once `cut_after` bytes have come back from upstream (`pause_s`: a slow link besides).
+    `requests` holds each connection's request head (to see the Range a resume sends)."""
 
-    def __init__(self, host: str, port: int, *, cut_after: int, cuts: int = 1):
+    def __init__(
+        self, host: str, port: int, *, cut_after: int, cuts: int = 1, pause_s: float = 0.0
+    ):
         self.upstream = (host, port)
+        self.pause_s = pause_s  # after each read from upstream: a slow link
         self.cut_after, self.cuts_left = cut_after, cuts
         self.requests: list[str] = []
         self.cut = 0
@@ -312,6 +315,8 @@ class CuttingProxy:
                     break
                 client.sendall(data)
                 sent += len(data)
+                if self.pause_s:
+                    time.sleep(self.pause_s)
         except OSError:
             pass
         finally:

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from memspec import registry
@@ -387,6 +388,74 @@ def test_ollama_client_sees_ollamas_errors(smollm2_registry, daemon, daemon_data
     with pytest.raises(ollama.ResponseError) as e:
         client.push(f"{reg.host}/test/never-pulled:v1", insecure=True)
     assert e.value.status_code == 404
+
+
+def test_push_and_pull_keep_the_admin_guard_and_the_credentials_secret(smollm2_registry, daemon):
+    reg, _ = smollm2_registry
+    name = f"{reg.host}/test/smollm2:q8"
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    with httpx.Client(base_url=daemon.url, timeout=60) as http:
+        for route in ("/api/pull", "/api/push"):
+            r = http.post(route, json={"model": name, "insecure": True})  # no key
+            assert r.status_code == 401, (route, r.text)
+            r = http.post(route, headers={"Authorization": f"Bearer {API_KEY}"}, json={})
+            assert r.status_code == 401 and "admin key" in r.json()["error"], (route, r.text)
+            r = http.post(route, headers=admin | {"Content-Type": "text/plain"}, content="{}")
+            assert r.status_code == 415, (route, r.text)
+        # The body's credentials (Ollama's older fields) are used, and never echoed back.
+        r = http.post(
+            "/api/pull",
+            headers=admin,
+            json={
+                "model": name,
+                "insecure": True,
+                "stream": False,
+                "username": "alice",
+                "password": "not-the-password",
+            },
+        )
+        assert r.status_code == 500 and "unauthorized" in r.json()["error"], r.text
+        assert "not-the-password" not in r.text
+    assert "not-the-password" not in daemon.logs(tail=None)
+
+
+def test_a_client_that_leaves_mid_pull_stops_it_and_the_next_pull_resumes(
+    daemon, daemon_data, tmp_path
+):
+    with running_registry(tmp_path / "reg", users=USERS) as r:
+        blob = tmp_path / "m.bin"
+        blob.write_bytes(os.urandom(8 << 20))
+        pushed = push_model(r, "test/leave:v1", blob)
+        store = _store_of(daemon_data)
+        partial = store.blob_path(pushed.model_digest).with_name(
+            store.blob_path(pushed.model_digest).name + "-partial"
+        )
+        with CuttingProxy("127.0.0.1", r.port, cut_after=1 << 40, cuts=0, pause_s=0.01) as proxy:
+            name = f"{proxy.host}/test/leave:v1"
+            body = {"model": name, "insecure": True}
+            headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+            with httpx.stream(
+                "POST", f"{daemon.url}/api/pull", json=body, headers=headers, timeout=60
+            ) as resp:
+                for line in resp.iter_lines():
+                    event = json.loads(line)
+                    if event.get("digest") == pushed.model_digest and event.get("completed"):
+                        break  # the model blob is on its way: hang up
+            deadline = time.monotonic() + 30
+            while True:  # the pull stops at its next buffer; the partial stops growing
+                size = partial.stat().st_size if partial.exists() else -1
+                time.sleep(0.5)
+                now = partial.stat().st_size if partial.exists() else -1
+                if now == size or time.monotonic() > deadline:
+                    break
+            assert 0 < now < blob.stat().st_size, now
+            assert store.read_manifest(parse(name)) is None  # nothing listed half-pulled
+            seen = len(proxy.requests)
+            done = _client(daemon).pull(name, insecure=True)
+            assert done.status == "success"
+            assert "Range: bytes=" in "\n".join(proxy.requests[seen:])
+        assert store.blob_path(pushed.model_digest).read_bytes() == blob.read_bytes()
+        assert not partial.exists()
 
 
 def test_a_corrupted_blob_through_the_daemon_leaves_nothing(daemon, daemon_data, tmp_path):
