@@ -37,6 +37,7 @@ file is then served under its stem); memspec's own store wins over the adopted o
 
 from __future__ import annotations
 
+import logging
 import stat
 import threading
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ from memspec.ollama_name import OllamaName
 from memspec.ollama_store import OllamaStore, adopted_store, own_store
 from memspec.paths import models_dir, resolve_model_path
 from memspec.store_model import StoreModel, read_store_model
+
+log = logging.getLogger("memspec.catalog")
 
 # What a chat template is resolved from (memspec.backends.chat.resolve_chat_template).
 _TEMPLATE_KEYS = ("general.architecture", "general.name", "tokenizer.chat_template")
@@ -118,6 +121,7 @@ class ModelCatalog:
         self._verdicts: dict[_FileKey, str | None] = {}  # file version -> problem (None: ok)
         self._marked: dict[_FileKey, str] = {}  # mark_bad: file version -> reason
         self._store_models: dict[_FileKey, StoreModel] = {}  # manifest version -> its model
+        self._adopted_logged: tuple[Path, int] | None = None
         self._lock = threading.Lock()
 
     def use_settings(self, settings: Settings) -> None:
@@ -209,12 +213,23 @@ class ModelCatalog:
         bad: list[BadModelFile] = []
         seen = set(taken)
         for store in self.stores():
-            for name in store.names():
+            names = store.names()
+            self._log_store(store, len(names))
+            for name in names:
                 display = name.display
-                if display in seen:  # the own store's, or the configured target's
+                aliases = _store_aliases(name)
+                if display in taken:  # the configured target's name: it stays the target
+                    mpath = store.manifest_path(name)
+                    why = "its name is the configured target's (set model_name to free it)"
+                    bad.append(
+                        BadModelFile(
+                            str(mpath.relative_to(store.root)), display, mpath, why, aliases
+                        )
+                    )
+                    continue
+                if display in seen:  # memspec's own store has it: that copy is served
                     continue
                 seen.add(display)
-                aliases = _store_aliases(name)
                 entry = self._store_model(store, name)
                 mpath = store.manifest_path(name)
                 file = str(mpath.relative_to(store.root))
@@ -308,6 +323,16 @@ class ModelCatalog:
         with self._lock:
             self._verdicts[key] = problem
         return problem
+
+    def _log_store(self, store: OllamaStore, count: int) -> None:
+        """Say once which adopted store is served (and again when it changes)."""
+        if store.writable:
+            return
+        with self._lock:
+            if self._adopted_logged == (store.root, count):
+                return
+            self._adopted_logged = (store.root, count)
+        log.info("serving the Ollama store at %s read-only: %d models", store.root, count)
 
     def _store_model(self, store: OllamaStore, name: OllamaName) -> StoreModel | str:
         """read_store_model, remembered per version of the manifest while its GGUF blob is

@@ -405,3 +405,13 @@ def test_a_manifest_write_that_fails_leaves_the_old_one(
         store.write_manifest(name, raw.rstrip(b"\n"))
     assert store.manifest_path(name).read_bytes() == raw
     assert [p.name for p in store.manifest_path(name).parent.iterdir()] == ["t"]
+
+
+def test_a_store_model_named_as_the_target_is_shown_as_shadowed(data: Path) -> None:
+    gguf = (data / "tiny.gguf").read_bytes()
+    write_model(data / "ollama", "registry.ollama.ai/library/llama3.2/1b", [(MEDIA_MODEL, gguf)])
+    cat = store_catalog(data, model_name="llama3.2:1b")
+    (only,) = cat.models()
+    assert only.default and only.store is None  # the configured target keeps its name
+    reasons = {b["name"]: b["reason"] for b in cat.bad_models()}
+    assert "configured target" in reasons["llama3.2:1b"]
