@@ -103,7 +103,6 @@ _INT_OPTIONS = {"top_k", "seed", "num_predict", "repeat_last_n", "num_ctx"}
 # One create or copy at a time: a create that links a blob must not see it pruned by another's
 # replaced manifest before its own manifest refers to it.
 _store_lock = threading.Lock()
-_uploads: dict[str, asyncio.Lock] = {}  # one upload per digest at a time
 
 
 # --- bodies --------------------------------------------------------------------------------
@@ -115,7 +114,7 @@ class CreateBody(BaseModel):
 
     model: str | None = None
     name: str | None = None  # the older field name
-    stream: bool = True
+    stream: bool | None = True  # null: the default (Go's *bool)
     quantize: str | None = None
     quantization: str | None = None  # the older field name
     from_: str | None = Field(None, alias="from")
@@ -199,6 +198,11 @@ def check_messages(messages: list[dict[str, Any]] | None) -> list[dict[str, str]
     out = []
     for i, m in enumerate(messages or []):
         role, content = m.get("role"), m.get("content", "")
+        if m.get("images") or m.get("tool_calls"):
+            raise InvalidRequest(
+                f"messages[{i}]: images and tool calls in a model's messages are not supported",
+                param=f"messages[{i}]",
+            )
         if role not in _MESSAGE_ROLES or not isinstance(content, str):
             raise InvalidRequest(
                 f"messages[{i}]: the role must be one of system, user, assistant and the "
@@ -619,6 +623,7 @@ def run_create(plan: Plan, n_threads: int, emit: Emit, cancel: threading.Event) 
     store = own_store()
     why = f"create {plan.name.display}"
     with _store_lock:
+        _remove_stale_temps(store)
         old = store.read_manifest(plan.name)
         if plan.quantize:
             model = _quantized_layer(store, plan, n_threads, emit, cancel)
@@ -658,6 +663,15 @@ def run_create(plan: Plan, n_threads: int, emit: Emit, cancel: threading.Event) 
             prune(store, old)
     log.info("%s: written (%s, from %s)", why, manifest.digest, plan.model.where)
     return manifest
+
+
+def _remove_stale_temps(store: OllamaStore) -> None:
+    """Temp files a create left when its daemon stopped mid-way (creates take turns, so none
+    is in use now)."""
+    if store.blobs_dir.is_dir():
+        for stale in [*store.blobs_dir.glob(".quantize-*"), *store.blobs_dir.glob(".copy-*")]:
+            stale.unlink(missing_ok=True)
+            log.info("removed %s, left by an earlier create", stale.name)
 
 
 def prune(store: OllamaStore, old: Manifest) -> list[Path]:
@@ -718,7 +732,7 @@ async def create(request: Request, ctx: Ctx) -> Response:
         while (event := await queue.get()) is not None:
             yield event
 
-    if not body.stream:
+    if body.stream is False:
         last: dict[str, Any] = {}
         async for event in events():
             if "error" in event:
@@ -785,19 +799,18 @@ def _free_bytes(store: OllamaStore) -> int:
 async def create_blob(digest: str, request: Request, ctx: Ctx) -> Response:
     digest = check_digest(digest)
     store = own_store()
-    lock = _uploads.setdefault(digest, asyncio.Lock())
-    async with lock:
-        if await asyncio.to_thread(store.has_blob, digest):
-            return Response(status_code=200)
-        room = await asyncio.to_thread(_free_bytes, store)
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > room:
-            raise PayloadTooLarge(
-                f"blob {digest}: {declared} bytes do not fit in the {room} bytes free on the "
-                "models disk",
-                param="digest",
-            )
-        await _receive_blob(store, digest, request, room)
+    if await asyncio.to_thread(store.has_blob, digest):
+        return Response(status_code=200)
+    room = await asyncio.to_thread(_free_bytes, store)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > room:
+        raise PayloadTooLarge(
+            f"blob {digest}: {declared} bytes do not fit in the {room} bytes free on the "
+            "models disk",
+            param="digest",
+        )
+    # Two uploads of one digest take turns on the store's lock of its partial.
+    await _receive_blob(store, digest, request, room)
     return Response(status_code=201)
 
 

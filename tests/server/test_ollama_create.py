@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from memspec.errors import InvalidRequest
 from memspec.ollama_name import parse
 from memspec.ollama_store import (
     CONFIG_MEDIA_TYPE,
+    MEDIA_MESSAGES,
     MEDIA_MODEL,
     MEDIA_PARAMS,
     MEDIA_SYSTEM,
@@ -285,10 +287,15 @@ def test_template_adapter_and_unsupported_options_are_refused(admin, f32_digest)
 
 
 def test_from_a_loose_gguf_and_an_older_clients_modelfile(created, http, store, data_dir) -> None:
-    body = {"model": "legacy:1", "modelfile": f"FROM {NAME}\nSYSTEM be brief\n", "stream": False}
-    r = http.post("/api/create", json=body)
+    text = f"FROM {NAME}\nSYSTEM be brief\nMESSAGE user hi\nMESSAGE assistant hello\n"
+    r = http.post("/api/create", json={"model": "legacy:1", "modelfile": text, "stream": False})
     assert r.status_code == 200 and r.json() == {"status": "success"}, r.text
     legacy = store.read_manifest(parse("legacy:1"))
+    messages = json.loads(store.blob_path(legacy.layer(MEDIA_MESSAGES).digest).read_bytes())
+    assert messages == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
     assert legacy.layer(MEDIA_MODEL) == store.read_manifest(parse(NAME)).layer(MEDIA_MODEL)
     assert store.blob_path(legacy.layer(MEDIA_SYSTEM).digest).read_text() == "be brief"
     base_params = json.loads(store.blob_path(legacy.layer(MEDIA_PARAMS).digest).read_bytes())
@@ -303,6 +310,22 @@ def test_from_a_loose_gguf_and_an_older_clients_modelfile(created, http, store, 
     assert r.status_code == 200, r.text
     blob = store.blob_path(store.read_manifest(parse("loose:1")).layer(MEDIA_MODEL).digest)
     assert blob.stat().st_ino == (data_dir / "models" / LOOSE_FILE).stat().st_ino
+
+
+def test_a_create_whose_client_leaves_still_finishes_whole(created, server, store) -> None:
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    body = {"model": "left:q8", "from": TARGET_FILE, "quantize": "q8_0"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as c:
+        with c.stream("POST", "/api/create", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the first progress line, then hang up
+    deadline = time.monotonic() + 180
+    while store.read_manifest(parse("left:q8")) is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    made = store.read_manifest(parse("left:q8"))
+    assert made is not None, server.logs()
+    assert file_type(store.blob_path(made.layer(MEDIA_MODEL).digest)) == 7  # Q8_0
+    assert not [p for p in store.blobs_dir.iterdir() if p.name.startswith(".")]
 
 
 def test_the_admin_key_guards_every_route(server, f32_digest) -> None:
