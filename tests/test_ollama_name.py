@@ -104,10 +104,10 @@ def test_longest_parts_are_valid():
 
 def test_pull_resolve_checks_the_name_first():
     with pytest.raises(InvalidModelName):
-        pull.resolve("../../etc/passwd")
+        pull.resolve_family("../../etc/passwd")
     with pytest.raises(pull.ModelNotFound):
-        pull.resolve("hf.co/someone/smollm2:135m")  # valid, but not a library name we fetch
-    assert pull.resolve("registry.ollama.ai/library/SmolLM2:135m").name == "smollm2:135m"
+        pull.resolve_family("hf.co/someone/smollm2:135m")  # valid, but not a library name we fetch
+    assert pull.resolve_family("registry.ollama.ai/library/SmolLM2:135m").name == "smollm2:135m"
 
 
 @pytest.mark.parametrize(
