@@ -334,3 +334,101 @@ class CuttingProxy:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# --- a loopback token server: Bearer auth as the Ollama library and Docker Hub ask for it ---
+
+
+class TokenGate:
+    """An HTTP front for a registry that wants a Bearer token, as token-auth registries do: a
+    request without a valid one gets 401 `WWW-Authenticate: Bearer realm=<this>/token,
+    service=...,scope=repository:<ns/model>:pull`; `GET /token` with the right Basic
+    credentials answers {"token": ...} (`tokens_issued` counts them, `scopes` records what was
+    asked); a valid token's GET/HEAD is passed to the registry and its answer streamed back."""
+
+    def __init__(self, upstream: str, users: dict[str, str]):
+        import base64
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        gate = self
+        self.upstream, self.users = upstream, users
+        self.token = secrets.token_hex(16)
+        self.scopes: list[str] = []
+        self.tokens_issued = 0
+        basics = {
+            "Basic " + base64.b64encode(f"{u}:{p}".encode()).decode() for u, p in users.items()
+        }
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def _proxy(self) -> None:
+                if self.path.startswith("/token"):
+                    query = httpx.URL(self.path).params
+                    gate.scopes.append(query.get("scope", ""))
+                    if self.headers.get("Authorization") not in basics:
+                        self._send(401, b'{"errors":[{"code":"DENIED"}]}', {})
+                        return
+                    gate.tokens_issued += 1
+                    self._send(200, json.dumps({"token": gate.token}).encode(), {})
+                    return
+                if self.headers.get("Authorization") != f"Bearer {gate.token}":
+                    repo = self.path.split("/")[2:4]
+                    challenge = (
+                        f'Bearer realm="http://{gate.host}/token",service="memspec-test",'
+                        f'scope="repository:{"/".join(repo)}:pull"'
+                    )
+                    body = b'{"errors":[{"code":"UNAUTHORIZED","message":"token required"}]}'
+                    self._send(401, body, {"WWW-Authenticate": challenge})
+                    return
+                headers = {k: v for k, v in self.headers.items() if k.lower() == "range"}
+                headers["Accept"] = self.headers.get("Accept", "*/*")
+                with httpx.stream(
+                    self.command, gate.upstream + self.path, headers=headers, timeout=60
+                ) as r:
+                    self.send_response(r.status_code)
+                    for k in (
+                        "Content-Type",
+                        "Content-Length",
+                        "Content-Range",
+                        "Docker-Content-Digest",
+                    ):
+                        if k in r.headers:
+                            self.send_header(k, r.headers[k])
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        for chunk in r.iter_raw():
+                            self.wfile.write(chunk)
+
+            do_GET = do_HEAD = _proxy
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self) -> TokenGate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -27,6 +27,7 @@ from memspec.paths import models_dir
 from tests.launcher import ADMIN_KEY, API_KEY, ROOT, TARGET_FILE, require_models, running
 from tests.registry import (
     CuttingProxy,
+    TokenGate,
     file_digest,
     push_model,
     require_registry,
@@ -223,6 +224,25 @@ def test_htpasswd_auth_and_push_then_pull_back_byte_identical(tmp_path):
         events.clear()
         registry.push(copy, True, events.append, store=source, credentials=alice)
         assert all(ev["completed"] == ev["total"] for ev in events if "digest" in ev)
+
+
+def test_bearer_token_auth_from_a_token_server(reg, small_model, tmp_path):
+    blob, pushed = small_model
+    with TokenGate(reg.url, USERS) as gate:
+        name = parse(f"{gate.host}/test/small:v1")
+        with pytest.raises(registry.Unauthorized):  # no credentials: no token
+            registry.pull(name, _store(tmp_path / "a"), lambda e: None, insecure=True)
+        bad = registry.Credentials("alice", "wrong")
+        with pytest.raises(registry.Unauthorized):
+            registry.pull(
+                name, _store(tmp_path / "a"), lambda e: None, insecure=True, credentials=bad
+            )
+        store = _store(tmp_path / "b")
+        alice = registry.Credentials(*next(iter(USERS.items())))
+        registry.pull(name, store, lambda e: None, insecure=True, credentials=alice)
+    assert gate.tokens_issued == 1  # one token, reused for the manifest and every blob
+    assert set(gate.scopes) == {"repository:test/small:pull"}
+    assert store.blob_path(pushed.model_digest).read_bytes() == blob.read_bytes()
 
 
 def test_two_pulls_sharing_a_blob_at_once_both_succeed(reg, small_model, tmp_path):
