@@ -555,24 +555,47 @@ def test_delete_refuses_the_model_being_served(smollm2_registry, daemon, daemon_
 # --- the benchmark (not a test): `python -m tests.test_registry` ---------------------------
 
 
-def bench(tmp: Path) -> dict[str, float]:
-    """Pull throughput of the SmolLM2 blob through memspec.registry vs curl, same registry."""
+def bench(tmp: Path, rounds: int = 3) -> dict[str, float]:
+    """Pull throughput of the SmolLM2 blob through memspec.registry vs curl from the same
+    registry (best of `rounds` each, alternating), and this process's RSS growth during a pull
+    (sampled every 20 ms): a blob streams, so it stays flat."""
+    import psutil
+
+    proc = psutil.Process()
     with running_registry(tmp / "reg") as r:
         pushed = push_model(r, "test/smollm2:q8", SMOLLM2)
         url = f"{r.url}/v2/test/smollm2/blobs/{pushed.model_digest}"
         size = SMOLLM2.stat().st_size
-        t = time.perf_counter()
-        subprocess.run(["curl", "-sS", "-o", str(tmp / "curl.bin"), url], check=True)
-        curl_s = time.perf_counter() - t
-        t = time.perf_counter()
-        registry.pull(
-            parse(f"{r.host}/test/smollm2:q8"), _store(tmp), lambda e: None, insecure=True
-        )
-        ours_s = time.perf_counter() - t
+        curl_s, ours_s, rss_growth = [], [], 0
+        for i in range(rounds):
+            t = time.perf_counter()
+            subprocess.run(["curl", "-sS", "-o", str(tmp / f"curl{i}.bin"), url], check=True)
+            curl_s.append(time.perf_counter() - t)
+            peak, base, done = [0], proc.memory_info().rss, threading.Event()
+
+            def sample(peak: list[int] = peak, done: threading.Event = done) -> None:
+                while not done.wait(0.02):
+                    peak[0] = max(peak[0], proc.memory_info().rss)
+
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            t = time.perf_counter()
+            registry.pull(
+                parse(f"{r.host}/test/smollm2:q8"),
+                _store(tmp / f"s{i}"),
+                lambda e: None,
+                insecure=True,
+            )
+            ours_s.append(time.perf_counter() - t)
+            done.set()
+            sampler.join()
+            rss_growth = max(rss_growth, peak[0] - base)
     return {
-        "curl_MBps": size / curl_s / 1e6,
-        "memspec_MBps": size / ours_s / 1e6,
-        "ratio": curl_s / ours_s,
+        "blob_MB": size / 1e6,
+        "curl_MBps": size / min(curl_s) / 1e6,
+        "memspec_MBps": size / min(ours_s) / 1e6,
+        "ratio": min(curl_s) / min(ours_s),
+        "rss_growth_MB": rss_growth / 1e6,
     }
 
 
