@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import ollama
 import pytest
-from launcher import API_KEY, MODEL, running
+from launcher import ADMIN_KEY, API_KEY, MODEL, running
 
 from memspec.paths import models_dir
 from tests.test_ollama_store import write_model
@@ -44,6 +44,7 @@ SYSTEM = (
 PARAMS = {"stop": [" "], "num_predict": 16, "temperature": 0, "mirostat": 0, "num_ctx": 131072,
           "num_thread": 2}  # fmt: skip
 MIROSTAT = "smolmirostat:135m"
+BROKEN = "smolbroken:135m"  # its blob the GGUF's first MiB: a bad model, not a crash
 
 
 def _link_blob(store: Path, source: Path) -> None:
@@ -108,6 +109,11 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict
             ("application/vnd.ollama.image.model", gguf),
             ("application/vnd.ollama.image.params", json.dumps({"mirostat": 2}).encode()),
         ],
+    )
+    write_model(
+        root,
+        "registry.ollama.ai/library/smolbroken/135m",
+        [("application/vnd.ollama.image.model", gguf[: 1 << 20])],
     )
     del gguf
     yield root, snapshot(root)
@@ -231,6 +237,19 @@ def test_ps_names_the_store_model(oc) -> None:
     running_models = {m.model: m for m in oc.ps().models}
     assert CHAT in running_models
     assert running_models[CHAT].digest == {m.model: m for m in oc.list().models}[CHAT].digest
+
+
+def test_a_bad_blob_is_a_bad_model(daemon, oc) -> None:
+    assert BROKEN not in {m.model for m in oc.list().models}
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.chat(model=BROKEN, messages=[{"role": "user", "content": "hi"}], stream=False)
+    assert e.value.status_code == 422 and "not a usable GGUF" in str(e.value.error)
+    status = httpx.get(
+        daemon.url + "/admin/status", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    ).json()
+    assert any(b["name"] == BROKEN for b in status["bad_models"])
+    assert any(b["name"] == VISION and ".projector" in b["reason"] for b in status["bad_models"])
+    assert ask(oc, [{"role": "user", "content": QUESTION}]).message.role == "assistant"
 
 
 def test_the_store_is_unchanged(store, oc) -> None:
