@@ -404,14 +404,22 @@ def default_ollama_root() -> Path | None:
     service's /usr/share/ollama/.ollama/models; None when none of them is a directory."""
     env = os.environ.get("OLLAMA_MODELS")
     if env:
-        return Path(env).expanduser()
-    for candidate in (
-        Path("~/.ollama/models").expanduser(),
-        Path("/usr/share/ollama/.ollama/models"),
-    ):
-        if candidate.is_dir():
-            return candidate
+        return _expand(env)
+    for candidate in (_expand("~/.ollama/models"), Path("/usr/share/ollama/.ollama/models")):
+        try:
+            if candidate is not None and candidate.is_dir():
+                return candidate
+        except OSError:  # a home the service may not look into
+            continue
     return None
+
+
+def _expand(path: str) -> Path | None:
+    """`path` with `~` expanded; None when there is no home to expand it to."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        return None
 
 
 def adopted_store(settings: Settings) -> OllamaStore | None:
@@ -420,8 +428,11 @@ def adopted_store(settings: Settings) -> OllamaStore | None:
     setting = getattr(settings, "ollama_models", None)
     if setting is not None and str(setting).strip().lower() == "none":
         return None
-    root = Path(str(setting)).expanduser() if setting else default_ollama_root()
-    if root is None or not root.is_dir():
+    root = _expand(str(setting)) if setting else default_ollama_root()
+    try:
+        if root is None or not root.is_dir():
+            return None
+    except OSError:
         return None
     try:
         if root.resolve() == own_store().root.resolve():
