@@ -38,6 +38,7 @@ file is then served under its stem); memspec's own store wins over the adopted o
 from __future__ import annotations
 
 import logging
+import os
 import stat
 import threading
 from dataclasses import dataclass, field
@@ -332,6 +333,14 @@ class ModelCatalog:
             if self._adopted_logged == (store.root, count):
                 return
             self._adopted_logged = (store.root, count)
+        manifests = store.manifests_dir
+        if manifests.exists() and not os.access(manifests, os.R_OK | os.X_OK):
+            log.warning(
+                "the Ollama store at %s cannot be read by this user: its models are not served "
+                "(give it read access, e.g. the ollama group)",
+                store.root,
+            )
+            return
         log.info("serving the Ollama store at %s read-only: %d models", store.root, count)
 
     def _store_model(self, store: OllamaStore, name: OllamaName) -> StoreModel | str:
