@@ -478,6 +478,40 @@ def test_a_client_that_leaves_mid_pull_stops_it_and_the_next_pull_resumes(
         assert not partial.exists()
 
 
+def test_two_clients_pulling_one_name_share_one_download(daemon, daemon_data, tmp_path):
+    with running_registry(tmp_path / "reg", users=USERS) as r:
+        blob = tmp_path / "m.bin"
+        blob.write_bytes(os.urandom(8 << 20))
+        pushed = push_model(r, "test/shared:v1", blob)
+        with CuttingProxy("127.0.0.1", r.port, cut_after=1 << 40, cuts=0, pause_s=0.01) as proxy:
+            name = f"{proxy.host}/test/shared:v1"
+            results: list[list] = []
+
+            def one() -> None:
+                results.append(list(_client(daemon).pull(name, insecure=True, stream=True)))
+
+            threads = [threading.Thread(target=one) for _ in range(2)]
+            for t in threads:
+                t.start()
+                time.sleep(0.3)  # the second joins the first mid-download
+            for t in threads:
+                t.join(120)
+        assert [p[-1].status for p in results] == ["success", "success"]
+        # The second saw the first's progress from its start (the same events), not a pull
+        # of its own that found the blob in place.
+        assert [e.model_dump() for e in results[0]] == [e.model_dump() for e in results[1]]
+        assert len([e for e in results[1] if e.digest == pushed.model_digest]) > 2
+        gets = [
+            h
+            for h in proxy.requests
+            if h.startswith(f"GET /v2/test/shared/blobs/{pushed.model_digest}")
+        ]
+        assert len(gets) == 1, gets  # one download, two clients
+        assert (
+            _store_of(daemon_data).blob_path(pushed.model_digest).read_bytes() == blob.read_bytes()
+        )
+
+
 def test_a_corrupted_blob_through_the_daemon_leaves_nothing(daemon, daemon_data, tmp_path):
     with running_registry(tmp_path / "reg", users=USERS) as r:
         blob = tmp_path / "m.bin"
