@@ -46,6 +46,7 @@ def private_state_dir(tmp_path_factory) -> Path:
     the session's own: what a developer's daemon learnt never steers a test."""
     path = tmp_path_factory.mktemp("state")
     os.environ["MEMSPEC_STATE_DIR"] = str(path)
+    os.environ.setdefault("MEMSPEC_OLLAMA_MODELS", "none")  # nobody's own Ollama store either
     return path
 
 

@@ -237,6 +237,9 @@ def start(
     if "MEMSPEC_DATA_DIR" in os.environ:
         full_env["MEMSPEC_DATA_DIR"] = os.environ["MEMSPEC_DATA_DIR"]
     full_env |= {"PYTHONPATH": str(ROOT), "MEMSPEC_STATE_DIR": str(tmp / "state")}
+    # A developer's own Ollama store ($OLLAMA_MODELS, ~/.ollama) never joins a test's models;
+    # the store tests name theirs.
+    full_env["MEMSPEC_OLLAMA_MODELS"] = "none"
     if keys:
         full_env |= {"MEMSPEC_API_KEY": API_KEY, "MEMSPEC_ADMIN_KEY": ADMIN_KEY}
     full_env |= env or {}
