@@ -200,6 +200,7 @@ def test_adopted_store_is_read_only(ollama_root: Path) -> None:
 def test_where_the_adopted_store_is_found(
     ollama_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("MEMSPEC_OLLAMA_MODELS", raising=False)  # (conftest: none)
     assert adopted_store(Settings(ollama_models="none")) is None
     assert adopted_store(Settings(ollama_models=str(tmp_path / "absent"))) is None
     monkeypatch.setenv("OLLAMA_MODELS", str(ollama_root))
