@@ -250,7 +250,7 @@ fi
 say "3. Directories"
 run install -d -m 0755 "$PREFIX" "$CONF_DIR"
 run install -d -o "$SERVICE_USER" -g "$SERVICE_USER" -m 0750 \
-	"$STATE_DIR" "$STATE_DIR/models" "$STATE_DIR/cache"
+	"$STATE_DIR" "$STATE_DIR/models" "$STATE_DIR/models/store" "$STATE_DIR/cache"
 
 say "4. Virtualenv $VENV"
 if [[ -x $VENV/bin/python ]]; then

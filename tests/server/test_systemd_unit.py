@@ -81,6 +81,8 @@ def test_hardening_directives():
     d = directives()
     assert d["DevicePolicy"] == ["closed"] and set(d["DeviceAllow"]) == GPU_DEVICES
     assert "-/var/lib/memspec/models" in d["ReadOnlyPaths"]
+    # but memspec's own store in it, where /api/pull and /api/create write (ollama_store)
+    assert d["ReadWritePaths"] == ["-/var/lib/memspec/models/store"]
     assert "~@privileged @resources" in d["SystemCallFilter"]
     assert int(d["LimitNOFILE"][0]) >= 1024 and int(d["TasksMax"][0]) >= 64
     assert d["LimitCORE"] == ["0"]
