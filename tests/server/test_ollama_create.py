@@ -44,6 +44,7 @@ NAME = "smollm2-made:q4"
 LOOSE_FILE = "smollm2-135m-q8_0.gguf"  # a second GGUF in the daemon's models dir
 ADOPTED = "adopted:q4_0"  # a model of the adopted Ollama store
 ADOPTED_FILE = "smollm2-135m-q4_0.gguf"
+UPLOADED_FILE = "smollm2-135m-q2_k.gguf"  # what `memspec create` uploads
 SYSTEM = "You are a terse assistant."
 PARAMS = {"temperature": 0.0, "num_predict": 8, "stop": ["<|im_end|>"], "num_thread": 1}
 
@@ -71,6 +72,33 @@ def test_numbers_and_manifests_as_ollama_writes_them() -> None:
     raw = manifest_bytes(config, [Layer(MEDIA_MODEL, "sha256:" + "b" * 64, 20)])
     assert raw.startswith(b'{"schemaVersion":2,"mediaType":') and raw.endswith(b"}\n")
     assert Manifest.parse(raw).layer(MEDIA_MODEL).size == 20
+
+
+def test_a_blob_from_another_filesystem_is_copied_and_checked(tmp_path, monkeypatch) -> None:
+    """place_file's copy (no hard link across filesystems: the fault injected is os.link's
+    EXDEV): the blob is a copy of its own, and a source that does not hash to the digest
+    leaves nothing."""
+    import errno
+
+    from memspec.ollama_store import BlobMismatch
+    from memspec.server import ollama_create
+
+    def no_link(src: object, dst: object) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(ollama_create.os, "link", no_link)
+    store = OllamaStore(tmp_path / "store", writable=True)
+    src = tmp_path / "weights.gguf"
+    src.write_bytes(b"GGUF" + bytes(4096))
+    digest = "sha256:" + hashlib.sha256(src.read_bytes()).hexdigest()
+    assert ollama_create.place_file(store, src, digest, "test") == (digest, 4100)
+    blob = store.blob_path(digest)
+    assert blob.read_bytes() == src.read_bytes() and blob.stat().st_ino != src.stat().st_ino
+    wrong = "sha256:" + "3" * 64
+    with pytest.raises(BlobMismatch):
+        ollama_create.place_file(store, src, wrong, "test")
+    assert not store.has_blob(wrong)
+    assert sorted(p.name for p in store.blobs_dir.iterdir()) == [blob.name]
 
 
 # --- against a real daemon ---------------------------------------------------------------------
@@ -353,6 +381,15 @@ def test_memspec_create_cli(created, server, tmp_path, store) -> None:
     made = store.read_manifest(parse("cli:1"))
     params = json.loads(store.blob_path(made.layer(MEDIA_PARAMS).digest).read_bytes())
     assert params == {**PARAMS, "temperature": 0.2}
+    # A local FROM file is uploaded as a blob first (HEAD, then POST), as `ollama create` does.
+    os.link(models_dir() / UPLOADED_FILE, tmp_path / "local.gguf")
+    modelfile.write_text("FROM ./local.gguf\nPARAMETER top_k 7\n")
+    cmd[cmd.index("cli:1")] = "cli:2"
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    made = store.read_manifest(parse("cli:2"))
+    digest = "sha256:" + hashlib.sha256((tmp_path / "local.gguf").read_bytes()).hexdigest()
+    assert made.layer(MEDIA_MODEL).digest == digest and store.has_blob(digest)
     modelfile.write_text("FROM m\nTEMPLATE x\n")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "TEMPLATE is not supported" in done.stderr
