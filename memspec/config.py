@@ -68,6 +68,18 @@ class Settings(BaseSettings):
     follow_symlinks: bool = Field(
         False, description="follow symlinks that leave the models dir (serve what they point to)"
     )
+    # Drafts for whatever arrives (memspec.draft_builds): a served model without a built
+    # family gets one in the background, at low priority, serving with prompt lookup meanwhile.
+    build_drafts: bool = Field(
+        True,
+        description="build the draft family of every served model that has none (pulled, "
+        "created, or found at start), one at a time in a low-priority child process",
+    )
+    build_drafts_only: list[str] | None = Field(
+        None,
+        description="recipe ids those background builds make (default: every recipe of the "
+        "family not marked on_demand: self-drafts, the CI-size datastore; a sibling is found)",
+    )
     # Several models under one budget (memspec.scheduler.residency): any model in the models
     # dir is served by name; the target is the default and the one loaded at start.
     keep_alive: str = Field(

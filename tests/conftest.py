@@ -47,6 +47,7 @@ def private_state_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("state")
     os.environ["MEMSPEC_STATE_DIR"] = str(path)
     os.environ.setdefault("MEMSPEC_OLLAMA_MODELS", "none")  # nobody's own Ollama store either
+    os.environ.setdefault("MEMSPEC_BUILD_DRAFTS", "false")  # no background builds of data/
     return path
 
 

@@ -237,6 +237,9 @@ def start(
     if "MEMSPEC_DATA_DIR" in os.environ:
         full_env["MEMSPEC_DATA_DIR"] = os.environ["MEMSPEC_DATA_DIR"]
     full_env |= {"PYTHONPATH": str(ROOT), "MEMSPEC_STATE_DIR": str(tmp / "state")}
+    # No background draft builds (memspec.draft_builds) unless a test asks: on the shared data
+    # dir they would build families of every model there, on CPUs the tests share.
+    full_env["MEMSPEC_BUILD_DRAFTS"] = "false"
     # A developer's own Ollama store ($OLLAMA_MODELS, ~/.ollama) never joins a test's models;
     # the store tests name theirs.
     full_env["MEMSPEC_OLLAMA_MODELS"] = "none"

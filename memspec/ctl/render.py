@@ -162,6 +162,7 @@ def status(st: dict[str, Any], url: str, prev: dict[str, Any] | None = None) -> 
         *_model_lines(st.get("models") or [], st.get("residency")),
         # Models-dir files not served: the operator sees why (the daemon serves the rest).
         *[("bad file", f"{b.get('file')}: {b.get('reason')}") for b in st.get("bad_models") or []],
+        *_build_lines(st.get("draft_builds") or []),
     ]
     return kv_table(pairs) + "\n\n" + drafts_table(st.get("drafts") or [])
 
@@ -181,6 +182,24 @@ def _model_lines(models: list[dict[str, Any]], residency: str | None) -> list[tu
         lines.append(("model", f"{m.get('name')}{mark}: {state}; {counts}"))
     if lines and residency:
         lines.insert(0, ("residency", residency))
+    return lines
+
+
+def _build_lines(builds: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Each model's background draft build: queued, building, built (with what) or failed
+    (with why): a failed build leaves the model serving with prompt lookup."""
+    lines = []
+    for b in builds:
+        names = ", ".join(b.get("models") or []) or str(b.get("key"))
+        state = str(b.get("state"))
+        if state == "built":
+            drafts = list(b.get("drafts") or [])
+            if b.get("sibling") and b["sibling"] not in drafts:
+                drafts.append(str(b["sibling"]))
+            state += f": {', '.join(drafts) or 'nothing to build'}"
+        elif state == "failed":
+            state += f": {b.get('reason') or '-'}"
+        lines.append(("drafts build", f"{names}: {state}"))
     return lines
 
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from memspec.config import Settings
 from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, DraftManifest, load_manifests
 from memspec.errors import UnknownDraft
-from memspec.paths import data_dir, models_dir, resolve_model_path
+from memspec.paths import data_dir, resolve_model_path
 
 # Nominal bits per weight of llama.cpp file types (general.file_type), for the self-draft rule.
 FTYPE_BITS = {
@@ -284,9 +285,37 @@ def named_sibling(target: Path, path: Path) -> Sibling:
     return Sibling(_sibling_id(path), path, size, "named")
 
 
-def find_siblings(target: Path) -> list[Sibling]:
-    """GGUFs in the models directory smaller than the target that speak its tokenizer, the
-    largest first: neither the target nor a file derived from it (`<slug>-*`)."""
+# A sibling pays as a draft only if its step costs clearly less than the target's: at most this
+# share of the target's weights (decode_params; Qwen2.5-Coder 0.5B beside its 1.5B: 0.32).
+SIBLING_MAX_SHARE = 1 / 3
+
+
+def decode_params(path: Path) -> int:
+    """The weights a decoding step multiplies by, in parameters (as a model card counts them,
+    whatever the quantization): every tensor but the token embedding, which a step only looks
+    one row up in, unless it is tied (no output.weight), when it is the output layer too."""
+    from memspec.drafts.gguf_header import open_header
+
+    tensors = open_header(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_elements) for t in tensors if tied or t.name != "token_embd.weight")
+
+
+def catalog_paths() -> list[Path]:
+    """The GGUFs the catalog serves (loose files and store models' blobs), under the settings
+    of this process's environment: where `find_siblings` looks by default."""
+    from memspec.catalog import ModelCatalog  # the catalog builds on this module
+
+    models = ModelCatalog(Settings()).models()
+    return [m.path for m in models if m.refused is None and m.path.is_file()]
+
+
+def find_siblings(target: Path, candidates: Iterable[Path] | None = None) -> list[Sibling]:
+    """The models of the catalog (`candidates`, default catalog_paths(): loose GGUFs and store
+    models alike) that speak the target's tokenizer and carry at most SIBLING_MAX_SHARE of its
+    weights (and fewer bytes), the largest first: found by scanning headers, never by a family
+    table. Neither the target (a hard link of it included) nor a file derived from it
+    (`<slug>-*`) is one."""
     from memspec.drafts.compat import fingerprint_of, incompatibility
     from memspec.errors import ModelLoadError
 
@@ -294,18 +323,22 @@ def find_siblings(target: Path) -> list[Sibling]:
     if want is None:
         return []
     target_size, own = target.stat().st_size, slug(target) + "-"
-    found = []
-    for path in sorted(models_dir().glob("*.gguf")):
-        if path.resolve() == target.resolve() or path.name.lower().startswith(own):
-            continue
+    limit = decode_params(target) * SIBLING_MAX_SHARE
+    found, seen = [], set()
+    for path in candidates if candidates is not None else catalog_paths():
         try:
-            if path.stat().st_size >= target_size:
+            st = path.stat()
+            inode = (st.st_dev, st.st_ino)
+            if inode in seen or path.samefile(target) or path.name.lower().startswith(own):
+                continue
+            seen.add(inode)
+            if st.st_size >= target_size or decode_params(path) > limit:
                 continue
             fp = fingerprint_of(path)
         except (ModelLoadError, OSError, ValueError):
             continue  # unreadable here: not a sibling (a load would say why)
         if fp is not None and incompatibility(want, fp) is None:
-            found.append(Sibling(_sibling_id(path), path, path.stat().st_size, "found"))
+            found.append(Sibling(_sibling_id(path), path, st.st_size, "found"))
     found.sort(key=lambda s: -s.bytes)
     ids = [s.id for s in found]  # two files with one size label: fall back to file stems
     return [

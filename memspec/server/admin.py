@@ -226,6 +226,9 @@ def status(ctx: ServerContext) -> dict[str, Any]:
         "models": _retry(w.models_status, []),
         # Files in the models dir that are not served (not a usable GGUF), and why.
         "bad_models": w.catalog.bad_models(),
+        # Drafts for whatever arrives (memspec.draft_builds): each family queued, building,
+        # built (its drafts) or failed (why).
+        "draft_builds": ctx.draft_builds.status() if ctx.draft_builds is not None else [],
     }
 
 

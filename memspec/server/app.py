@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 import memspec
 from memspec.config import Settings
+from memspec.draft_builds import DraftBuilds
 from memspec.server import (
     admin,
     embeddings_api,
@@ -138,6 +139,8 @@ def create_app(
         metrics=metrics,
         notifier=Notifier(environ),
     )
+    # Drafts for whatever arrives: built in the background once the engine serves.
+    ctx.draft_builds = DraftBuilds(lambda: ctx.worker.settings, ctx.worker.catalog)
     life = Lifecycle(ctx)
     ctx.worker._on_ready = life.on_engine_ready
     ctx.worker._on_fatal = life.on_fatal
@@ -148,12 +151,14 @@ def create_app(
         life.loop = asyncio.get_running_loop()
         ctx.notifier.status("loading models")
         ctx.worker.start()
+        ctx.draft_builds.start(ready=lambda: ctx.worker.ready)
         watchdog = asyncio.create_task(ctx.notifier.watchdog_loop(ctx.worker.healthy))
         try:
             yield
         finally:
             life.begin_shutdown()
             watchdog.cancel()
+            await asyncio.to_thread(ctx.draft_builds.close)  # its child stops, to resume later
             stopped = await asyncio.to_thread(ctx.worker.stop, 10.0)
             if not stopped:
                 log.error("the engine thread did not stop; exiting without closing models")

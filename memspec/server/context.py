@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from memspec.config import Settings
+from memspec.draft_builds import DraftBuilds
 from memspec.memory.plan import trained_context
 from memspec.paths import resolve_model_path
 from memspec.server.errors import as_memspec_error
@@ -33,6 +34,7 @@ class ServerContext:
     shutting_down: bool = False
     exit_code: int = 0
     request_exit: Callable[[int], None] | None = None  # set by the process runner
+    draft_builds: DraftBuilds | None = None  # drafts for whatever arrives (create_app)
     _model_id: str | None = field(default=None, repr=False)
 
     @property

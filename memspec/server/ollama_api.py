@@ -789,6 +789,9 @@ async def show(request: Request, ctx: Ctx) -> dict[str, Any]:
             "notes": list(entry.notes),
             "refused": model.refused,
         }
+    if ctx.draft_builds is not None:  # the drafts it has, and its family's build (or failure)
+        drafts = await asyncio.to_thread(ctx.draft_builds.of, model)
+        out.setdefault("memspec", {})["drafts"] = drafts
     return out
 
 

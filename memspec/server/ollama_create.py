@@ -716,6 +716,8 @@ async def create(request: Request, ctx: Ctx) -> Response:
     def job() -> None:
         try:
             run_create(plan, _n_threads(ctx), emit, cancel)
+            if ctx.draft_builds is not None:  # its drafts are built in the background
+                ctx.draft_builds.rescan()
             emit({"status": "success"})
         except MemSpecError as e:
             log.warning("create %s failed: %s", plan.name.display, e.message)

@@ -234,7 +234,7 @@ async def _answer(job: TransferJob, queue: asyncio.Queue[Any], stream: bool) -> 
 
 
 @router.post("/api/pull")
-async def pull(request: Request) -> Response:
+async def pull(request: Request, ctx: Ctx) -> Response:
     body: PullBody = await _body(request, PullBody)
     name = _asked(body)
     credentials = registry.Credentials.given(body.username, body.password)
@@ -243,6 +243,8 @@ async def pull(request: Request) -> Response:
         pulls.pull(
             name, job.emit, insecure=body.insecure, credentials=credentials, cancel=job.cancel
         )
+        if ctx.draft_builds is not None:  # servable now; its drafts are built in the background
+            ctx.draft_builds.rescan()
 
     job, queue = _join_or_start("pull", name, work)
     return await _answer(job, queue, body.stream)
