@@ -22,7 +22,13 @@ def references(runtime, chat_prompts):
     return [runtime.generate(p, params, draft="none").token_ids for p in chat_prompts]
 
 
-@pytest.mark.parametrize("draft", ["prompt-lookup", "q8_0", "q4_0", "q2_k"])
+# The three self-drafts go through one code path (ModelDraft; memspec branches on a draft's
+# weight type only for the target's row rule): q2_k keeps it in the default tier, q8_0 and q4_0
+# (their own llama.cpp kernels) in the slow one; q4_0 also drafts in the adaptive test below.
+SELF_DRAFTS_SLOW = [pytest.param(d, marks=pytest.mark.slow) for d in ("q8_0", "q4_0")]
+
+
+@pytest.mark.parametrize("draft", ["prompt-lookup", *SELF_DRAFTS_SLOW, "q2_k"])
 def test_greedy_identical_for_every_draft_and_k(runtime, chat_prompts, references, draft):
     params = SamplingParams(max_tokens=MAX_TOKENS)
     for prompt, ref in zip(chat_prompts, references, strict=True):
