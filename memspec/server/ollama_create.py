@@ -367,9 +367,15 @@ def _from_files(ctx: ServerContext, files: dict[str, str]) -> Source:
 
 def _check_gguf(source: Source, asked: str) -> int | None:
     """The source's llama_ftype; a 400 unless it is a GGUF model this server can use."""
-    with open(source.path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise InvalidRequest("supplied file was not in GGUF format", param="files")
+    try:
+        with open(source.path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise InvalidRequest(
+            f"{asked}: its GGUF ({source.where}) cannot be read: {e.strerror or e}", param="from"
+        ) from None
+    if magic != b"GGUF":
+        raise InvalidRequest("supplied file was not in GGUF format", param="files")
     from memspec.drafts.gguf_header import open_header, scalar
 
     try:
@@ -453,13 +459,16 @@ def _merge_modelfile(body: CreateBody) -> None:
         log.info("create %s: %s", body.model or body.name, warning)
 
 
-def _read_json(store: OllamaStore, layer: Layer, what: str) -> Any:
+def _read_json(store: OllamaStore, layer: Layer, what: str) -> dict[str, Any]:
     if layer.size > 1 << 20:
         raise InvalidRequest(f"the base model's {what} layer is over 1 MiB", param="from")
     try:
-        return json.loads(store.blob_path(layer.digest).read_bytes())
+        value = json.loads(store.blob_path(layer.digest).read_bytes())
     except (OSError, ValueError) as e:
         raise InvalidRequest(f"the base model's {what} layer is unreadable: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"the base model's {what} layer is not a JSON object", param="from")
+    return value
 
 
 # --- the create ----------------------------------------------------------------------------
@@ -507,6 +516,8 @@ def place_file(store: OllamaStore, src: Path, digest: str | None, why: str) -> t
         return digest, size
     except OSError as e:
         log.info("%s: copying %s into %s (no hard link: %s)", why, src, store.root, e.strerror)
+    if size > _free_bytes(store):
+        raise MemSpecError(f"{why}: {src.name} ({size} bytes) does not fit on the models disk")
     fd, tmp = tempfile.mkstemp(prefix=".copy-", dir=target.parent)
     try:
         h = hashlib.sha256()
