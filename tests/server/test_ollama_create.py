@@ -101,6 +101,34 @@ def test_a_blob_from_another_filesystem_is_copied_and_checked(tmp_path, monkeypa
     assert sorted(p.name for p in store.blobs_dir.iterdir()) == [blob.name]
 
 
+def test_host_origin_guard_and_a_streamed_blob_past_the_body_limit(tmp_path) -> None:
+    """A key-less app (its engine never started: these routes need no model): a foreign Host
+    or Origin is a 403 on every route here; a blob larger than `max_body` streams past the
+    body limit into the own store; /api/copy wants JSON (a cross-site form cannot send it)."""
+    from fastapi.testclient import TestClient
+
+    from memspec import paths
+    from memspec.config import Settings
+    from memspec.server.app import create_app
+
+    paths.use_data_dir(tmp_path)  # conftest puts the process's data dir back after the test
+    client = TestClient(create_app(Settings(host="127.0.0.1")), base_url="http://127.0.0.1:8000")
+    data = os.urandom(3 << 20)  # over the default 1 MiB max_body
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    foreign = ({"Host": "evil.example"}, {"Origin": "http://evil.example"})
+    for headers in foreign:
+        assert client.post("/api/create", json={"model": "x"}, headers=headers).status_code == 403
+        assert client.post("/api/copy", json={}, headers=headers).status_code == 403
+        r = client.post(f"/api/blobs/{digest}", content=data, headers=headers)
+        assert r.status_code == 403
+    assert not (tmp_path / "models").exists()
+    assert client.post(f"/api/blobs/{digest}", content=data).status_code == 201
+    assert client.head(f"/api/blobs/{digest}").status_code == 200
+    assert OllamaStore(tmp_path / "models" / "store", writable=False).has_blob(digest)
+    form = {"content-type": "text/plain"}
+    assert client.post("/api/copy", content=b"{}", headers=form).status_code == 415
+
+
 # --- against a real daemon ---------------------------------------------------------------------
 
 
