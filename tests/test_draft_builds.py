@@ -20,7 +20,7 @@ from test_catalog import tiny_gguf
 from memspec import paths
 from memspec.catalog import ModelCatalog
 from memspec.config import Settings
-from memspec.draft_builds import RECORD_FILE, BuildState, DraftBuilds
+from memspec.draft_builds import RECORD_FILE, DraftBuilds
 from memspec.drafts.family import SIBLING_MAX_SHARE, decode_params, find_siblings, slug
 from memspec.paths import models_dir
 

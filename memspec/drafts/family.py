@@ -24,7 +24,7 @@ from pathlib import Path
 from memspec.config import Settings
 from memspec.drafts.manifest import DEFAULT_MANIFEST_DIR, DraftManifest, load_manifests
 from memspec.errors import UnknownDraft
-from memspec.paths import data_dir, resolve_model_path
+from memspec.paths import data_dir, models_dir, resolve_model_path
 
 # Nominal bits per weight of llama.cpp file types (general.file_type), for the self-draft rule.
 FTYPE_BITS = {
@@ -301,13 +301,36 @@ def decode_params(path: Path) -> int:
     return sum(int(t.n_elements) for t in tensors if tied or t.name != "token_embd.weight")
 
 
-def catalog_paths() -> list[Path]:
-    """The GGUFs the catalog serves (loose files and store models' blobs), under the settings
-    of this process's environment: where `find_siblings` looks by default."""
-    from memspec.catalog import ModelCatalog  # the catalog builds on this module
+def catalog_paths(settings: Settings | None = None) -> list[Path]:
+    """The files of the models the catalog serves, read from where memspec.catalog reads them
+    (which builds on this module): the loose GGUFs of the models dir that are no built draft,
+    and the GGUF blob of every model of memspec's own store and of the adopted Ollama store
+    (`settings`' ollama_models; default: this process's environment), refused ones left out."""
+    from memspec.errors import MemSpecError
+    from memspec.ollama_store import adopted_store, own_store
+    from memspec.store_model import read_store_model
 
-    models = ModelCatalog(Settings()).models()
-    return [m.path for m in models if m.refused is None and m.path.is_file()]
+    paths = [
+        p
+        for p in sorted(models_dir().glob("*.gguf"))
+        if not p.with_name(p.name + ".build.json").is_file()
+        or (family_dir(p) / "family.json").is_file()
+    ]
+    for store in (own_store(), adopted_store(settings or Settings())):
+        if store is None:
+            continue
+        try:
+            names = store.names()
+        except (MemSpecError, OSError):
+            continue
+        for name in names:
+            try:
+                entry = read_store_model(store, name)
+            except (MemSpecError, OSError, ValueError):
+                continue
+            if not isinstance(entry, str) and entry.refused is None:
+                paths.append(entry.model_path)
+    return paths
 
 
 def find_siblings(target: Path, candidates: Iterable[Path] | None = None) -> list[Sibling]:
