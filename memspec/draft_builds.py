@@ -188,6 +188,11 @@ class DraftBuilds:
         if not settings.build_drafts:
             return
         changed = False
+        with self._lock:  # a model deleted since (its file gone) leaves the status
+            for key, b in list(self._builds.items()):
+                if b.state is not BuildState.BUILDING and not Path(b.target).exists():
+                    del self._builds[key]
+                    changed = True
         for m in self.catalog.models():
             if m.refused is not None or (m.default and settings.manifest_dir is not None):
                 continue

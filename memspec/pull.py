@@ -126,7 +126,33 @@ def delete(
                 param="model",
                 code="model_in_use",
             )
-    return store.delete(parsed)
+    removed = store.delete(parsed)
+    return removed + drop_drafts(removed)
+
+
+def drop_drafts(blobs: Iterable[Path]) -> list[Path]:
+    """What memspec built for these removed blobs in its data dir (memspec.draft_builds keys
+    a store model's family by its blob): the family's manifests, its draft files, and the
+    blob's link in the models dir. A blob another name still uses was not removed."""
+    from memspec.drafts.family import family_dir, slug
+
+    gone: list[Path] = []
+    for blob in blobs:
+        if not blob.name.startswith("sha256-"):
+            continue  # the manifest
+        link = models_dir() / blob.name  # recipes read their source there
+        derived = sorted(models_dir().glob(f"{slug(blob)}-*"))
+        for p in [link] if link.is_symlink() else []:
+            p.unlink(missing_ok=True)
+            gone.append(p)
+        for p in derived:
+            if p.is_file() or p.is_symlink():
+                p.unlink(missing_ok=True)
+                gone.append(p)
+        if family_dir(blob).is_dir():
+            shutil.rmtree(family_dir(blob), ignore_errors=True)
+            gone.append(family_dir(blob))
+    return gone
 
 
 def _own_layers(store: OllamaStore, name: OllamaName, manifest: Manifest) -> list[Layer]:

@@ -23,6 +23,7 @@ from memspec.config import Settings
 from memspec.draft_builds import RECORD_FILE, DraftBuilds
 from memspec.drafts.family import SIBLING_MAX_SHARE, decode_params, find_siblings, slug
 from memspec.paths import models_dir
+from memspec.pull import delete
 
 # The stand-in build: a target named bad-* fails as a corrupt input would; slow-* sleeps;
 # every other gets a family report naming one built draft. Each run is logged to runs.txt.
@@ -180,6 +181,13 @@ def test_a_store_model_is_keyed_by_its_blob(data: Path) -> None:
     assert sorted(rows[blob_key]["models"]) == ["alias:1b", "mystery:1b"]
     assert (data / "families" / blob_key / "family.json").is_file()
     assert sorted(p.name for p in (store / "blobs").iterdir()) == before  # nothing written there
+    # Deleting both names removes the blob, and with it what was built for it.
+    (models_dir() / f"{blob_key}-q4_0.gguf").write_bytes(b"a built draft")
+    delete("alias:1b")
+    assert (data / "families" / blob_key).is_dir()  # mystery:1b still uses the blob
+    delete("mystery:1b")
+    assert not (data / "families" / blob_key).exists()
+    assert not (models_dir() / f"{blob_key}-q4_0.gguf").exists()
 
 
 # --- the sibling, found by scanning headers -------------------------------------------------
