@@ -34,6 +34,7 @@ keep_alive or evicted comes back with it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -44,7 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from memspec.catalog import ModelCatalog, ServableModel
 from memspec.compat import StrEnum
@@ -176,11 +177,8 @@ class DraftBuilds:
                 self._scan()
             except Exception:  # noqa: BLE001 - a bad listing must not end the builds
                 log.exception("looking for models without drafts failed")
-            build = self._next()
-            if build is not None:
-                self._build(build)
-                continue
-            self._wake.wait(self.rescan_s)
+            if not any(self._build(b) for b in self._queued()):
+                self._wake.wait(self.rescan_s)  # nothing to build, or others build it now
 
     def _scan(self) -> None:
         """Queue every served model that needs a family; note the ones that have one."""
@@ -234,14 +232,26 @@ class DraftBuilds:
         log.info("drafts of %s queued (%s): it serves with prompt lookup meanwhile", m.name, key)
         return True
 
-    def _next(self) -> Build | None:
+    def _queued(self) -> list[Build]:
         if not self._settings().build_drafts:
-            return None
+            return []
         with self._lock:
-            return next((b for b in self._builds.values() if b.state is BuildState.QUEUED), None)
+            return [b for b in self._builds.values() if b.state is BuildState.QUEUED]
 
-    def _build(self, b: Build) -> None:
+    def _build(self, b: Build) -> bool:
+        """Build `b`; False when another process builds that target now (`memspec pull
+        --package-index`, another daemon on this data dir): it stays queued."""
         target = Path(b.target)
+        lock = _try_lock(models_dir() / ".locks" / f"drafts-of-{target.name}.lock")
+        if lock is None:
+            return False
+        try:
+            self._build_locked(b, target)
+        finally:
+            lock.close()
+        return True
+
+    def _build_locked(self, b: Build, target: Path) -> None:
         with self._lock:
             b.state, b.reason, b.updated_at = BuildState.BUILDING, "", time.time()
         self._save()
@@ -359,6 +369,22 @@ def child_env(settings: Settings) -> dict[str, str]:
         env["MEMSPEC_OLLAMA_MODELS"] = settings.ollama_models
     env["MEMSPEC_FOLLOW_SYMLINKS"] = "true" if settings.follow_symlinks else "false"
     return env
+
+
+def _try_lock(path: Path) -> IO[str] | None:
+    """The build lock of a target (memspec.pull.build_drafts takes the same one), or None
+    while another process holds it; closing the file lets it go."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = path.open("a")
+    except OSError:
+        return open(os.devnull, "a")  # noqa: SIM115 - nowhere to lock: build anyway
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
 
 
 def _lower_priority(pid: int) -> None:

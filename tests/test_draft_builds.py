@@ -250,3 +250,26 @@ def test_the_sibling_is_found_in_a_store_by_scanning_the_catalog(data: Path) -> 
     assert found.path == store / "blobs" / f"sha256-{digest}"
     assert found.id == "sibling-0.5b"
     assert slug(found.path) == f"sha256-{digest}"
+
+
+def test_a_target_another_process_builds_waits_its_turn(data: Path) -> None:
+    """`memspec pull --package-index` builds under the same lock: the daemon's build of that
+    target stays queued while it is held, and runs once it is let go."""
+    import fcntl
+
+    tiny_gguf(models_dir() / "mystery.gguf")
+    settings = settings_for("mystery.gguf")
+    lock_path = models_dir() / ".locks" / "drafts-of-mystery.gguf.lock"
+    lock_path.parent.mkdir(parents=True)
+    with lock_path.open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        builds = DraftBuilds(settings, ModelCatalog(settings), command=stand_in, rescan_s=0.1)
+        builds.start()
+        try:
+            time.sleep(1.0)
+            assert states(builds) == {"mystery": "queued"} and runs(data) == []
+            fcntl.flock(held, fcntl.LOCK_UN)
+            wait_for(settled(builds, 1))
+        finally:
+            builds.close()
+    assert states(builds) == {"mystery": "built"} and runs(data) == ["mystery.gguf"]
