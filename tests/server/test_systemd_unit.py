@@ -76,13 +76,14 @@ GPU_DEVICES = {"/dev/nvmap rw", "char-nvhost* rw", "char-nvgpu* rw", "char-nvidi
 
 
 def test_hardening_directives():
-    """Issue 29: devices closed but the Jetson GPU's, models read-only, no privileged or
+    """Issue 29: devices closed but the Jetson GPU's, the system read-only, no privileged or
     resource syscalls, bounded descriptors and tasks, no core files."""
     d = directives()
     assert d["DevicePolicy"] == ["closed"] and set(d["DeviceAllow"]) == GPU_DEVICES
-    assert "-/var/lib/memspec/models" in d["ReadOnlyPaths"]
-    # but memspec's own store in it, where /api/pull and /api/create write (ollama_store)
-    assert d["ReadWritePaths"] == ["-/var/lib/memspec/models/store"]
+    # The models dir is written (pull, create, background draft builds: issue 53); everything
+    # else on the system but the state dir stays read-only, an adopted Ollama store included.
+    assert d["ProtectSystem"] == ["strict"] and "ReadWritePaths" not in d
+    assert "-/var/lib/memspec/models" not in d.get("ReadOnlyPaths", [])
     assert "~@privileged @resources" in d["SystemCallFilter"]
     assert int(d["LimitNOFILE"][0]) >= 1024 and int(d["TasksMax"][0]) >= 64
     assert d["LimitCORE"] == ["0"]
