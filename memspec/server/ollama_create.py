@@ -47,7 +47,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from memspec import modelfile, ollama_name
 from memspec import quantize as quantizer
@@ -78,7 +78,7 @@ from memspec.server.auth import require_admin_key
 from memspec.server.context import Ctx, ServerContext
 from memspec.server.errors import PayloadTooLarge
 from memspec.server.ollama_api import HARDWARE_OPTIONS, OPTION_FIELDS
-from memspec.server.ollama_pull import require_json
+from memspec.server.ollama_pull import read_body, require_json
 
 log = logging.getLogger("memspec.server")
 
@@ -141,18 +141,6 @@ class CopyBody(BaseModel):
 
     source: str = ""
     destination: str = ""
-
-
-async def _body(request: Request, cls: type[BaseModel]) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        raise InvalidRequest("missing request body")  # Ollama's words
-    try:
-        return cls.model_validate(json.loads(raw))
-    except (ValueError, UnicodeDecodeError, ValidationError) as e:
-        first = e.errors()[0] if isinstance(e, ValidationError) else None
-        where = ".".join(str(p) for p in first["loc"]) if first else "body"
-        raise InvalidRequest(f"invalid value for {where}: {first['msg'] if first else e}") from None
 
 
 # --- checks --------------------------------------------------------------------------------
@@ -715,7 +703,7 @@ def _n_threads(ctx: ServerContext) -> int:
 
 @router.post("/api/create")
 async def create(request: Request, ctx: Ctx) -> Response:
-    body: CreateBody = await _body(request, CreateBody)
+    body: CreateBody = await read_body(request, CreateBody)
     plan = await asyncio.to_thread(make_plan, ctx, body)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
@@ -789,7 +777,7 @@ def _copy(ctx: ServerContext, source: str, destination: str) -> Manifest:
 
 @router.post("/api/copy")
 async def copy(request: Request, ctx: Ctx) -> Response:
-    body: CopyBody = await _body(request, CopyBody)
+    body: CopyBody = await read_body(request, CopyBody)
     await asyncio.to_thread(_copy, ctx, body.source, body.destination)
     return Response(status_code=200)  # Ollama answers an empty 200
 

@@ -94,7 +94,8 @@ class DeleteBody(BaseModel):
     name: str | None = None
 
 
-async def _body(request: Request, cls: type[BaseModel]) -> Any:
+async def read_body(request: Request, cls: type[BaseModel]) -> Any:
+    """An Ollama route's JSON body as `cls`, or a 400 in Ollama's words."""
     raw = await request.body()
     if not raw.strip():
         raise InvalidRequest("missing request body")  # Ollama's words
@@ -235,7 +236,7 @@ async def _answer(job: TransferJob, queue: asyncio.Queue[Any], stream: bool) -> 
 
 @router.post("/api/pull")
 async def pull(request: Request, ctx: Ctx) -> Response:
-    body: PullBody = await _body(request, PullBody)
+    body: PullBody = await read_body(request, PullBody)
     name = _asked(body)
     credentials = registry.Credentials.given(body.username, body.password)
 
@@ -252,7 +253,7 @@ async def pull(request: Request, ctx: Ctx) -> Response:
 
 @router.post("/api/push")
 async def push(request: Request) -> Response:
-    body: PushBody = await _body(request, PushBody)
+    body: PushBody = await read_body(request, PushBody)
     name = _asked(body)
     if own_store().read_manifest(name) is None:
         raise UnknownModel(f"model '{name.display}' not found", param="model")
@@ -312,7 +313,7 @@ def _resident_names(ctx: ServerContext) -> list[str]:
 
 @router.delete("/api/delete")
 async def delete(request: Request, ctx: Ctx) -> Response:
-    body: DeleteBody = await _body(request, DeleteBody)
+    body: DeleteBody = await read_body(request, DeleteBody)
     name = _asked(body)
     job = _jobs.get(_job_key("pull", name))
     if job is not None and not job.done:
