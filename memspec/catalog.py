@@ -41,9 +41,10 @@ import logging
 import os
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from memspec.backends.chat import ChatTemplate, resolve_chat_template
 from memspec.config import Settings
@@ -158,9 +159,7 @@ class ModelCatalog:
         if not name:
             return None
         bad = self._scan()[1]
-        found = next((b for b in bad if b.name == name), None) or next(
-            (b for b in bad if name in b.aliases), None
-        )
+        found = _lookup(bad, name, str.__eq__) or _lookup(bad, name, _equal_fold)
         return found.error() if found is not None else None
 
     def mark_bad(self, path: Path, reason: str) -> None:
@@ -261,17 +260,17 @@ class ModelCatalog:
     def find(self, name: str | None, *, refused: bool = False) -> ServableModel | None:
         """The model a request names (None or "": the default); None if none answers to it.
         A refused store model answers only with `refused` (/api/show describes it; a request
-        to run it gets `unusable`'s error)."""
+        to run it gets `unusable`'s error). Names compare as Ollama's do, case-insensitively
+        (`SmolLM2:135M` is `smollm2:135m`), an exact spelling first."""
         models = [m for m in self.models() if refused or m.refused is None]
         if not name:
             return models[0]
-        exact = next((m for m in models if m.name == name), None)
-        if exact is not None:
-            return exact
-        # The default's aliases win a clash: the file as configured keeps meaning the target.
-        return next((m for m in models if name in m.aliases), None) or (
-            models[0] if name in (self._settings.target, default_file(self._settings)) else None
-        )
+        # The default's aliases win a clash: it is first, and the file as configured keeps
+        # meaning the target.
+        found = _lookup(models, name, str.__eq__)
+        if found is None and name in (self._settings.target, default_file(self._settings)):
+            return models[0]
+        return found or _lookup(models, name, _equal_fold)
 
     def chat_template(self, model: ServableModel) -> ChatTemplate:
         """The template the model renders chats with, from its header (no load): the
@@ -418,6 +417,23 @@ def _header_problem(path: Path) -> str | None:
     except Exception as e:  # assorted numpy/struct errors on odd values: a bad file, not a 500
         return _clean(f"its header cannot be read ({type(e).__name__})")
     return None
+
+
+_Named = TypeVar("_Named", ServableModel, BadModelFile)
+
+
+def _lookup(entries: list[_Named], name: str, same: Callable[[str, str], bool]) -> _Named | None:
+    """The entry `name` names by `same`: its served name first, then any alias. Called as
+    spelt, then with _equal_fold: Ollama compares names ignoring case (types/model/name.go,
+    EqualFold), so a model pulled as `smollm2:135m` answers to `SmolLM2:135M`; listings keep
+    each name as it is."""
+    return next((e for e in entries if same(e.name, name)), None) or next(
+        (e for e in entries if any(same(a, name) for a in e.aliases)), None
+    )
+
+
+def _equal_fold(a: str, b: str) -> bool:
+    return a.casefold() == b.casefold()
 
 
 def _store_aliases(name: OllamaName) -> frozenset[str]:

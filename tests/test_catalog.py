@@ -186,3 +186,49 @@ def test_built_drafts_are_neither_models_nor_bad(models):
     (models / "draft.gguf.build.json").write_text("{}")
     cat = catalog()
     assert names(cat) == ["target"] and bad(cat) == {}
+
+
+def test_names_compare_ignoring_case_as_ollamas_and_list_as_they_are(models, tmp_path):
+    """Ollama finds a model by any casing of its name (server/images.go getExistingName,
+    types/model/name.go EqualFold); memspec's lookup does the same for loose files and both
+    stores' models, an exact spelling first, and lists every name as it is."""
+    from memspec.ollama_store import MEDIA_MODEL
+    from tests.test_ollama_store import write_model
+
+    tiny_gguf(models / "smollm2-135m-instruct-q8_0.gguf")  # a loose file: smollm2:135m
+    (models / "Broken.gguf").write_bytes(SECRET)
+    blob = tiny_gguf(tmp_path / "tiny.gguf").read_bytes()
+    adopted = tmp_path / "ollama"
+    write_model(adopted, "registry.ollama.ai/library/llama3.2/1b", [(MEDIA_MODEL, blob)])
+    write_model(adopted, "hf.co/Bartowski/Repo-GGUF/Q4_K_M", [(MEDIA_MODEL, blob)])
+    write_model(adopted, "registry.ollama.ai/library/mixed/Tag", [(MEDIA_MODEL, blob)])
+    write_model(adopted, "registry.ollama.ai/library/mixed/tag", [(MEDIA_MODEL, blob)])
+    cat = catalog(ollama_models=str(adopted))
+    listed = names(cat)
+    assert listed == [
+        "target",
+        "smollm2:135m",
+        "hf.co/Bartowski/Repo-GGUF:Q4_K_M",
+        "llama3.2:1b",
+        "mixed:Tag",
+        "mixed:tag",
+    ]
+
+    def found(name: str) -> str | None:
+        model = cat.find(name)
+        return model.name if model is not None else None
+
+    assert found("SmolLM2:135M") == "smollm2:135m"
+    assert found("SMOLLM2-135M-INSTRUCT-Q8_0.GGUF") == "smollm2:135m"  # its file name
+    assert found("LLAMA3.2:1B") == "llama3.2:1b"
+    assert found("Registry.Ollama.AI/Library/Llama3.2:1B") == "llama3.2:1b"
+    assert found("hf.co/bartowski/repo-gguf:q4_k_m") == "hf.co/Bartowski/Repo-GGUF:Q4_K_M"
+    assert found("TARGET") == "target"
+    # two names that differ only in case: each answers to its own spelling
+    assert found("mixed:Tag") == "mixed:Tag" and found("mixed:tag") == "mixed:tag"
+    assert found("smollm2:1350m") is None and found("llama3.2:1") is None
+    # a bad file's error answers to any casing too
+    error = cat.unusable("BROKEN")
+    assert error is not None and "Broken.gguf" in error.message
+    assert cat.find("broken") is None
+    assert names(cat) == listed  # looking up changed no listed name
