@@ -160,6 +160,25 @@ def abandon_when(gone: Callable[[], bool]) -> Iterator[None]:
         _load_check.gone = None
 
 
+@contextlib.contextmanager
+def drafts_join_later() -> Iterator[None]:
+    """Runtimes built on this thread inside the block (a model loaded for requests that wait
+    for it) load at once only the drafts that take no memory, plus any whose cost this process
+    has not measured yet; the others join when the policy's plan says they pay (its replan at a
+    request's start and end loads them on the working set's thread): a switch back to a model
+    costs its target's load, not its whole family's."""
+    _load_check.drafts_later = True
+    try:
+        yield
+    finally:
+        _load_check.drafts_later = False
+
+
+# Draft costs measured in this process, by (target file, draft id): a model loaded again
+# (drafts_join_later) prices the drafts it leaves for later with them.
+_draft_costs: dict[tuple[str, str], tuple[float | None, float | None]] = {}
+
+
 def _stage(what: str) -> None:
     gone = getattr(_load_check, "gone", None)
     if gone is not None and gone():
@@ -191,6 +210,7 @@ class Runtime:
             list(settings.drafts) if settings.drafts is not None else self._whole_family()
         )
         target_path = resolve_model_path(settings.target)
+        self._target_file = str(target_path)  # the key of its drafts' costs (_draft_costs)
         # Every manifest is checked against the target's tokenizer once: the drafts that
         # speak another are left out of the pool (draft_status says why).
         self.target_tokenizer = fingerprint_of(target_path)
@@ -308,13 +328,22 @@ class Runtime:
                 on_loaded=self._on_draft_loaded,
                 autoload_free=False,
             )
-            self._preload(self.working_set, self.preload_ids)
+            later = self._drafts_for_later(settings, target_path)
+            self._preload(self.working_set, [i for i in self.preload_ids if i not in later])
             resident = list(self.drafts.values())
             self.working_set.release_leases()
             if calibrate_costs:
                 _stage("calibration")
                 self.costs = calibrate(self.target, resident, settings.k_max)
                 self._measure_loads = True
+                for draft_id in later:  # priced as last measured: the plan can weigh them
+                    draft_s, overhead_s = _draft_costs[(str(target_path), draft_id)]
+                    if draft_s is not None:
+                        self.costs.draft_s[draft_id] = draft_s
+                    if overhead_s is not None:
+                        self.costs.draft_overhead_s[draft_id] = overhead_s
+            if later:
+                log.info("drafts %s join later, when they pay", ", ".join(later))
             predictor = load_or_fallback(predictor_path(target_path, settings.predictor))
             if predictor.error:
                 log.warning("predictor: %s; using per-kind priors", predictor.error)
@@ -393,6 +422,22 @@ class Runtime:
         if self.working_set is None:
             raise RuntimeError("the runtime is closed")
         return self.working_set
+
+    def _drafts_for_later(self, settings: Settings, target_path: Path) -> list[str]:
+        """Under drafts_join_later: the preload's model drafts whose costs this process has
+        measured, when the pool is the default family and the memspec policy (the one whose
+        plan loads drafts) decides; else none (what settings name is loaded now)."""
+        if not getattr(_load_check, "drafts_later", False):
+            return []
+        if settings.drafts is not None or settings.policy != "memspec":
+            return []
+        return [
+            i
+            for i in self.preload_ids
+            if i in self.manifests
+            and draft_kind(self.manifests[i].kind).weighty
+            and (str(target_path), i) in _draft_costs
+        ]
 
     def _preload(self, ws: WorkingSet, draft_ids: list[str]) -> None:
         """The preload ids, in order, as far as the budget allows (never evicting)."""
@@ -928,6 +973,11 @@ class Runtime:
         return {"loaded": True, **emb.describe(), "bytes": fp.to_dict()}
 
     def close(self) -> None:
+        for draft_id, draft_s in self.costs.draft_s.items():  # for a reload (drafts_join_later)
+            _draft_costs[(self._target_file, draft_id)] = (
+                draft_s,
+                self.costs.draft_overhead_s.get(draft_id),
+            )
         self.release_embedder()  # before the target: it may sit on the target's model
         if self.working_set is not None and hasattr(self, "scheduler"):
             self.memory.save()

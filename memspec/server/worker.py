@@ -49,7 +49,7 @@ from memspec.errors import (
     ModelLoadError,
     UnknownModel,
 )
-from memspec.runtime import ClientRequest, Runtime, abandon_when
+from memspec.runtime import ClientRequest, Runtime, abandon_when, drafts_join_later
 from memspec.scheduler.residency import (
     DemandEstimate,
     ModelView,
@@ -618,7 +618,8 @@ class EngineWorker:
         stalled = len(waiting) + len(self._active)  # requests that wait while it loads
         t0 = time.monotonic()
         try:
-            with abandon_when(lambda: name not in self._waited_for()):
+            # Requests wait: the target first, its drafts when they pay (drafts_join_later).
+            with abandon_when(lambda: name not in self._waited_for()), drafts_join_later():
                 self._make_resident_or_raise(name)
         except LoadAbandoned as e:  # its clients gave up: nothing loaded is kept or thrown away
             log.info("loading model %s stopped after %.1f s: %s", name, time.monotonic() - t0,
