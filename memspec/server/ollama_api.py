@@ -511,11 +511,16 @@ NEUTRAL_OPTIONS: dict[str, float] = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1
 
 
 def _model_options(body: _Body, entry: StoreModel, n_ctx: int) -> None:
-    """body.options over the model's `.params` defaults (the request's own win). The model's
-    hardware hints are the daemon's business (dropped, as a request's are); its num_ctx is a
-    wish this daemon's context may not meet (dropped); an option at the value that turns it off
-    is dropped; any other option that would change the output and is not implemented refuses
-    the request, naming the model's layer."""
+    """body.options over the model's `.params` defaults (the request's own win)."""
+    body.options = {**store_options(entry), **(body.options or {})}
+
+
+def store_options(entry: StoreModel) -> dict[str, Any]:
+    """The options a store model's `.params` sets that this daemon applies (/v1 applies them
+    too: memspec/server/openai_api.py). The model's hardware hints are the daemon's business
+    (dropped, as a request's are); its num_ctx is a wish this daemon's context may not meet
+    (dropped); an option at the value that turns it off is dropped; any other option that would
+    change the output and is not implemented refuses the request, naming the model's layer."""
     defaults: dict[str, Any] = {}
     for key, value in entry.options.items():
         if value is None or key in HARDWARE_OPTIONS:
@@ -532,7 +537,7 @@ def _model_options(body: _Body, entry: StoreModel, n_ctx: int) -> None:
                 param="model",
             )
         defaults[key] = value
-    body.options = {**defaults, **(body.options or {})}
+    return defaults
 
 
 async def _run(

@@ -24,6 +24,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
 
 import memspec
 from memspec.backends.chat import ChatTemplate
@@ -38,9 +39,11 @@ from memspec.server.context import Ctx, ServerContext
 from memspec.server.engine_state import state_error
 from memspec.server.errors import NotReady, UnknownModel, as_memspec_error, error_json
 from memspec.server.openai_schema import (
+    ALIASES,
     ERROR_RESPONSES,
     ChatCompletion,
     ChatCompletionRequest,
+    ChatMessage,
     Completion,
     CompletionRequest,
     DetokenizeRequest,
@@ -362,6 +365,68 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest | InfillRequest) -
     }
 
 
+# Ollama's OpenAI routes (openai/openai.go FromChatRequest, FromCompleteRequest) set these
+# options on every request, the request's value or OpenAI's default, so a store model's .params
+# never reaches them there; /v1/completions sets the penalties too (0 when not given).
+_ALWAYS_SET = {
+    "chat": frozenset({"temperature", "top_p"}),
+    "completion": frozenset({"temperature", "top_p", "presence_penalty", "frequency_penalty"}),
+}
+
+
+def apply_store_defaults(
+    ctx: ServerContext, body: ChatCompletionRequest | CompletionRequest
+) -> None:
+    """A store model's defaults on /v1, as Ollama's OpenAI routes get them (they become its
+    ChatRequest / GenerateRequest, whose handlers apply the model's layers): its `.params`
+    options under the request's own fields (the same options /api/chat applies:
+    ollama_api.store_options), and on a chat its `.messages` before the request's and its
+    `.system` when the chat opens with no system (or developer) message of its own.
+    /v1/completions runs the prompt as it is (OpenAI's), so no system prompt goes there, as on
+    /api/generate with raw. A loose file or an unknown name: nothing (planning says why)."""
+    found = ctx.worker.catalog.find(body.model) if body.model else None
+    entry = found.store if found is not None else None
+    if entry is None:
+        return
+    # ollama_api imports this module: import its option rules when first needed
+    from memspec.server.ollama_api import OPTION_FIELDS, store_options
+
+    chat = isinstance(body, ChatCompletionRequest)
+    for key, value in store_options(entry).items():
+        field = OPTION_FIELDS[key]
+        if key in _ALWAYS_SET["chat" if chat else "completion"] or _given(body, field):
+            continue  # the request's own field wins
+        if key == "num_predict" and (
+            value in (-1, -2) or (chat and body.max_completion_tokens is not None)
+        ):
+            continue  # Ollama's "to the end" is /v1's default; or the request set its limit
+        try:
+            # checked as the request's own field would be (a layer is no more trusted)
+            type(body).__pydantic_validator__.validate_assignment(
+                body, field, [value] if key == "stop" and isinstance(value, str) else value
+            )
+        except ValidationError as e:
+            reason = e.errors()[0].get("msg", "invalid")
+            raise InvalidRequest(
+                f"model {entry.name.display} sets {key} {value!r} in its .params layer, which "
+                f"/v1 cannot take as {field}: {reason}",
+                param="model",
+            ) from None
+    if chat and (entry.messages or entry.system):
+        own = list(body.messages)
+        turns = [ChatMessage(role=m["role"], content=m["content"]) for m in entry.messages]
+        if entry.system and own[0].role not in ("system", "developer"):
+            turns.insert(0, ChatMessage(role="system", content=entry.system))
+        body.messages = turns + own
+
+
+def _given(body: ChatCompletionRequest | CompletionRequest, field: str) -> bool:
+    """Whether the request sets `field` itself, or by a llama-server alias (n_predict)."""
+    extra = body.model_extra or {}
+    aliases = (alias for alias, ours in ALIASES.items() if ours == field)
+    return getattr(body, field) is not None or any(extra.get(a) is not None for a in aliases)
+
+
 def structured_output(body: CompletionRequest | InfillRequest) -> dict[str, Any]:
     """ClientRequest's grammar fields for response_format / grammar / json_schema."""
     gbnf, param = structured.structured_output(body.response_format, body.grammar, body.json_schema)
@@ -422,6 +487,7 @@ def plan_chat(
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=STREAM_RESPONSES)
 async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: Ctx) -> Any:
+    apply_store_defaults(ctx, body)
     model, chat, req = plan_chat(request, ctx, body)
     tool_stream = chat.stream() if body.stream else None
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -513,6 +579,7 @@ def plan_completion(
 
 @router.post("/completions", response_model=Completion, responses=STREAM_RESPONSES)
 async def completions(request: Request, body: CompletionRequest, ctx: Ctx) -> Any:
+    apply_store_defaults(ctx, body)
     model, req = plan_completion(request, ctx, body)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     offset = 0  # characters streamed so far (logprobs' text_offset)

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import ollama
+import openai
 import pytest
 from launcher import ADMIN_KEY, API_KEY, MODEL, running
 
@@ -250,6 +251,61 @@ def test_a_bad_blob_is_a_bad_model(daemon, oc) -> None:
     assert any(b["name"] == BROKEN for b in status["bad_models"])
     assert any(b["name"] == VISION and ".projector" in b["reason"] for b in status["bad_models"])
     assert ask(oc, [{"role": "user", "content": QUESTION}]).message.role == "assistant"
+
+
+def test_v1_applies_the_models_params_and_system_under_the_requests_own(daemon, oc) -> None:
+    """/v1 gets a store model's defaults as Ollama's OpenAI routes do (they become its
+    ChatRequest, whose handler applies the layers): .params' stop and num_predict, .system,
+    .messages; the request's own fields win. temperature is the request's or OpenAI's 1.0
+    (Ollama's openai.go sets it on every request), so these greedy checks send 0."""
+    v1 = openai.OpenAI(base_url=daemon.url + "/v1", api_key=API_KEY, max_retries=0)
+    user = {"role": "user", "content": QUESTION}
+    native = ask(oc, [user])  # /api/chat: the model's params (greedy) and system
+    plain = v1.chat.completions.create(model=CHAT, messages=[user], temperature=0)
+    assert plain.choices[0].message.content == native.message.content
+    assert " " not in native.message.content and plain.choices[0].finish_reason == "stop"
+    assert plain.usage.prompt_tokens == native.prompt_eval_count  # the model's system prompt
+    # the request's own stop wins; the model's num_predict 16 still holds
+    longer = v1.chat.completions.create(model=CHAT, messages=[user], temperature=0, stop="zzzz")
+    assert longer.choices[0].message.content == ask(oc, [user], stop=["zzzz"]).message.content
+    assert " " in longer.choices[0].message.content.strip()
+    assert longer.usage.completion_tokens <= 16
+    short = v1.chat.completions.create(
+        model=CHAT, messages=[user], temperature=0, stop="zzzz", max_tokens=3
+    )
+    assert short.usage.completion_tokens == 3  # the request's own limit wins
+    # a system (or developer) message of the request's own replaces the model's
+    for role in ("system", "developer"):
+        own = v1.chat.completions.create(
+            model=CHAT, messages=[{"role": role, "content": "Hi."}, user], max_tokens=1
+        )
+        assert own.usage.prompt_tokens < plain.usage.prompt_tokens - 20, role
+    # .messages go before the conversation, as on /api/chat
+    history = v1.chat.completions.create(model=HISTORY, messages=[user], max_tokens=1)
+    given = v1.chat.completions.create(model=MODEL, messages=[*MESSAGES, user], max_tokens=1)
+    assert history.usage.prompt_tokens == given.usage.prompt_tokens
+    # a params option this daemon does not implement: OpenAI's 400 naming it and the layer
+    with pytest.raises(openai.BadRequestError) as e:
+        v1.chat.completions.create(model=MIROSTAT, messages=[user], max_tokens=1)
+    assert "mirostat" in e.value.message and ".params" in e.value.message
+
+
+def test_v1_completions_apply_the_models_params_not_its_system(daemon, oc) -> None:
+    """/v1/completions runs the prompt as it is: the model's stop and num_predict apply, no
+    system prompt is added (as /api/generate with raw)."""
+    v1 = openai.OpenAI(base_url=daemon.url + "/v1", api_key=API_KEY, max_retries=0)
+    prompt = "The three primary colors are"
+    store = v1.completions.create(model=CHAT, prompt=prompt, temperature=0)
+    raw = oc.generate(model=CHAT, prompt=prompt, raw=True, stream=False)
+    assert store.choices[0].text == raw.response and " " not in store.choices[0].text.strip()
+    assert store.usage.prompt_tokens == raw.prompt_eval_count  # the prompt alone
+    own = v1.completions.create(model=CHAT, prompt=prompt, temperature=0, stop=["zzzz"])
+    limited = v1.completions.create(
+        model=HISTORY, prompt=prompt, temperature=0, stop=["zzzz"], max_tokens=16
+    )
+    # the model's num_predict 16: as the same GGUF without .params given max_tokens 16
+    assert own.choices[0].text == limited.choices[0].text
+    assert own.choices[0].text.startswith(store.choices[0].text)
 
 
 def test_the_store_is_unchanged(store, oc) -> None:
