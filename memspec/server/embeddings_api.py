@@ -109,6 +109,14 @@ async def _runtime(ctx: ServerContext) -> Runtime:
         rt = w.targets.runtime(w.default_model)
     if rt is None:
         raise NotReady("models are loading; retry shortly", code="model_loading")
+    if not rt.embedding_status()["loaded"]:
+        # Set up on the engine thread, which unloads idle models if the budget needs their room.
+        try:
+            await ctx.control(
+                lambda w: w.load_embedder(w.default_model), "set up the embedding context"
+            )
+        except BudgetExceeded as e:
+            raise EmbeddingsUnavailable(f"embeddings are unavailable: {e.message}") from None
     return rt
 
 

@@ -42,6 +42,7 @@ from memspec.config import Settings
 from memspec.engine.prefix_cache import PrefixCache
 from memspec.engine.speculative import Sequence
 from memspec.errors import (
+    BudgetExceeded,
     DeviceUnavailable,
     LoadAbandoned,
     MemSpecError,
@@ -743,6 +744,31 @@ class EngineWorker:
         victims = self.residency.victims(name, want.bytes, free, views, time.monotonic())
         with self._beating():
             self.targets.load(name, self.settings, victims or [])
+
+    def load_embedder(self, name: str) -> None:
+        """Engine thread (a control job): the embedding context of the resident model `name`,
+        set up as a model is loaded. When the budget cannot hold it beside the resident models,
+        idle ones are unloaded in the residency policy's order, one at a time, as Ollama unloads
+        an idle model to make room; `name` gets what they held. BudgetExceeded when only pinned
+        or busy models are in the way."""
+        rt = self.targets.runtimes.get(name)
+        while rt is not None:
+            try:
+                rt.embedder()
+                return
+            except BudgetExceeded:
+                with self._cond:
+                    queued = Counter(j.model for j in self._queue)
+                views = self._views(queued)
+                free = self.targets.free_after_handback()
+                victims = self.residency.victims(name, free + 1, free, views, time.monotonic())
+                if not victims:
+                    raise
+                self.targets.unload(victims[0], "evict")
+                for other in self.targets.runtimes.values():  # each keeps what it uses
+                    other.set_budget(max(other.reserved_bytes, other.modelled_bytes()))
+                free = self.targets.free_after_handback()
+                rt.set_budget(max(rt.reserved_bytes, rt.modelled_bytes()) + free)
 
     def single_target(self) -> Runtime:
         """Engine thread: only the configured target resident (a live tune applies to it)."""
