@@ -747,12 +747,16 @@ class EngineWorker:
 
     def load_embedder(self, name: str) -> None:
         """Engine thread (a control job): the embedding context of the resident model `name`,
-        set up as a model is loaded. When the budget cannot hold it beside the resident models,
-        idle ones are unloaded in the residency policy's order, one at a time, as Ollama unloads
-        an idle model to make room; `name` gets what they held. BudgetExceeded when only pinned
-        or busy models are in the way."""
+        set up as a model is loaded. The other resident models hand back the share they do not
+        use and `name` gets the free budget; if the context still cannot fit, idle models are
+        unloaded in the residency policy's order, one at a time, as Ollama unloads an idle
+        model to make room. BudgetExceeded when only pinned or busy models are in the way."""
         rt = self.targets.runtimes.get(name)
         while rt is not None:
+            for other in self.targets.runtimes.values():  # each keeps what it uses
+                if other is not rt:
+                    other.set_budget(max(other.reserved_bytes, other.modelled_bytes()))
+            rt.set_budget(rt.budget_bytes + max(0, self.budget_bytes - self.targets.shares()))
             try:
                 rt.embedder()
                 return
@@ -765,10 +769,6 @@ class EngineWorker:
                 if not victims:
                     raise
                 self.targets.unload(victims[0], "evict")
-                for other in self.targets.runtimes.values():  # each keeps what it uses
-                    other.set_budget(max(other.reserved_bytes, other.modelled_bytes()))
-                free = self.targets.free_after_handback()
-                rt.set_budget(max(rt.reserved_bytes, rt.modelled_bytes()) + free)
 
     def single_target(self) -> Runtime:
         """Engine thread: only the configured target resident (a live tune applies to it)."""

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import ollama
 import pytest
@@ -161,3 +162,37 @@ def test_litellm_ollama_embedding(daemon: Any, litellm: Any, oc: ollama.Client) 
     answer = litellm.embedding(model=f"ollama/{MODEL}", api_base=daemon.url, input=TEXTS)
     vectors = unit_vectors([d["embedding"] for d in answer.data])
     assert np.allclose(vectors, oc.embed(model=MODEL, input=TEXTS).embeddings, atol=1e-6)
+
+
+# --- the embedding context beside another model (issue 53) ----------------------------------
+
+
+def resident(url: str) -> set[str]:
+    return {m["name"] for m in httpx.get(url + "/api/ps", timeout=30).json()["models"]}
+
+
+def test_the_embedding_context_makes_room_as_a_load_does(
+    daemon: Any, oc: ollama.Client, store: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An embedding after a chat on another model was a 503 (the budget left no room beside the
+    idle chat model). Now the idle model hands back the share it does not use; where the
+    budget cannot hold all three, the idle model is unloaded, as Ollama does."""
+    messages = [{"role": "user", "content": QUESTION}]
+    oc.chat(model=GREEDY, messages=messages)
+    oc.embed(model=MODEL, input=TEXTS[0], keep_alive=0)  # its context freed after the answer
+    oc.embed(model=MODEL, input=TEXTS[0])
+    assert resident(daemon.url) == {MODEL, GREEDY}  # room enough: nothing unloaded
+    status = httpx.get(daemon.url + "/admin/status", timeout=30).json()
+    embedding = status["working_set"]["embedding"]["bytes"]["total"]
+    both = sum(m["bytes"] for m in status["models"] if m["resident"]) - embedding
+    # A budget that holds both models, but not the embedding context beside them.
+    tight = {"budget": both + embedding // 2}
+    env = {"MEMSPEC_OLLAMA_MODELS": str(store)}
+    with running(tmp_path_factory.mktemp("tight"), "lookup", settings=tight, env=env) as d:
+        tight_client = ollama.Client(host=d.url)
+        tight_client.chat(model=GREEDY, messages=messages)
+        assert resident(d.url) == {MODEL, GREEDY}
+        vectors = unit_vectors(tight_client.embed(model=MODEL, input=TEXTS).embeddings)
+        assert np.allclose(vectors, oc.embed(model=MODEL, input=TEXTS).embeddings, atol=1e-6)
+        assert resident(d.url) == {MODEL}  # the idle chat model made the room
+        assert tight_client.chat(model=GREEDY, messages=messages).message.content.strip()
