@@ -60,7 +60,7 @@ if [ -n "${MEMSPEC_NO_MODELS:-}" ]; then
   echo "[setup] done (no models)"
   exit 0
 fi
-# The registry tests (tests/test_registry.py) start Debian's docker-registry (the CNCF
+# The registry tests (tests/test_ollama_registry.py) start Debian's docker-registry (the CNCF
 # distribution registry) on loopback: installed here when missing, where apt-get is there and
 # we are root; elsewhere those tests skip, saying so.
 if [ ! -x /usr/bin/docker-registry ]; then

