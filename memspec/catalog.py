@@ -37,11 +37,12 @@ file is then served under its stem); memspec's own store wins over the adopted o
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -181,8 +182,10 @@ class ModelCatalog:
         store_rows, store_bad = self._scan_stores(taken)
         taken |= {m.name for m in store_rows} | {b.name for b in store_bad}
         root = models_dir()
-        for path in sorted(root.glob("*.gguf")):
-            if _same_file(path, default) or not self._is_model(path):
+        paths = sorted(root.glob("*.gguf"))
+        sources = _derived_from([default, *(p for p in paths if self._is_model(p))])
+        for path in paths:
+            if _same_file(path, default) or not self._is_model(path) or path.name in sources:
                 continue
             problem = self._problem(path, root)
             if problem is not None:
@@ -190,7 +193,7 @@ class ModelCatalog:
                 continue
             name = ollama_name(path)
             if name is None or name in taken:
-                name = as_model_id(path.stem) or path.stem
+                name = _tagged(as_model_id(path.stem) or path.stem)
             if name in taken:
                 continue
             taken.add(name)
@@ -380,6 +383,27 @@ class ModelCatalog:
         with self._lock:
             self._headers[key] = header
         return header
+
+
+def _tagged(name: str) -> str:
+    """A listed name as Ollama lists every model: `name:tag` (`latest` when the file has none;
+    the untagged name stays an alias)."""
+    return name if ":" in name else f"{name}:latest"
+
+
+def _derived_from(models: Iterable[Path]) -> set[str]:
+    """The files other served models were made from (a family target quantized from the GGUF
+    the testbed fetched): the same weights again, not a model of their own to list."""
+    sources = set()
+    for path in models:
+        try:
+            record = json.loads(path.with_name(path.name + ".build.json").read_text())
+        except (OSError, ValueError):
+            continue
+        source = record.get("source") if isinstance(record, dict) else None
+        if isinstance(source, str) and source != path.name:
+            sources.add(source)
+    return sources
 
 
 def default_file(settings: Settings) -> str:

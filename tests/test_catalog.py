@@ -91,7 +91,7 @@ def test_every_kind_of_bad_file_is_left_out_with_its_reason(models, tmp_path):
     os.mkfifo(models / "fifo.gguf")  # opening it would block: it must never be opened
 
     cat = catalog()
-    assert names(cat) == ["target", "good"]
+    assert names(cat) == ["target", "good:latest"]  # name:tag, as Ollama lists
     reasons = bad(cat)
     assert set(reasons) == {
         "x.gguf", "trunc.gguf", "huge.gguf", "evil.gguf", "d.gguf", "dangling.gguf",
@@ -149,18 +149,18 @@ def test_symlinks_inside_are_served_outside_only_when_followed(models, tmp_path)
     (models / "evil.gguf").symlink_to(tmp_path / "passwd")
 
     cat = catalog()
-    assert names(cat) == ["target", "inside", "real"]
+    assert names(cat) == ["target", "inside:latest", "real:latest"]
     assert set(bad(cat)) == {"outside.gguf", "evil.gguf"}
 
     followed = catalog(follow_symlinks=True)
-    assert names(followed) == ["target", "inside", "outside", "real"]
+    assert names(followed) == ["target", "inside:latest", "outside:latest", "real:latest"]
     assert bad(followed) == {"evil.gguf": "no GGUF magic"}  # read now, and refused
 
 
 def test_mark_bad_holds_until_the_file_changes(models):
     good = tiny_gguf(models / "good.gguf")
     cat = catalog()
-    assert "good" in names(cat)
+    assert "good:latest" in names(cat) and cat.find("good") is not None
     cat.mark_bad(good, "llama.cpp could not load it:\x00\x1b[31m")
     assert "good" not in names(cat)
     reason = bad(cat)["good.gguf"]
@@ -168,7 +168,7 @@ def test_mark_bad_holds_until_the_file_changes(models):
     assert "could not load it" in cat.unusable("good").message
     st = good.stat()
     os.utime(good, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # a new version
-    assert "good" in names(cat) and bad(cat) == {}
+    assert "good:latest" in names(cat) and cat.find("good") is not None and bad(cat) == {}
 
 
 def test_a_bad_file_replaced_by_a_good_one_is_served(models):
@@ -232,3 +232,13 @@ def test_names_compare_ignoring_case_as_ollamas_and_list_as_they_are(models, tmp
     assert error is not None and "Broken.gguf" in error.message
     assert cat.find("broken") is None
     assert names(cat) == listed  # looking up changed no listed name
+
+
+def test_the_file_a_served_model_was_made_from_is_not_listed_again(models):
+    """The testbed's SmolLM2 target is quantized from the GGUF it fetched: the same weights
+    again, which Ollama would not list as a model of its own."""
+    tiny_gguf(models / "Source.Q4_1.gguf")
+    (models / "target.gguf.build.json").write_text('{"source": "Source.Q4_1.gguf"}')
+    tiny_gguf(models / "other.gguf")
+    cat = catalog()
+    assert names(cat) == ["target", "other:latest"] and bad(cat) == {}
