@@ -48,8 +48,8 @@ MAX_MODELFILE = 1 << 20  # characters: a Modelfile is a few lines; weights go in
 class ModelfileError(InvalidRequest):
     """A Modelfile Ollama's parser would refuse (a 400 on /api/create)."""
 
-    def __init__(self, message: str, line: int = 0):
-        super().__init__(f"(line {line}): {message}" if line > 0 else message, param="modelfile")
+    def __init__(self, message: str, line: int = 0, param: str = "modelfile"):
+        super().__init__(f"(line {line}): {message}" if line > 0 else message, param=param)
         self.line = line
 
 

@@ -31,9 +31,13 @@ from memspec.errors import (
     UnknownModel,
     UnusableModelFile,
 )
+from memspec.modelfile import ModelfileError
 from memspec.ollama_name import InvalidModelName
+from memspec.ollama_store import BlobMismatch, StoreReadOnly
 from memspec.predictor.model import PredictorError
 from memspec.pull import ModelNotFound, PullCancelled, PullError
+from memspec.quantize import QuantizeError
+from memspec.registry import Unauthorized as RegistryUnauthorized
 from memspec.server.state import StateWriteError
 
 log = logging.getLogger("memspec.server")
@@ -121,6 +125,13 @@ HTTP_ERRORS: dict[type[MemSpecError], HttpError] = {
     InvalidModelName: HttpError(400, _CLIENT, "invalid_model_name"),
     ModelNotFound: HttpError(404, _CLIENT, "model_not_found"),
     PullCancelled: HttpError(400, _CLIENT, "pull_cancelled"),
+    # The registry refused our credentials: not the client's key to this daemon (no 401 here).
+    RegistryUnauthorized: HttpError(500, _SERVER, "pull_failed"),
+    # The Ollama store, /api/create and /api/blobs (memspec.ollama_store, .modelfile, .quantize)
+    BlobMismatch: HttpError(400, _CLIENT, "digest_mismatch"),
+    StoreReadOnly: HttpError(400, _CLIENT, "store_read_only"),
+    ModelfileError: HttpError(400, _CLIENT, "invalid_modelfile"),
+    QuantizeError: HttpError(500, _SERVER, "quantize_failed"),
     DeviceUnavailable: HttpError(503, _SERVER, "device_unavailable"),
     # A load stopped because its clients left: nobody gets it, but it has its own entry.
     LoadAbandoned: HttpError(503, _SERVER, "load_abandoned"),
