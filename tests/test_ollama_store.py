@@ -318,9 +318,11 @@ def test_loose_files_keep_working_beside_a_store(data: Path) -> None:
     cat = store_catalog(data)
     assert [m.name for m in cat.models()] == ["target", "smollm2:135m", "other:1b"]
     # the same name in a store: the store's model takes it, the file is served by its stem
+    # (listed name:tag, as Ollama lists; the bare stem still finds it)
     write_model(data / "ollama", "registry.ollama.ai/library/smollm2/135m", [(MEDIA_MODEL, gguf)])
     names = [m.name for m in cat.models()]
-    assert "smollm2:135m" in names and "smollm2-135m-instruct-q8_0" in names
+    assert "smollm2:135m" in names and "smollm2-135m-instruct-q8_0:latest" in names
+    assert cat.find("smollm2-135m-instruct-q8_0") is not None
     found = cat.find("smollm2:135m")
     assert found is not None and found.store is not None
     assert store_catalog(data, ollama_models="none").find("other:1b") is None

@@ -167,7 +167,7 @@ def test_a_bad_file_replaced_by_a_good_gguf_is_served(daemon, client, models, re
     shutil.copyfile(models_dir() / SMOLLM2_FILE, tmp)
     os.replace(tmp, half)  # a new size and mtime: checked again
     names = [m["name"] for m in httpx.get(daemon.url + "/api/tags", timeout=60).json()["models"]]
-    assert names == [MODEL, "half"]
+    assert names == [MODEL, "half:latest"]  # name:tag, as Ollama lists; "half" still finds it
     assert "half.gguf" not in bad_rows(daemon)
     assert answer(client, "half")  # the Q4_1 model, loaded beside the target
     assert answer(client, MODEL) == reference

@@ -99,7 +99,8 @@ def test_answers_stay_plain_decodings_before_during_and_after_the_build(daemon: 
     assert plain
     # Before: served at once, with prompt lookup, while its family is not built.
     before, info = complete(daemon, MYSTERY, "auto")
-    assert state(daemon, MYSTERY) in ("queued", "building")
+    # (a quiet machine quantizes 135M in about a second: the build may be done by now)
+    assert state(daemon, MYSTERY) in ("queued", "building", "built")
     assert before == plain
     seen: list[str] = []
 
@@ -114,7 +115,7 @@ def test_answers_stay_plain_decodings_before_during_and_after_the_build(daemon: 
     during, _ = complete(daemon, MYSTERY, "auto")
     assert during == plain
     wait_for(lambda: progressed() and seen[-1] in ("built", "failed"), every=0.2)
-    assert "building" in seen and seen[-1] == "built", (seen, builds(daemon))
+    assert seen[-1] == "built", (seen, builds(daemon))
     row = builds(daemon)[MYSTERY]
     assert row["drafts"] == ["q4_0"] and row["reason"] == ""
     assert (Path(row["target"]).parent / f"{MYSTERY}-q4_0.gguf").is_file()
@@ -167,5 +168,6 @@ def test_a_failed_build_says_why_and_the_model_keeps_serving(daemon: Daemon) -> 
     )
     assert ctl.returncode == 0, ctl.stderr
     lines = [ln for ln in ctl.stdout.splitlines() if "drafts build" in ln]
-    assert any(f"{BROKEN}: failed: " in ln and "File exists" in ln for ln in lines), ctl.stdout
+    listed = f"{BROKEN}:latest"  # as the catalog lists a file of no known family
+    assert any(f"{listed}: failed: " in ln and "File exists" in ln for ln in lines), ctl.stdout
     assert any(f"{MYSTERY}: built: q4_0" in ln for ln in lines), ctl.stdout
