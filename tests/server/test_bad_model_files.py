@@ -169,5 +169,5 @@ def test_a_bad_file_replaced_by_a_good_gguf_is_served(daemon, client, models, re
     names = [m["name"] for m in httpx.get(daemon.url + "/api/tags", timeout=60).json()["models"]]
     assert names == [MODEL, "half:latest"]  # name:tag, as Ollama lists; "half" still finds it
     assert "half.gguf" not in bad_rows(daemon)
-    assert answer(client, "half")  # the Q4_1 model, loaded beside the target
+    assert answer(client, "half:latest")  # the Q4_1 model, loaded beside the target
     assert answer(client, MODEL) == reference
