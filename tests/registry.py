@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from memspec.ollama_store import file_digest
 from tests.launcher import free_port
 
 REGISTRY_BIN = Path("/usr/bin/docker-registry")
@@ -153,14 +154,6 @@ def running_registry(tmp: Path, users: dict[str, str] | None = None) -> Iterator
 
 
 # --- pushing a model as Ollama does, with plain httpx --------------------------------------
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
 
 
 @dataclass(frozen=True)

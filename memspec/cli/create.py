@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from memspec.errors import MemSpecError
+from memspec.ollama_store import file_digest
 
 CREATE_HELP = """\
 Make a model from a Modelfile (Ollama's: FROM, PARAMETER, SYSTEM, LICENSE, MESSAGE) on a running
@@ -26,14 +26,6 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 def _fail(message: str, status: int = 1) -> int:
     print(f"memspec: error: {message}", file=sys.stderr)
     return status
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
 
 
 def _error_of(response: Any) -> str:
@@ -89,7 +81,7 @@ def cmd_create(args: argparse.Namespace) -> int:
         with httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(60, read=None)) as c:
             if local is not None:
                 print(f"gathering model components: {local.name}", file=sys.stderr)
-                digest = _digest(local)
+                digest = file_digest(local)
                 if c.head(f"/api/blobs/{digest}").status_code != 200:
                     print(f"copying file {digest}", file=sys.stderr)
                     with local.open("rb") as f:
