@@ -24,12 +24,16 @@ under a blob's name.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import json
 import os
+import queue
 import re
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +57,9 @@ MEDIA_LICENSE = "application/vnd.ollama.image.license"
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _CHUNK = 1 << 20  # bytes read at a time when hashing a file
 MAX_MANIFEST = 4 << 20  # bytes: a manifest is a few hundred; anything this big is not one
+# Buffers a blob writer's hash thread and file thread may each hold queued: the bound on the
+# memory a fast producer can fill (write() waits for room), ~4 MiB each at the pull's 1 MiB.
+PIPE_DEPTH = 4
 
 
 class BlobMismatch(MemSpecError):
@@ -152,6 +159,57 @@ def file_digest(path: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """Linux's sync_file_range (not in `os`), or None where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait
+WRITEBACK_EVERY = 8 << 20  # bytes appended between two writeback starts
+
+
+class _Stage:
+    """One thread applying `fn` to buffers in the order given, from a bounded queue. The first
+    error it meets is kept (later buffers are skipped) and raised to the producer at its next
+    put() or at join()."""
+
+    def __init__(self, fn: Callable[[tuple[bytes, ...]], Any], name: str):
+        self._fn = fn
+        self._q: queue.Queue[tuple[bytes, ...] | None] = queue.Queue(maxsize=PIPE_DEPTH)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (buf := self._q.get()) is not None:
+            if self._error is None:
+                try:
+                    self._fn(buf)
+                except BaseException as e:  # noqa: BLE001 - handed to the producer
+                    self._error = e
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def put(self, buf: tuple[bytes, ...]) -> None:
+        self._raise()
+        self._q.put(buf)
+
+    def join(self) -> None:
+        """Wait until every buffer given is done (the thread ends), then raise its error."""
+        self._q.put(None)
+        self._thread.join()
+        self._raise()
+
+
 class BlobWriter:
     """One blob written by streaming: `offset` bytes are already in `<blob>-partial` (send a
     Range request from there), `write` appends, `commit` checks and renames, `abort` keeps
@@ -161,7 +219,14 @@ class BlobWriter:
     The partial is locked (flock) from open to commit or abort: a second writer of the same
     blob, in this process or another, waits for the first, then resumes from what it left (or
     finds the blob there). The SHA-256 is computed as the bytes are written (the resumed
-    prefix read once, on the first write), so commit does not read the whole blob again."""
+    prefix read once, on the first write), so commit does not read the whole blob again.
+
+    write() hands each buffer to two threads, one hashing and one appending to the file, and
+    returns once both have room in their bounded queues (PIPE_DEPTH buffers each): the
+    caller's next read from the network overlaps this one's hash and write (hashlib and file
+    writes release the GIL), which is what lets a pull keep up with curl. `written`, commit()
+    and abort() wait for both threads first; an error of either (a full disk) is raised by the
+    next write() or by commit()."""
 
     def __init__(self, target: Path, digest: str):
         self.target = target
@@ -180,6 +245,8 @@ class BlobWriter:
         self._file = f
         self.offset = f.seek(0, os.SEEK_END)
         self._hash: Any = None  # sha256 of the bytes so far, once the prefix is read
+        self._stages: tuple[_Stage, _Stage] | None = None  # started on the first write
+        self._synced = self.offset  # bytes whose writeback has been started
         self._done = False
 
     def _hashed(self) -> Any:
@@ -193,19 +260,57 @@ class BlobWriter:
             self._hash = h
         return self._hash
 
-    def write(self, chunk: bytes) -> None:
-        self._hashed().update(chunk)
-        self._file.write(chunk)
+    def _hash_parts(self, parts: tuple[bytes, ...]) -> None:
+        h = self._hashed()
+        for part in parts:
+            h.update(part)
+
+    def _write_parts(self, parts: tuple[bytes, ...]) -> None:
+        for part in parts:
+            self._file.write(part)
+        # Start the disk's writeback of what is appended as it goes, so the fsync before the
+        # rename waits for the last few MiB, not the whole blob (curl's writes stay in the
+        # page cache; ours must be on disk before the blob has its name).
+        end = self._file.tell()
+        if _SYNC_FILE_RANGE is not None and end - self._synced >= WRITEBACK_EVERY:
+            self._file.flush()
+            fd, start = self._file.fileno(), self._synced
+            _SYNC_FILE_RANGE(fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
+            self._synced = end
+
+    def write(self, data: bytes | tuple[bytes, ...]) -> None:
+        """Queue `data` to be hashed and appended: bytes, or a tuple of them (a stream's reads
+        as they came, not joined: no copy); not to be changed afterwards."""
+        if self._stages is None:
+            self._stages = (
+                _Stage(self._hash_parts, f"hash {self.digest[7:19]}"),
+                _Stage(self._write_parts, f"write {self.digest[7:19]}"),
+            )
+        parts = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
+        for stage in self._stages:
+            stage.put(parts)
+
+    def _drain(self) -> None:
+        """Wait for every queued buffer to be hashed and written (the threads end)."""
+        stages, self._stages = self._stages, None
+        if stages is None:
+            return
+        try:
+            stages[0].join()
+        finally:
+            stages[1].join()
 
     @property
     def written(self) -> int:
         """Bytes in the partial now (the resumed offset included)."""
+        self._drain()
         return self._file.tell()
 
     def commit(self) -> Path:
         """Check the whole partial's SHA-256; when it is the digest, rename it into place and
         return the blob's path; else delete it and raise BlobMismatch."""
         try:
+            self._drain()
             self._file.flush()
             os.fsync(self._file.fileno())
             got = "sha256:" + self._hashed().hexdigest()
@@ -225,8 +330,13 @@ class BlobWriter:
     def abort(self) -> None:
         """Stop, keeping the partial (a resume starts from its size)."""
         if not self._done:
-            self._file.close()
-            self._done = True
+            try:
+                self._drain()  # what was read is kept: the resume asks for the rest
+            except OSError:
+                pass  # a write that failed: the partial holds what did get written
+            finally:
+                self._file.close()
+                self._done = True
 
     def __enter__(self) -> BlobWriter:
         return self
