@@ -330,8 +330,8 @@ class Runtime:
             )
             later = self._drafts_for_later(settings, target_path)
             self._preload(self.working_set, [i for i in self.preload_ids if i not in later])
-            resident = list(self.drafts.values())
-            self.working_set.release_leases()
+            with self.working_set.leased():
+                resident = list(self.drafts.values())
             if calibrate_costs:
                 _stage("calibration")
                 self.costs = calibrate(self.target, resident, settings.k_max)
@@ -521,8 +521,8 @@ class Runtime:
 
     @property
     def drafts(self) -> dict[str, Draft]:
-        """Resident drafts, in load order, leased to the calling thread until its next
-        generate() (or working_set.release_leases()): safe to use their backends meanwhile."""
+        """Resident drafts, in load order, leased to the calling thread until the end of its
+        `working_set.leased()` scope (the engine's: its next round): safe to use meanwhile."""
         ws = self.working_set
         return {d.id: d for d in ws.lease_resident()} if ws is not None else {}
 
@@ -874,9 +874,9 @@ class Runtime:
     def decode_round(self, sequences: list[Sequence]) -> tuple[int, int]:
         """One round of every open sequence, in one forward pass of the target: the
         (sequences, tokens) it carried."""
-        self._ws.release_leases()  # the last round's proposals are verified by now
         ordered = sorted(sequences, key=lambda s: s.target.seq_id)  # the lead chooses first
-        with self.lock:
+        # The drafts the round's policies take are leased until it ends, however it ends.
+        with self._ws.leased(), self.lock:
             return decode_round(self.target, ordered, self.costs, self.settings.prefill_chunk)
 
     def close_sequence(self, seq: Sequence) -> Generation:
@@ -892,10 +892,10 @@ class Runtime:
         gen = seq.result()
         if lead:  # waits on reactive loads happen in the lead's rounds
             gen.stall_s = self._ws.thread_stall_s() - self._lead_stall0
-        for d in self._ws.lease_resident():  # learning datastores file the output now
-            if isinstance(d, DatastoreDraft) and d.learn:
-                d.finish_request(gen.token_ids)
-        self._ws.release_leases()
+        with self._ws.leased():  # learning datastores file the output now
+            for d in self._ws.lease_resident():
+                if isinstance(d, DatastoreDraft) and d.learn:
+                    d.finish_request(gen.token_ids)
         self.requests_per_draft.update(gen.drafts_used.keys())
         if lead:
             self.memory.request_done()

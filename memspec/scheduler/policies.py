@@ -1,20 +1,24 @@
 """Scheduling policies: each round's (draft, k), and what the working set should hold.
 
-One interface, one runner: memspec.scheduler.rounds.Scheduler adapts a Policy to the engine's
-RoundPolicy, over the real WorkingSet in the daemon and over the simulator's SimWorkingSet and
-trace-backed drafts in the lab (memspec_lab.sim): the same code chooses a live and a simulated
-round. A policy sees drafts by id, the device's measured costs, the working set's residency, and for
-free proposers (prompt lookup, ...) a peek at what they would propose now.
+One interface: every policy is an engine RoundPolicy itself (`choose`, `observe`,
+`observe_costs`), per request `begin` and `end`; memspec.scheduler.rounds.Scheduler picks the
+request's policy and hands it to the engine, over the real WorkingSet in the daemon and over the
+simulator's SimWorkingSet and trace-backed drafts in the lab (memspec_lab.sim): the same code
+chooses a live and a simulated round. A policy sees drafts by id, the device's measured costs,
+the working set's residency, and for free proposers (prompt lookup, ...) a peek at what they
+would propose now. Its own decision is `select_draft` (draft id, k) and its learning
+`record_round`, both per round; `Policy.choose` and `Policy.observe` wrap them (peeks, reactive
+loads, the round's time from one choice to the next), once for all of them.
 
+- `auto`        the decision rule over the resident drafts (RulePolicy), re-read every round.
 - `none`        plain target decoding.
 - `fixed:<id>`  always that draft, k by the decision rule (at least 1); loaded on first use.
 - `ucb`, `exp3` BanditSpec-style bandits over {none} ∪ drafts; reward = the round's measured
                 tokens/s (load stalls included); a chosen draft that is not resident is loaded
                 reactively, and the engine waits for it.
 - `memspec`     plans what the working set holds, proactively, by predicted seconds saved per
-                byte; each round is the decision rule's over the *resident* drafts
-                (rounds_by_rule), its acceptance estimates primed with the predictor's α for
-                the prompt; decoding never waits for a load.
+                byte; its rounds are `auto`'s (it is a RulePolicy), its acceptance estimates
+                primed with the predictor's α for the prompt; decoding never waits for a load.
 - `oracle`      knows from traces which single draft is best for each prompt and its actual
                 acceptance (comparison only); same prefetch mechanism as memspec.
 """
@@ -24,22 +28,27 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from memspec.drafts.registry import PRIOR_ALPHA  # the priors the engine's estimator uses
-from memspec.engine.costs import AcceptanceEstimator, CostModel
-from memspec.engine.types import Draft
+from memspec.engine.costs import AcceptanceEstimator, CostModel, RoundCosts
+from memspec.engine.policy import DecisionRulePolicy, FixedPolicy
+from memspec.engine.types import Choice, Draft, Proposal, RoundPolicy, SamplingParams
+from memspec.errors import MemSpecError
 from memspec.memory.fill import fill_by_value
 from memspec.predictor.model import AcceptancePredictor, RequestState
 
 
 class Residency(Protocol):
-    """A working set, live or simulated: a policy plans with the first three; the Scheduler
-    hands out drafts with the rest."""
+    """A working set, live or simulated: a policy plans with the first three and takes its
+    round's drafts with the rest (leased to the engine's thread until the round ends)."""
 
     budget_bytes: int  # reserved_bytes (the target), if the set has it, is not draft room
 
@@ -48,7 +57,6 @@ class Residency(Protocol):
     def get(self, draft_id: str) -> Draft | None: ...
     def lease_resident(self, ids: Iterable[str] | None = None) -> list[Draft]: ...
     def acquire(self, draft_id: str, wait: bool = True) -> Draft | None: ...
-    def release_leases(self) -> None: ...
     def holding(self, *ids: str) -> AbstractContextManager[None]: ...
 
 
@@ -110,37 +118,173 @@ class Round:
     peek: Callable[[str], tuple[str, int]]  # draft id -> (statistic key, tokens it proposes)
 
 
+@dataclass
+class RoundStats:
+    """A request's rounds as its policy saw them (what the simulator and the live bench add up)."""
+
+    rounds: int = 0
+    policy_s: float = 0.0  # CPU s inside begin/choose/record_round/end, peeks excluded
+    stall_s: float = 0.0  # waiting on reactive loads
+    drafts_used: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class OpenRound:
+    """The round between a choice and the next: what record_round() is told."""
+
+    draft: str | None
+    position: int
+    t0: float
+    key: str = ""
+    proposed: int = 0
+    accepted: int = 0
+
+
+# One peeked proposal: (statistic key, tokens, the proposal, the draft); None: not resident.
+Peek = tuple[str, int, Proposal | None, Draft | None]
+
+
 class Policy:
-    """A named draft-selection policy of one request at a time: begin, then per round
-    select_draft and record_round, then end. The per-request scheduler's interface; the
-    engine's per-round RoundPolicy (memspec.engine.types) keeps choose/observe."""
+    """A named policy, one request at a time: `begin`, then per round the engine's `choose`
+    and `observe` (it is a RoundPolicy), then `end`. A policy decides in `select_draft` and
+    learns in `record_round`; `choose` peeks free drafts for it, loads a reactive policy's
+    pick, and times each round from its choice to the next (so the reward includes all it
+    cost: drafting, verification, waits on loads). Time inside it, peeks excluded, is the
+    scheduling overhead (stats.policy_s), in this thread's CPU time."""
 
     name: str = "policy"
     # True: a chosen draft that is not resident is loaded on demand and the round waits.
     reactive: bool = False
-    # True: the policy plans residency and learns, and the decision rule decides each round
-    # over the resident drafts (scheduler.rounds.ResidentRule), starting from round_priors().
-    rounds_by_rule: bool = False
-
-    def round_priors(self) -> dict[str, float]:
-        """Acceptance priors (statistic key -> α) for the rule's rounds of this request."""
-        return {}
 
     def __init__(self, env: Env):
         self.env = env
+        self.ws: Residency | None = None
+        self.req: Request | None = None
+        self.stats = RoundStats()
+        self.clock: Callable[[], float] = time.perf_counter  # the simulator's is virtual
+        self.open: OpenRound | None = None
 
     @property
     def r_none(self) -> float:
         """Plain decoding's rate now (the costs follow what rounds measure)."""
         return self.env.costs.rate(None, 0.0, 0)
 
-    def begin(self, req: Request, ws: Residency) -> None:
-        """A request starts: read its prompt, tell the working set what to hold."""
+    def begin(
+        self,
+        req: Request,
+        ws: Residency,
+        stats: RoundStats | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        """A request starts: its rounds are counted in `stats`, timed by `clock`."""
+        self.req, self.ws, self.open = req, ws, None
+        self.stats = stats if stats is not None else RoundStats()
+        self.clock = clock or self.clock
+        t = time.thread_time()
+        self.start(req, ws)
+        self.stats.policy_s += time.thread_time() - t
 
+    def start(self, req: Request, ws: Residency) -> None:
+        """The policy's own start of a request: read its prompt, tell the set what to hold."""
+
+    # --- the engine's RoundPolicy -------------------------------------------------------
+    def choose(
+        self, context: list[int], k_room: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Choice:
+        """This round's (draft, k); the round before it ends here (record_round)."""
+        now = self.clock()
+        self.close(now)
+        position = len(context) - (len(self.req.prompt) if self.req is not None else 0)
+        choice = self.decide(position, context, k_room, params, rng)
+        used = choice.draft.id if choice.draft is not None and choice.k > 0 else None
+        self.open = OpenRound(used, position, now, key=used or "")
+        if used is not None:
+            self.stats.drafts_used[used] = self.stats.drafts_used.get(used, 0) + 1
+        return choice
+
+    def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None:
+        """The round's verified proposal (the engine calls it only for rounds that drafted)."""
+        if self.open is not None:
+            self.open.key, self.open.proposed, self.open.accepted = key, proposed, accepted
+
+    def observe_costs(self, measured: RoundCosts) -> None:
+        self.env.costs.observe(measured)
+
+    def close(self, now: float) -> None:
+        """The round in flight is over at `now`: record_round() is told."""
+        o, self.open = self.open, None
+        if o is None:
+            return
+        self.stats.rounds += 1
+        t = time.thread_time()
+        draft = o.draft if o.proposed > 0 else None
+        self.record_round(
+            draft, o.key, o.position, o.proposed, o.accepted, now - o.t0, o.accepted + 1
+        )
+        self.stats.policy_s += time.thread_time() - t
+
+    def finish(self) -> RoundStats:
+        """The request ends: its last round closed, then end()."""
+        self.close(self.clock())
+        t = time.thread_time()
+        self.end()
+        self.stats.policy_s += time.thread_time() - t
+        return self.stats
+
+    def decide(
+        self,
+        position: int,
+        context: list[int],
+        k_room: int,
+        params: SamplingParams,
+        rng: np.random.Generator,
+    ) -> Choice:
+        """select_draft's pick as a Choice: a peeked proposal reused, a reactive load waited on."""
+        ws, k_max = self.ws, self.env.k_max
+        assert ws is not None, "begin() first"
+        peeks: dict[str, Peek] = {}
+        peek_s = 0.0
+
+        def peek(draft_id: str) -> tuple[str, int]:
+            nonlocal peek_s
+            if draft_id not in peeks:
+                t = time.thread_time()
+                draft = ws.get(draft_id)
+                if draft is None:
+                    peeks[draft_id] = (draft_id, 0, None, None)
+                else:
+                    p = draft.propose(context, min(k_max, k_room), params, rng)
+                    peeks[draft_id] = (p.key or draft_id, len(p.tokens), p, draft)
+                peek_s += time.thread_time() - t
+            return peeks[draft_id][:2]
+
+        t = time.thread_time()
+        draft_id, k = self.select_draft(Round(position, k_room, peek), ws)
+        self.stats.policy_s += time.thread_time() - t - peek_s
+        if draft_id is None or k <= 0:
+            return Choice(None, 0)
+        if draft_id in peeks:
+            _, n, proposal, draft = peeks[draft_id]
+            if proposal is None or n <= 0:
+                return Choice(None, 0)
+            proposal.tokens = proposal.tokens[:k]
+            if proposal.probs is not None:
+                proposal.probs = proposal.probs[:k]
+            return Choice(draft, min(k, n), proposal)
+        draft = ws.get(draft_id)
+        if draft is None and self.reactive:
+            t = self.clock()
+            try:
+                draft = ws.acquire(draft_id, wait=True)
+            except MemSpecError:  # cannot fit beside pinned drafts: no draft this round
+                draft = None
+            self.stats.stall_s += self.clock() - t
+        return Choice(draft, k) if draft is not None else Choice(None, 0)
+
+    # --- what each policy decides and learns ---------------------------------------------
     def select_draft(self, rnd: Round, ws: Residency) -> tuple[str | None, int]:
-        """(draft id, k) for this round; (None, 0) decodes one token without a draft. A policy
-        whose rounds are the decision rule's (rounds_by_rule) has no choice of its own."""
-        raise NotImplementedError(f"{self.name}: its rounds are the decision rule's")
+        """(draft id, k) for this round; (None, 0) decodes one token without a draft."""
+        raise NotImplementedError(self.name)
 
     def record_round(
         self,
@@ -159,6 +303,54 @@ class Policy:
 
     def status(self) -> dict:
         return {"policy": self.name}
+
+
+class RulePolicy(Policy):
+    """`auto`: the decision rule over the drafts resident now (`ids`: only those; `free_only`:
+    only drafts that propose without a forward pass of their own), rebuilt when residency
+    changes, so a draft loaded mid-request is used from the next round and one evicted stops
+    being offered (output unchanged). `k`: a fixed k for the first of them instead of the
+    rule's. Its acceptance is learnt in `estimator`, kept across the requests it is given to."""
+
+    name = "auto"
+
+    def __init__(
+        self,
+        env: Env,
+        estimator: AcceptanceEstimator | None = None,
+        ids: list[str] | None = None,
+        free_only: bool = False,
+        k: int | None = None,
+    ):
+        super().__init__(env)
+        self.estimator = estimator if estimator is not None else AcceptanceEstimator()
+        self.ids, self.free_only, self.k = ids, free_only, k
+        self._rule: RoundPolicy = FixedPolicy(None, 0)
+        self._resident: tuple[str, ...] | None = None
+
+    def start(self, req: Request, ws: Residency) -> None:
+        self._resident = None  # the rule is rebuilt on this request's estimator
+
+    def decide(self, position, context, k_room, params, rng) -> Choice:
+        assert self.ws is not None, "begin() first"
+        t = time.thread_time()
+        drafts = self.ws.lease_resident(self.ids)
+        if self.free_only:
+            drafts = [d for d in drafts if d.free]
+        resident = tuple(d.id for d in drafts)
+        if resident != self._resident:  # rebuilt only when residency changes
+            self._resident, k_max = resident, self.env.k_max
+            if self.k is not None:
+                self._rule = FixedPolicy(drafts[0] if drafts else None, min(self.k, k_max))
+            else:
+                self._rule = DecisionRulePolicy(drafts, self.env.costs, self.estimator, k_max)
+        choice = self._rule.choose(context, k_room, params, rng)
+        self.stats.policy_s += time.thread_time() - t
+        return choice
+
+    def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None:
+        self._rule.observe(key, proposed, accepted, seconds)
+        super().observe(key, proposed, accepted, seconds)
 
 
 def _limit(info: DraftInfo, rnd: Round, k_max: int) -> tuple[str, int]:
@@ -300,7 +492,7 @@ class EXP3Policy(_Bandit):
         self.logw[arm] += self.gamma * (r / self.probs[arm]) / len(self.arms)
 
 
-class MemSpecPolicy(Policy):
+class MemSpecPolicy(RulePolicy):
     """Predictor α + decision rule among resident drafts + proactive residency by value/byte.
 
     Value of holding draft d = seconds it is predicted to save on the rest of this request
@@ -310,11 +502,10 @@ class MemSpecPolicy(Policy):
     how often the best draft changed between requests), minus its load time when it is not
     resident yet. The working set keeps the most valuable draft, then the best value per byte
     that fits; loads run in the background while decoding goes on with what is resident.
-    Its rounds are the decision rule's over the resident drafts (rounds_by_rule), primed with
+    Its rounds are the decision rule's over the resident drafts (a RulePolicy's), primed with
     the predictor's α for this prompt (round_priors); it learns from what they observe."""
 
     name = "memspec"
-    rounds_by_rule = True
 
     def __init__(
         self,
@@ -421,14 +612,16 @@ class MemSpecPolicy(Policy):
         self.plan = {i: values[i] for i in held}
         ws.prefetch(list(self.plan.items()))
 
-    def begin(self, req, ws):
-        self.req, self.ws = req, ws
+    def start(self, req, ws):
+        super().start(req, ws)
         self.state = self.predictor.request(req.prompt, req.text, req.turns)
         self.rounds = self.position = 0
         self.seen = {}
         n = len(req.prompt)
         self.mean_prompt = n if not self.mean_prompt else 0.8 * self.mean_prompt + 0.2 * n
         self.replan(0)
+        for key, alpha in self.round_priors().items():  # the rule's rounds start from them
+            self.estimator.set_prior(key, alpha)
 
     def round_priors(self) -> dict[str, float]:
         """The predictor's α for this request's prompt, per draft and per statistic key."""
@@ -504,7 +697,7 @@ class OraclePolicy(Policy):
         self.entry: OracleEntry | None = None
         self.misses = 0
 
-    def begin(self, req, ws):
+    def start(self, req, ws):
         self.entry = self.table.get(prompt_key(req.prompt))
         if self.entry is None:
             self.misses += 1

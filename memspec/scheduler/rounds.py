@@ -1,21 +1,17 @@
-"""The scheduler: the one per-round chooser of (draft, k), for the daemon and the simulator.
+"""The scheduler: which policy decides a request's rounds, for the daemon and the simulator.
 
-Each request's rounds are one of three round policies, built in `Scheduler.begin`:
+Each request's rounds are one of two kinds, chosen in `Scheduler.begin`:
 - plain (draft "none"): engine.policy.FixedPolicy(None, 0);
-- ResidentRule (`auto`, or the one draft a request named): the decision rule over the drafts
-  resident now, re-read every round (a draft loaded mid-request is used from the next round,
-  one evicted stops being offered; output unchanged). Slots beside the lead (LEAD_SLOT) run
-  it over free drafts (`beside_lead`);
-- PolicyRounds: a named Policy (`memspec`, `ucb`, `exp3`, `fixed:<id>`), one instance per
-  name so what it learns carries over between requests. memspec (`rounds_by_rule`) plans
-  residency and learns; its rounds are a ResidentRule's, primed with its round priors.
+- a policy (scheduler.policies), itself the engine's RoundPolicy: `auto` (or the one draft a
+  request named) is a RulePolicy, the decision rule over the drafts resident now, made per
+  request; a named policy (`memspec`, `ucb`, `exp3`, `fixed:<id>`) has one instance per name so
+  what it learns carries over between requests. Slots beside the lead (LEAD_SLOT) run a
+  RulePolicy over free drafts (`beside_lead`).
 The simulator runs this Scheduler over its SimWorkingSet, trace-backed drafts and clock.
 
-Leases: drafts handed to the engine are leased to its thread (WorkingSet), so an eviction
-cannot close one while it proposes; released when the next round starts or the request ends.
-A policy's round is timed from one engine choose() to the next, so its reward includes all it cost
-(drafting, verification, waits on reactive loads). Time inside the policy, peeks excluded, is
-the scheduling overhead, in this thread's CPU time.
+Leases: drafts a policy hands the engine are leased to its thread (WorkingSet), so an eviction
+cannot close one while it proposes; the round that used them releases them when it ends
+(Runtime.decode_round: `WorkingSet.leased`), however it ends.
 """
 
 from __future__ import annotations
@@ -23,14 +19,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from memspec.engine.costs import AcceptanceEstimator, CostModel, RoundCosts
-from memspec.engine.policy import DecisionRulePolicy, FixedPolicy
-from memspec.engine.types import Choice, Draft, Proposal, RoundPolicy, SamplingParams
-from memspec.errors import InvalidRequest, MemSpecError
+from memspec.engine.policy import FixedPolicy
+from memspec.engine.types import Choice, RoundPolicy, SamplingParams
+from memspec.errors import InvalidRequest
 from memspec.predictor.model import AcceptancePredictor
 from memspec.scheduler.draft_choice import AUTO_ASK, DraftAsk
 from memspec.scheduler.policies import (
@@ -39,9 +34,12 @@ from memspec.scheduler.policies import (
     Policy,
     Request,
     Residency,
-    Round,
+    RoundStats,
+    RulePolicy,
     make_policy,
 )
+
+__all__ = ["LEAD_SLOT", "NAMED_POLICIES", "RoundStats", "Scheduler", "chat_text"]
 
 NAMED_POLICIES = ("memspec", "ucb", "exp3")  # besides auto and fixed:<id>
 # The lead slot: the one sequence slot of a batched target whose rounds the Scheduler decides
@@ -53,172 +51,11 @@ LEAD_SLOT = 0
 FALLBACK_LOAD_BANDWIDTH = 500e6
 
 
-@dataclass
-class RoundStats:
-    rounds: int = 0
-    policy_s: float = 0.0  # CPU s inside begin/select_draft/record_round/end, peeks excluded
-    stall_s: float = 0.0  # waiting on reactive loads
-    drafts_used: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class OpenRound:
-    """A policy's round between its choice and the next: what its record_round() is told."""
-
-    draft: str | None
-    position: int
-    t0: float
-    key: str = ""
-    proposed: int = 0
-    accepted: int = 0
-
-
 def chat_text(messages: list[dict[str, str]] | None, text: str = "") -> tuple[str, int]:
     """What the predictor reads: the last user message and the number of user turns (no
     messages: `text`, the prompt as sent, one turn)."""
     users = [m["content"] for m in messages or [] if m.get("role") == "user"]
     return (users[-1].strip(), len(users)) if users else (text, 1)
-
-
-class ResidentRule:
-    """The decision rule over the drafts resident now (`ids`: only those; `free_only`: only
-    drafts that propose without a forward pass of their own), rebuilt when residency changes;
-    `k`: a fixed k for the first of them instead of the rule's."""
-
-    def __init__(
-        self,
-        sched: Scheduler,
-        estimator: AcceptanceEstimator,
-        ids: list[str] | None = None,
-        free_only: bool = False,
-        k: int | None = None,
-    ):
-        self.sched, self.estimator = sched, estimator
-        self.ids, self.free_only, self.k = ids, free_only, k
-        self._rule: RoundPolicy = FixedPolicy(None, 0)
-        self._resident: tuple[str, ...] | None = None
-
-    def choose(
-        self, context: list[int], k_room: int, params: SamplingParams, rng: np.random.Generator
-    ) -> Choice:
-        drafts = self.sched.ws.lease_resident(self.ids)
-        if self.free_only:
-            drafts = [d for d in drafts if d.free]
-        resident = tuple(d.id for d in drafts)
-        if resident != self._resident:  # rebuilt only when residency changes
-            self._resident = resident
-            k_max = self.sched.k_max
-            if self.k is not None:
-                self._rule = FixedPolicy(drafts[0] if drafts else None, min(self.k, k_max))
-            else:
-                self._rule = DecisionRulePolicy(drafts, self.sched.costs, self.estimator, k_max)
-        return self._rule.choose(context, k_room, params, rng)
-
-    def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None:
-        self._rule.observe(key, proposed, accepted, seconds)
-
-    def observe_costs(self, measured: RoundCosts) -> None:
-        self.sched.costs.observe(measured)
-
-
-class PolicyRounds:
-    """A named Policy's rounds of one request: its choice (or, `rounds_by_rule`, a
-    ResidentRule's), the peeks it asks for, reactive loads, and its record_round() per round."""
-
-    def __init__(
-        self, sched: Scheduler, policy: Policy, request: Request, rule: ResidentRule | None
-    ):
-        self.sched, self.policy, self.request, self.rule = sched, policy, request, rule
-        self.open: OpenRound | None = None
-
-    def choose(
-        self, context: list[int], k_room: int, params: SamplingParams, rng: np.random.Generator
-    ) -> Choice:
-        now = self.sched.clock()
-        self.close(now)
-        position = len(context) - len(self.request.prompt)
-        if self.rule is not None:
-            t = time.thread_time()
-            choice = self.rule.choose(context, k_room, params, rng)
-            self.sched.stats.policy_s += time.thread_time() - t
-        else:
-            choice = self._by_policy(position, context, k_room, params, rng)
-        used = choice.draft.id if choice.draft is not None and choice.k > 0 else None
-        self.open = OpenRound(used, position, now, key=used or "")
-        if used is not None:
-            self.sched.stats.drafts_used[used] = self.sched.stats.drafts_used.get(used, 0) + 1
-        return choice
-
-    def _by_policy(
-        self,
-        position: int,
-        context: list[int],
-        k_room: int,
-        params: SamplingParams,
-        rng: np.random.Generator,
-    ) -> Choice:
-        peeks: dict[str, tuple[str, int, Proposal | None, Draft | None]] = {}
-        peek_s = 0.0
-
-        def peek(draft_id: str) -> tuple[str, int]:
-            nonlocal peek_s
-            if draft_id not in peeks:
-                t = time.thread_time()
-                draft = self.sched.ws.get(draft_id)
-                if draft is None:
-                    peeks[draft_id] = (draft_id, 0, None, None)
-                else:
-                    p = draft.propose(context, min(self.sched.k_max, k_room), params, rng)
-                    peeks[draft_id] = (p.key or draft_id, len(p.tokens), p, draft)
-                peek_s += time.thread_time() - t
-            return peeks[draft_id][:2]
-
-        t = time.thread_time()
-        draft_id, k = self.policy.select_draft(Round(position, k_room, peek), self.sched.ws)
-        self.sched.stats.policy_s += time.thread_time() - t - peek_s
-        if draft_id is None or k <= 0:
-            return Choice(None, 0)
-        if draft_id in peeks:
-            _, n, proposal, draft = peeks[draft_id]
-            if proposal is None or n <= 0:
-                return Choice(None, 0)
-            proposal.tokens = proposal.tokens[:k]
-            if proposal.probs is not None:
-                proposal.probs = proposal.probs[:k]
-            return Choice(draft, min(k, n), proposal)
-        draft = self.sched.ws.get(draft_id)
-        if draft is None and self.policy.reactive:
-            t = self.sched.clock()
-            try:
-                draft = self.sched.ws.acquire(draft_id, wait=True)
-            except MemSpecError:  # cannot fit beside pinned drafts: no draft this round
-                draft = None
-            self.sched.stats.stall_s += self.sched.clock() - t
-        return Choice(draft, k) if draft is not None else Choice(None, 0)
-
-    def observe(self, key: str, proposed: int, accepted: int, seconds: float) -> None:
-        if self.rule is not None:
-            self.rule.observe(key, proposed, accepted, seconds)
-        if self.open is not None:
-            self.open.key, self.open.proposed, self.open.accepted = key, proposed, accepted
-
-    def close(self, now: float) -> None:
-        """The round in flight is over at `now`: the policy records it (record_round)."""
-        o, self.open = self.open, None
-        if o is None:
-            return
-        self.sched.stats.rounds += 1
-        t = time.thread_time()
-        self.policy.record_round(
-            o.draft if o.proposed > 0 else None,
-            o.key,
-            o.position,
-            o.proposed,
-            o.accepted,
-            now - o.t0,
-            o.accepted + 1,
-        )
-        self.sched.stats.policy_s += time.thread_time() - t
 
 
 class Scheduler:
@@ -242,9 +79,8 @@ class Scheduler:
         # Acceptance learnt by the rule's rounds of a named policy, kept across its requests.
         self.rule_estimators: dict[str, AcceptanceEstimator] = {}
         self.stats = RoundStats()
-        # The request in progress: its round policy, and its named policy's rounds (if any).
-        self.rounds: FixedPolicy | ResidentRule | PolicyRounds = FixedPolicy(None, 0)
-        self._by_policy: PolicyRounds | None = None
+        # The request in progress: its round policy (a Policy, or plain decoding).
+        self.rounds: RoundPolicy = FixedPolicy(None, 0)
         self._held = contextlib.ExitStack()
 
     @property
@@ -276,13 +112,13 @@ class Scheduler:
         """Start a request: `draft` plain, a named draft (used while resident; loaded now if it
         is not), or auto: then `policy` decides ("auto": the decision rule).
         Returns the policy its rounds run under: "none", "auto" or the named policy."""
-        self.stats, self._by_policy = RoundStats(), None
+        self.stats = RoundStats()
         if draft.plain:
             self.rounds = FixedPolicy(None, 0)
             return "none"
         if draft.named is not None or policy == "auto":
-            est = estimator or self.estimator
-            self.rounds = ResidentRule(self, est, draft.ids, k=k)
+            rule = RulePolicy(self.env, estimator or self.estimator, draft.ids, k=k)
+            self.begin_policy(rule, Request("", prompt, max_tokens=params.max_tokens))
             if draft.named is not None:
                 self._held.enter_context(self.ws.holding(draft.named))  # not a victim while used
                 self.ws.acquire(draft.named, wait=True)
@@ -296,19 +132,16 @@ class Scheduler:
         self, policy: Policy, request: Request, estimator: AcceptanceEstimator | None = None
     ) -> None:
         """Start a request that `policy` decides (the live bench and the simulator bring
-        their own)."""
-        self.stats = RoundStats()
-        t = time.thread_time()
-        policy.begin(request, self.ws)
-        self.stats.policy_s += time.thread_time() - t
-        rule = None
-        if policy.rounds_by_rule:
+        their own). A policy deciding by the rule learns in its name's estimator (kept across
+        its requests, saved with what was learnt) unless given one."""
+        if isinstance(policy, RulePolicy) and policy.name != "auto":
             est = estimator or self.rule_estimators.setdefault(policy.name, AcceptanceEstimator())
-            for key, alpha in policy.round_priors().items():
-                est.set_prior(key, alpha)
-            rule = ResidentRule(self, est)
-        self._by_policy = PolicyRounds(self, policy, request, rule)
-        self.rounds = self._by_policy
+            policy.estimator = est
+        elif isinstance(policy, RulePolicy) and estimator is not None:
+            policy.estimator = estimator
+        self.stats = RoundStats()
+        policy.begin(request, self.ws, self.stats, self.clock)
+        self.rounds = policy
 
     def beside_lead(self, draft: DraftAsk) -> RoundPolicy:
         """The round policy of a slot decoded beside the lead (LEAD_SLOT): the decision rule
@@ -317,30 +150,27 @@ class Scheduler:
         passes anyway (docs/batching.md). A named draft is used here only if it is free."""
         if draft.plain:
             return FixedPolicy(None, 0)
-        return ResidentRule(self, self.estimator, draft.ids, free_only=True)
+        rule = RulePolicy(self.env, self.estimator, draft.ids, free_only=True)
+        rule.begin(Request("", []), self.ws, clock=self.clock)
+        return rule
 
     def finish(self) -> RoundStats:
         """Close the last round and end the request (once, after generation)."""
-        rounds = self._by_policy
-        if rounds is not None:
-            rounds.close(self.clock())
-            t = time.thread_time()
-            rounds.policy.end()
-            self.stats.policy_s += time.thread_time() - t
+        if isinstance(self.rounds, Policy):
+            self.rounds.finish()
         self.abort()
         return self.stats
 
     def abort(self) -> None:
-        """Let go of the request's drafts (leases, holds) without ending it."""
-        self.ws.release_leases()
+        """Let go of the request's held drafts without ending it (its leases end with its
+        round: Runtime.decode_round)."""
         self._held.close()
-        self._by_policy = None
+        self.rounds = FixedPolicy(None, 0)
 
-    # --- the engine's RoundPolicy -------------------------------------------------------
+    # --- the lead slot's RoundPolicy: the request's ----------------------------------------
     def choose(
         self, context: list[int], k_room: int, params: SamplingParams, rng: np.random.Generator
     ) -> Choice:
-        self.ws.release_leases()  # the previous round's proposal is verified by now
         return self.rounds.choose(context, k_room, params, rng)
 
     def observe_costs(self, measured: RoundCosts) -> None:

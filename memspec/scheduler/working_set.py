@@ -18,8 +18,10 @@ BudgetExceeded when pinned drafts block it.
 Draft objects are not reference counted by Python alone: closing a llama.cpp draft while the
 engine is inside its propose() would free memory under it. So every draft handed out by
 `get`, `acquire` or `lease_resident` is *leased* to the calling thread, and an
-evicted draft is closed only once no thread holds it. The engine releases its leases at
-each round boundary and at the end of a request (memspec.scheduler.rounds.Scheduler).
+evicted draft is closed only once no thread holds it. Leases end in one place: the scope that
+took them, `with ws.leased():` (the engine's round, Runtime.decode_round), ends them however
+it ends. A call that may wait on the loader (acquire, load, evict, a budget change, close)
+first lets go of the calling thread's own leases, which the loader might otherwise wait on.
 """
 
 from __future__ import annotations
@@ -256,8 +258,17 @@ class WorkingSet:
             )
             return [self._lease(s) for s in res]
 
+    @contextlib.contextmanager
+    def leased(self) -> Iterator[None]:
+        """A scope whose drafts (get, acquire, lease_resident) are leased to this thread until
+        it ends, normally or by an exception: one round of the engine."""
+        try:
+            yield
+        finally:
+            self.release_leases()
+
     def release_leases(self) -> None:
-        """Release every draft this thread holds (the engine calls it between rounds). The
+        """Release every draft this thread holds (the end of `leased`, or a wait). The
         loader is woken only if a draft it waits to close is free now: leases hold nothing
         else up, and a wake-up every round (the loader re-planning, a thread switch on the
         cores the model decodes on) cost each speculative round for nothing."""

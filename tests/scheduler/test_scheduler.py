@@ -1,5 +1,5 @@
 """The Runtime's scheduler over a real working set: what it offers the engine each round, and
-that it lets go of every draft it leased or held when a request ends, however it ends."""
+that every draft it leased or held is let go of when its round and its request end."""
 
 from __future__ import annotations
 
@@ -42,9 +42,10 @@ def test_a_named_draft_is_held_and_leased_only_while_its_request_runs(scheduler)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=4)
     scheduler.begin([1, 2, 3], params, draft=DraftAsk(named="a"), k=2)
-    choice = scheduler.choose([1, 2, 3], 4, params, rng)
-    assert choice.draft is not None and choice.draft.id == "a" and choice.k == 2
-    assert in_use(scheduler)["a"]
+    with scheduler.ws.leased():  # a round (Runtime.decode_round)
+        choice = scheduler.choose([1, 2, 3], 4, params, rng)
+        assert choice.draft is not None and choice.draft.id == "a" and choice.k == 2
+        assert in_use(scheduler)["a"]
     scheduler.finish()
     assert in_use(scheduler) == {"a": False, "b": False}
 
@@ -62,9 +63,10 @@ def test_a_named_policy_decides_and_counts_its_rounds(scheduler):
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=4)
     scheduler.begin([1, 2, 3], params, policy="fixed:a")
-    choice = scheduler.choose([1, 2, 3], 4, params, rng)
-    assert choice.draft is not None and choice.draft.id == "a"
-    scheduler.observe("a", choice.k, 1, 0.01)
+    with scheduler.ws.leased():
+        choice = scheduler.choose([1, 2, 3], 4, params, rng)
+        assert choice.draft is not None and choice.draft.id == "a"
+        scheduler.observe("a", choice.k, 1, 0.01)
     stats = scheduler.finish()
     assert stats.rounds == 1 and stats.drafts_used == {"a": 1}
     assert not any(in_use(scheduler).values())

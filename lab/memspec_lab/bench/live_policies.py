@@ -16,7 +16,7 @@ from pathlib import Path
 from memspec.drafts.model import ModelDraft
 from memspec.engine.costs import AcceptanceEstimator
 from memspec.engine.sampling import SamplingParams
-from memspec.engine.speculative import speculative_generate
+from memspec.engine.speculative import Sequence, decode_round
 from memspec.paths import DEFAULT_PREDICTOR
 from memspec.predictor.model import load_or_fallback
 from memspec.scheduler.policies import DraftInfo, Env, Policy, Request, make_policy
@@ -140,10 +140,10 @@ def run_one(
 ) -> None:
     """One request under `policy` (None: auto, the bare decision rule), as the daemon runs it;
     `est` is the policy's own acceptance learnt across its requests."""
-    for draft in ws.lease_resident():  # every request starts with cold draft KV (as traced)
-        if isinstance(draft, ModelDraft):
-            draft.backend.reset()
-    ws.release_leases()
+    with ws.leased():
+        for draft in ws.lease_resident():  # every request starts with cold draft KV (as traced)
+            if isinstance(draft, ModelDraft):
+                draft.backend.reset()
     rt.target.reset()
     params = SamplingParams(max_tokens=max_tokens)
     t = time.perf_counter()
@@ -153,8 +153,14 @@ def run_one(
     else:
         request = Request(req.id, req.prompt, req.text, req.turn, max_tokens)
         rounds.begin_policy(policy, request, est)
-    with rt.lock:
-        gen = speculative_generate(rt.target, req.prompt, params, rounds)
+    with rt.lock:  # each round's drafts leased until it ends, as the daemon's rounds are
+        seq = Sequence(rt.target, req.prompt, params, rounds)
+        while not seq.done:
+            with ws.leased():
+                decode_round(rt.target.kv_owner, [seq])
+        if seq.error is not None:
+            raise seq.error
+        gen = seq.result()
     stats = rounds.finish()
     idle = wait_idle(ws)
     tot.seconds += time.perf_counter() - t
