@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -332,12 +333,43 @@ class CuttingProxy:
 # --- a loopback token server: Bearer auth as the Ollama library and Docker Hub ask for it ---
 
 
+def _dechunked(rfile: Any) -> Iterator[bytes]:
+    """A chunked request body's bytes (RFC 9112 7.1), read as they come; trailers skipped."""
+    while True:
+        size = int(rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
+        if size == 0:
+            while rfile.readline() not in (b"\r\n", b"\n", b""):
+                pass
+            return
+        left = size
+        while left:
+            data = rfile.read(min(left, 1 << 20))
+            if not data:
+                raise ConnectionError("the chunked body ended early")
+            left -= len(data)
+            yield data
+        rfile.readline()  # the CRLF after each chunk
+
+
+def _sized(rfile: Any, length: int) -> Iterator[bytes]:
+    while length > 0:
+        data = rfile.read(min(length, 1 << 20))
+        if not data:
+            raise ConnectionError("the body ended early")
+        length -= len(data)
+        yield data
+
+
 class TokenGate:
-    """An HTTP front for a registry that wants a Bearer token, as token-auth registries do: a
-    request without a valid one gets 401 `WWW-Authenticate: Bearer realm=<this>/token,
-    service=...,scope=repository:<ns/model>:pull`; `GET /token` with the right Basic
-    credentials answers {"token": ...} (`tokens_issued` counts them, `scopes` records what was
-    asked); a valid token's GET/HEAD is passed to the registry and its answer streamed back."""
+    """An HTTP front for a registry that wants a Bearer token, as token-auth registries do
+    (Docker Hub, the Ollama library): a request without a token good for it gets 401
+    `WWW-Authenticate: Bearer realm=<this>/token,service=...,scope=repository:<ns/model>:
+    <actions>`, the actions `pull` for GET/HEAD and `pull,push` for POST/PATCH/PUT/DELETE;
+    `GET /token?scope=...` with the right Basic credentials answers {"token": ...}, a token
+    good for that scope only (`tokens_issued` counts them, `scopes` records what was asked).
+    A request with a good token is passed to the registry, bodies streamed both ways (a
+    chunked upload too), upload Locations rewritten to point here; `writes` records each
+    write request that went through ("PATCH /v2/...")."""
 
     def __init__(self, upstream: str, users: dict[str, str]):
         import base64
@@ -345,8 +377,9 @@ class TokenGate:
 
         gate = self
         self.upstream, self.users = upstream, users
-        self.token = secrets.token_hex(16)
         self.scopes: list[str] = []
+        self.writes: list[str] = []
+        self.tokens: dict[str, str] = {}  # token -> the scope it was issued for
         self.tokens_issued = 0
         basics = {
             "Basic " + base64.b64encode(f"{u}:{p}".encode()).decode() for u, p in users.items()
@@ -367,45 +400,81 @@ class TokenGate:
                 if self.command != "HEAD":
                     self.wfile.write(body)
 
+            def _body(self) -> Iterator[bytes] | None:
+                if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                    return _dechunked(self.rfile)
+                length = int(self.headers.get("Content-Length") or 0)
+                return _sized(self.rfile, length) if length else None
+
+            def _allowed(self, repo: str, actions: str) -> bool:
+                auth = self.headers.get("Authorization", "")
+                scope = gate.tokens.get(auth.removeprefix("Bearer "), "")
+                kind, _, rest = scope.partition(":")
+                name, _, have = rest.rpartition(":")
+                wanted = set(actions.split(","))
+                return kind == "repository" and name == repo and wanted <= set(have.split(","))
+
             def _proxy(self) -> None:
+                body = self._body()
                 if self.path.startswith("/token"):
-                    query = httpx.URL(self.path).params
-                    gate.scopes.append(query.get("scope", ""))
+                    scope = httpx.URL(self.path).params.get("scope", "")
+                    gate.scopes.append(scope)
                     if self.headers.get("Authorization") not in basics:
                         self._send(401, b'{"errors":[{"code":"DENIED"}]}', {})
                         return
+                    token = secrets.token_hex(16)
+                    gate.tokens[token] = scope
                     gate.tokens_issued += 1
-                    self._send(200, json.dumps({"token": gate.token}).encode(), {})
+                    self._send(200, json.dumps({"token": token}).encode(), {})
                     return
-                if self.headers.get("Authorization") != f"Bearer {gate.token}":
-                    repo = self.path.split("/")[2:4]
+                repo = "/".join(self.path.split("?")[0].split("/")[2:4])
+                actions = "pull" if self.command in ("GET", "HEAD") else "pull,push"
+                if not self._allowed(repo, actions):
+                    for _ in body or ():  # read it: the connection stays in step
+                        pass
                     challenge = (
                         f'Bearer realm="http://{gate.host}/token",service="memspec-test",'
-                        f'scope="repository:{"/".join(repo)}:pull"'
+                        f'scope="repository:{repo}:{actions}"'
                     )
-                    body = b'{"errors":[{"code":"UNAUTHORIZED","message":"token required"}]}'
-                    self._send(401, body, {"WWW-Authenticate": challenge})
+                    body_401 = b'{"errors":[{"code":"UNAUTHORIZED","message":"token required"}]}'
+                    self._send(401, body_401, {"WWW-Authenticate": challenge})
                     return
-                headers = {k: v for k, v in self.headers.items() if k.lower() == "range"}
+                if self.command not in ("GET", "HEAD"):
+                    gate.writes.append(f"{self.command} {self.path.split('?')[0]}")
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() in ("range", "content-type", "content-length", "content-range")
+                }
                 headers["Accept"] = self.headers.get("Accept", "*/*")
                 with httpx.stream(
-                    self.command, gate.upstream + self.path, headers=headers, timeout=60
+                    self.command,
+                    gate.upstream + self.path,
+                    headers=headers,
+                    content=body,
+                    timeout=60,
                 ) as r:
                     self.send_response(r.status_code)
                     for k in (
                         "Content-Type",
                         "Content-Length",
                         "Content-Range",
+                        "Range",
+                        "Location",
                         "Docker-Content-Digest",
+                        "Docker-Upload-UUID",
                     ):
                         if k in r.headers:
-                            self.send_header(k, r.headers[k])
+                            value = r.headers[k]
+                            if k == "Location":  # uploads continue through the gate
+                                value = value.replace(gate.upstream, f"http://{gate.host}")
+                            self.send_header(k, value)
                     self.end_headers()
                     if self.command != "HEAD":
                         for chunk in r.iter_raw():
                             self.wfile.write(chunk)
 
-            do_GET = do_HEAD = _proxy
+            do_GET = do_HEAD = do_POST = do_PATCH = do_PUT = do_DELETE = _proxy
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True

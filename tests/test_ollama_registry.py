@@ -245,6 +245,49 @@ def test_bearer_token_auth_from_a_token_server(reg, small_model, tmp_path):
     assert store.blob_path(pushed.model_digest).read_bytes() == blob.read_bytes()
 
 
+def test_push_with_bearer_token_auth_then_pull_back_byte_identical(reg, small_model, tmp_path):
+    """A push through a token-auth front (the realm's token per scope, as Docker Hub and the
+    Ollama library ask): a pull token does not let it write, a `pull,push` one does; then a
+    pull of what was pushed, into a fresh store, is byte for byte the source."""
+    blob, pushed = small_model
+    alice = registry.Credentials(*next(iter(USERS.items())))
+    with TokenGate(reg.url, USERS) as gate:
+        source = _store(tmp_path / "a")
+        registry.pull(
+            parse(f"{gate.host}/test/small:v1"), source, lambda e: None, insecure=True,
+            credentials=alice,
+        )  # fmt: skip
+        dest = parse(f"{gate.host}/pushed/tok:v1")
+        source.write_manifest(dest, pushed.manifest)
+        with pytest.raises(registry.Unauthorized) as e:  # no credentials: no token to write
+            registry.push(dest, True, lambda e: None, store=source)
+        assert "s3cret" not in e.value.message and gate.writes == []
+        events: list[dict] = []
+        registry.push(dest, True, events.append, store=source, credentials=alice)
+        assert [ev["status"] for ev in events if "digest" not in ev] == [
+            "retrieving manifest",
+            "pushing manifest",
+            "success",
+        ]
+        assert "repository:pushed/tok:pull,push" in gate.scopes
+        # Every byte went through the gate with a push token: the upload sessions, their
+        # bodies, the commits and the manifest.
+        assert {w.split()[0] for w in gate.writes} == {"POST", "PATCH", "PUT"}, gate.writes
+        assert "PUT /v2/pushed/tok/manifests/v1" in gate.writes
+        fresh = _store(tmp_path / "b")
+        registry.pull(dest, fresh, lambda e: None, insecure=True, credentials=alice)
+    assert fresh.manifest_path(dest).read_bytes() == pushed.manifest
+    for digest in pushed.digests:
+        assert fresh.blob_path(digest).read_bytes() == source.blob_path(digest).read_bytes()
+    assert fresh.blob_path(pushed.model_digest).read_bytes() == blob.read_bytes()
+    # The registry behind the gate holds what was pushed, under its name.
+    r = httpx.get(
+        f"{reg.url}/v2/pushed/tok/manifests/v1",
+        headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"},
+    )
+    assert r.status_code == 200 and r.content == pushed.manifest
+
+
 def test_two_pulls_sharing_a_blob_at_once_both_succeed(reg, small_model, tmp_path):
     blob, pushed = small_model
     push_model(reg, "test/small:v2", blob)  # the same model blob under a second tag
@@ -559,6 +602,51 @@ def test_push_then_pull_back_byte_identical_then_delete(
     with pytest.raises(ollama.ResponseError) as e:
         client.delete(dest)
     assert e.value.status_code == 404
+
+
+def test_api_push_of_a_created_model_with_token_auth_then_pull_back(
+    smollm2_registry, daemon, daemon_data, tmp_path
+):
+    """/api/push of a model made by /api/create, to a registry behind Bearer token auth (the
+    daemon's credentials from its environment): then a pull of it, into a fresh store, is the
+    daemon's manifest and blobs byte for byte."""
+    reg, _ = smollm2_registry
+    client = _client(daemon)
+    src = f"{reg.host}/test/smollm2:q8"
+    client.pull(src, insecure=True)
+    with running_registry(tmp_path / "reg") as plain, TokenGate(plain.url, USERS) as gate:
+        made = f"{gate.host}/made/smollm2:tok"
+        done = client.create(
+            model=made, from_=src, system="You are terse.", parameters={"temperature": 0.2}
+        )
+        assert done.status == "success"
+        store = _store_of(daemon_data)
+        manifest = store.read_manifest(parse(made))
+        assert manifest is not None and len(manifest.layers) >= 3  # model, system, params
+        progress = list(client.push(made, insecure=True, stream=True))
+        assert [p.status for p in progress if not p.digest] == [
+            "retrieving manifest",
+            "pushing manifest",
+            "success",
+        ]
+        assert "repository:made/smollm2:pull,push" in gate.scopes
+        assert "PUT /v2/made/smollm2/manifests/tok" in gate.writes
+        fresh = OllamaStore(tmp_path / "fresh", writable=True)
+        user, password = next(iter(USERS.items()))
+        registry.pull(
+            parse(made),
+            fresh,
+            lambda e: None,
+            insecure=True,
+            credentials=registry.Credentials(user, password),
+        )
+    assert fresh.manifest_path(parse(made)).read_bytes() == manifest.raw
+    for layer in (manifest.config, *manifest.layers):
+        assert file_digest(fresh.blob_path(layer.digest)) == layer.digest
+        assert (
+            fresh.blob_path(layer.digest).read_bytes() == store.blob_path(layer.digest).read_bytes()
+        )
+    client.delete(made)
 
 
 def test_delete_refuses_the_model_being_served(smollm2_registry, daemon, daemon_data):
