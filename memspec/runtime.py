@@ -34,7 +34,7 @@ from memspec.drafts.datastore import DatastoreDraft
 from memspec.drafts.family import settings_pool_dir, skipped_error, skipped_recipes
 from memspec.drafts.manifest import DraftManifest, check_id, load_manifests
 from memspec.drafts.registry import draft_kind
-from memspec.engine.calibration import calibrate, measure_draft_cached
+from memspec.engine.calibration import Calibration, measure_draft_cached
 from memspec.engine.context_shift import Shifted, shift_messages
 from memspec.engine.costs import AcceptanceEstimator, CostModel
 from memspec.engine.fim import FimRequest, FimTokens, fim_prompt, find_fim_tokens
@@ -192,12 +192,18 @@ class Runtime:
         calibrate_costs: bool = True,
         batched: bool = False,
         target: Backend | None = None,
+        defer_calibration: bool = False,
     ):
-        """`batched`: give the target the sequence slots settings.parallel asks for (the
-        daemon); tools that decode one sequence at a time get one. `target`: a backend to
-        decode with instead of loading settings.target (whose file still sizes the budget
-        and checks the drafts' tokenizer): `memspec bench runtime` times the runtime's own
-        cost per token over a stub whose step costs nothing. The runtime closes it."""
+        """`calibrate_costs`: measure this device's costs (or read them from the cache);
+        False: every cost alike (CostModel.alike). `defer_calibration`: a calibration the
+        caches do not hold is not measured now: the target serves at once, plain (its costs
+        unknown), and calibrate_pending() measures while no request runs (the daemon: a new
+        model's first token does not wait for it). `batched`: give the target the sequence
+        slots settings.parallel asks for (the daemon); tools that decode one sequence at a
+        time get one. `target`: a backend to decode with instead of loading settings.target
+        (whose file still sizes the budget and checks the drafts' tokenizer): `memspec bench
+        runtime` times the runtime's own cost per token over a stub whose step costs
+        nothing. The runtime closes it."""
         self.settings = settings
         pool = settings_pool_dir(settings)
         self.manifest_errors: dict[str, str] = {}  # manifests left out (file stem -> why)
@@ -249,7 +255,11 @@ class Runtime:
         # Recipes a target's family skipped (e.g. a Q4 self-draft of a Q4 target): named in
         # settings.drafts they are passed over with the reason, named in a request refused.
         self.skipped_drafts: dict[str, str] = skipped_recipes(pool)
-        self.costs = CostModel(verify_s=[1.0] * (settings.k_max + 1))  # until calibrated
+        self.costs = CostModel.alike(settings.k_max)  # calibrated ones are adopted in place
+        self._calibration: Calibration | None = None  # one left for calibrate_pending()
+        self._calibrated = False
+        self.calibration_error: str | None = None
+        self._later: list[str] = []  # drafts that join when they pay (drafts_join_later)
         self._measure_loads = False  # drafts loaded after calibration get their cost measured
         self._lead_stall0 = 0.0  # the working set's stall clock when the lead slot's began
         self.requests_per_draft: Counter[str] = Counter()
@@ -330,18 +340,12 @@ class Runtime:
             )
             later = self._drafts_for_later(settings, target_path)
             self._preload(self.working_set, [i for i in self.preload_ids if i not in later])
-            with self.working_set.leased():
-                resident = list(self.drafts.values())
+            resident = list(self.drafts.values())
+            self.working_set.release_leases()
+            self._later = later
             if calibrate_costs:
                 _stage("calibration")
-                self.costs = calibrate(self.target, resident, settings.k_max)
-                self._measure_loads = True
-                for draft_id in later:  # priced as last measured: the plan can weigh them
-                    draft_s, overhead_s = _draft_costs[(str(target_path), draft_id)]
-                    if draft_s is not None:
-                        self.costs.draft_s[draft_id] = draft_s
-                    if overhead_s is not None:
-                        self.costs.draft_overhead_s[draft_id] = overhead_s
+                self._calibrate(resident, defer_calibration)
             if later:
                 log.info("drafts %s join later, when they pay", ", ".join(later))
             predictor = load_or_fallback(predictor_path(target_path, settings.predictor))
@@ -464,6 +468,67 @@ class Runtime:
                 self.preload_errors[draft_id] = e.message
         ws.wait_idle(timeout=30.0)
 
+    def _calibrate(self, resident: list[Draft], defer: bool) -> None:
+        """The costs from the caches, else measured now, or (`defer`) left for
+        calibrate_pending() with the rule drafting nothing till then."""
+        calibration = Calibration(self.target, self.settings.k_max)
+        measured = calibration.done(resident) if defer else calibration.run(resident)
+        if measured is not None:
+            self._land(measured)
+            return
+        self.costs = CostModel.unknown(self.settings.k_max)  # before the scheduler holds it
+        self._calibration = calibration
+        log.info("%s: not calibrated yet; decoding plain until it is (measured while idle)",
+                 self.target.path.name)  # fmt: skip
+
+    def _land(self, measured: CostModel) -> None:
+        """Calibrated costs in: adopted in place (the scheduler and rounds hold self.costs),
+        the drafts left for later priced as last measured (the plan can weigh them), and
+        drafts loaded from now on measured as they load."""
+        self.costs.adopt(measured)
+        for draft_id in self._later:
+            draft_s, overhead_s = _draft_costs.get((self._target_file, draft_id), (None, None))
+            if draft_s is not None:
+                self.costs.draft_s[draft_id] = draft_s
+            if overhead_s is not None:
+                self.costs.draft_overhead_s[draft_id] = overhead_s
+        self._calibration, self._calibrated, self._measure_loads = None, True, True
+
+    def calibrate_pending(self, stop: Callable[[], bool]) -> bool:
+        """Engine thread, while no request runs: go on with a calibration left for later
+        (defer_calibration), one timed pass at a time, until it is done or `stop()` is true
+        (a request came: it waits for the pass in hand). Done, its costs replace the unknown
+        ones and the drafts join as the plan finds they pay. True once none is left."""
+        calibration = self._calibration
+        if calibration is None or self.working_set is None:
+            return True
+        try:
+            resident = list(self.drafts.values())
+            measured = calibration.run(resident, stop, self.lock)
+        except Exception as e:  # noqa: BLE001 - the model goes on serving, plain
+            log.exception("%s: calibration failed; decoding plain", self.target.path.name)
+            self._calibration, self.calibration_error = None, str(e)
+            return True
+        finally:
+            self._ws.release_leases()
+        if measured is None:
+            return False
+        self._land(measured)
+        log.info("%s: calibrated (%d timed passes while idle); drafts join when they pay",
+                 self.target.path.name, calibration.passes)  # fmt: skip
+        return True
+
+    @property
+    def calibration(self) -> str:
+        """What status shows: "calibrated", "calibrating" (left for calibrate_pending: plain
+        decoding till then), "failed" (plain decoding; calibration_error says why) or "off"
+        (calibrate_costs False: costs alike)."""
+        if self._calibration is not None:
+            return "calibrating"
+        if self.calibration_error is not None:
+            return "failed"
+        return "calibrated" if self._calibrated else "off"
+
     def _on_draft_loaded(self, draft: Draft) -> None:
         """Loader thread: a draft loaded after calibration gets its cost measured once."""
         costs = self.costs
@@ -521,8 +586,8 @@ class Runtime:
 
     @property
     def drafts(self) -> dict[str, Draft]:
-        """Resident drafts, in load order, leased to the calling thread until the end of its
-        `working_set.leased()` scope (the engine's: its next round): safe to use meanwhile."""
+        """Resident drafts, in load order, leased to the calling thread until its next
+        generate() (or working_set.release_leases()): safe to use their backends meanwhile."""
         ws = self.working_set
         return {d.id: d for d in ws.lease_resident()} if ws is not None else {}
 
@@ -617,6 +682,7 @@ class Runtime:
         absent = [r["id"] for r in rows if r["state"] in ("absent", "failed") and r["bytes"] > 0]
         resident_models = [r for r in rows if r["resident"] and r["bytes"] > 0]
         out["scheduling"] = self.scheduler.status()  # policy state, predictor (or why not)
+        out["calibration"] = self.calibration  # "calibrating": plain decoding till it lands
         shedding = "evicted drafts" if resident_models else "no model draft resident"
         out["shedding"] = shedding if absent else "none"
         return out
@@ -874,9 +940,9 @@ class Runtime:
     def decode_round(self, sequences: list[Sequence]) -> tuple[int, int]:
         """One round of every open sequence, in one forward pass of the target: the
         (sequences, tokens) it carried."""
+        self._ws.release_leases()  # the last round's proposals are verified by now
         ordered = sorted(sequences, key=lambda s: s.target.seq_id)  # the lead chooses first
-        # The drafts the round's policies take are leased until it ends, however it ends.
-        with self._ws.leased(), self.lock:
+        with self.lock:
             return decode_round(self.target, ordered, self.costs, self.settings.prefill_chunk)
 
     def close_sequence(self, seq: Sequence) -> Generation:
@@ -892,10 +958,10 @@ class Runtime:
         gen = seq.result()
         if lead:  # waits on reactive loads happen in the lead's rounds
             gen.stall_s = self._ws.thread_stall_s() - self._lead_stall0
-        with self._ws.leased():  # learning datastores file the output now
-            for d in self._ws.lease_resident():
-                if isinstance(d, DatastoreDraft) and d.learn:
-                    d.finish_request(gen.token_ids)
+        for d in self._ws.lease_resident():  # learning datastores file the output now
+            if isinstance(d, DatastoreDraft) and d.learn:
+                d.finish_request(gen.token_ids)
+        self._ws.release_leases()
         self.requests_per_draft.update(gen.drafts_used.keys())
         if lead:
             self.memory.request_done()

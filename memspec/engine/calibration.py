@@ -3,6 +3,11 @@
 Results are cached under the data directory, the target's per (target file, backend, threads,
 k range) and each draft's per draft beside it, so neither a restart nor a runtime with another
 set of drafts pays for calibration again; `memspec calibrate --force` re-measures.
+
+A Calibration measures in pieces of one forward pass each, and can stop between any two: the
+daemon runs a new model's calibration while no request runs (Runtime.calibrate_pending), and a
+request that arrives waits for the pass in hand, not for the rest. Each piece first puts back
+the context it measures at if a request changed the KV cache meanwhile.
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import psutil
@@ -46,6 +54,8 @@ _measured: dict[str, dict] = {}
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 class OthersLoad:
     """The share of the machine's CPU time others (processes, the hypervisor) took while the
@@ -56,17 +66,22 @@ class OthersLoad:
         self._t0 = time.perf_counter()
         self._sys0 = _busy(psutil.cpu_times())
         self._own0 = sum(self._proc.cpu_times()[:2])
-        self.share = 0.0
+        self.share = self.others_s = self.wall_s = 0.0
         return self
 
     def __exit__(self, *exc: object) -> None:
-        wall = time.perf_counter() - self._t0
-        if wall < MIN_LOAD_WALL_S:  # CPU times tick every 10 ms: too short to tell
-            return
-        others = (
-            _busy(psutil.cpu_times()) - self._sys0 - (sum(self._proc.cpu_times()[:2]) - self._own0)
-        )
-        self.share = max(0.0, others) / max(wall * (os.cpu_count() or 1), 1e-9)
+        self.wall_s = time.perf_counter() - self._t0
+        own = sum(self._proc.cpu_times()[:2]) - self._own0
+        self.others_s = max(0.0, _busy(psutil.cpu_times()) - self._sys0 - own)
+        self.share = others_share(self.others_s, self.wall_s)
+
+
+def others_share(others_s: float, wall_s: float) -> float:
+    """Others' CPU seconds as a share of the machine's over `wall_s`; 0 when too short to tell
+    (CPU times tick every 10 ms)."""
+    if wall_s < MIN_LOAD_WALL_S:
+        return 0.0
+    return others_s / max(wall_s * (os.cpu_count() or 1), 1e-9)
 
 
 def _busy(t: object) -> float:
@@ -95,6 +110,14 @@ def _warm_context(
         be.reset()
         be.eval(warm, all_logits=False)
     return warm
+
+
+def _rewarm(backends: list[Backend], warm: list[int]) -> None:
+    """Put `warm` back in the caches a request used between two pieces of a calibration."""
+    for be in backends:
+        if be.tokens != warm:
+            be.reset()
+            be.eval(warm, all_logits=False)
 
 
 def _file_key(path: Path) -> list:
@@ -138,10 +161,19 @@ def measure_verify(
     one. Timed in a row on a box losing CPU to steal, the cache held 95 ms for 5 tokens and
     76 ms for 7; the rule then shunned k = 4, so the online correction never saw that size.
     Last, the medians are made non-decreasing (a larger batch never costs less)."""
+    return _run(verify_passes(target, k_max, full_rows, context_tokens))
+
+
+def verify_passes(
+    target: Backend, k_max: int, full_rows: bool = False, context_tokens: int = CONTEXT_TOKENS
+) -> Generator[None, None, list[float]]:
+    """measure_verify one timed pass at a time (it yields after each): its curve is the
+    generator's return value."""
     warm = _warm_context([target], target.n_vocab, context_tokens)
     sizes = list(range(1, k_max + 2))
 
     def step(batch: int) -> float:
+        _rewarm([target], warm)
         t = time.perf_counter()
         if full_rows:
             target.eval(warm[:batch], copy=True)
@@ -153,12 +185,23 @@ def measure_verify(
 
     for batch in sizes:  # warm-up
         step(batch)
+        yield
     times: dict[int, list[float]] = {b: [] for b in sizes}
     for rep in range(REPS):
         for batch in sizes if rep % 2 == 0 else reversed(sizes):
             times[batch].append(step(batch))
+            yield
     target.reset()
     return non_decreasing([statistics.median(times[b]) for b in sizes])
+
+
+def _run(passes: Generator[None, None, T]) -> T:
+    """A measurement's passes, all of them: its result."""
+    while True:
+        try:
+            next(passes)
+        except StopIteration as done:
+            return done.value
 
 
 def non_decreasing(values: list[float]) -> list[float]:
@@ -207,6 +250,11 @@ def measure_batch(target: Backend, max_tokens: int) -> dict[int, float]:
     """Seconds for one forward pass of n tokens spread over all of the target's sequence
     slots (each at CONTEXT_TOKENS of context), for n = 1, 2, 4, ... max_tokens: the cost
     of a batched round (costs.plan_batch)."""
+    return _run(batch_passes(target, max_tokens))
+
+
+def batch_passes(target: Backend, max_tokens: int) -> Generator[None, None, dict[int, float]]:
+    """measure_batch one timed pass at a time (it yields after each)."""
     slots = target.slots
     warm = _warm_context(slots, target.n_vocab)
     sizes = sorted({min(2**i, max_tokens) for i in range(max_tokens.bit_length() + 1)})
@@ -215,25 +263,41 @@ def measure_batch(target: Backend, max_tokens: int) -> dict[int, float]:
         per = [n // len(slots) + (1 if i < n % len(slots) else 0) for i in range(len(slots))]
         items = [(slot, warm[:m], m) for slot, m in zip(slots, per, strict=True) if m]
 
-        def step(items: list = items) -> None:
+        def step(items: list = items) -> float:
+            _rewarm(slots, warm)
+            t = time.perf_counter()
             for out_rows in target.eval_many(items):
                 out_rows.argmax(axis=1)
+            seconds = time.perf_counter() - t
             for slot, _, _ in items:
                 slot.truncate(CONTEXT_TOKENS)
+            return seconds
 
         step()  # warm-up
-        out[n] = _median_time(step, reps=5)
+        yield
+        times = []
+        for _ in range(5):
+            times.append(step())
+            yield
+        out[n] = statistics.median(times)
     for slot in slots:
         slot.reset()
     return out
 
 
 def measure(target: Backend, drafts: list[Draft], k_max: int) -> CostModel:
-    costs = CostModel(verify_s=measure_verify(target, k_max))
-    if len(target.slots) > 1:
-        costs.batch_s = measure_batch(target, min(len(target.slots) * (k_max + 1), 64))
+    costs = _run(target_passes(target, k_max))
     for d in drafts:
         measure_draft(d, costs, k_max)
+    return costs
+
+
+def target_passes(target: Backend, k_max: int) -> Generator[None, None, CostModel]:
+    """The target's verify curve, then (several sequence slots) its batch curve, one timed
+    pass at a time."""
+    costs = CostModel(verify_s=(yield from verify_passes(target, k_max)))
+    if len(target.slots) > 1:
+        costs.batch_s = yield from batch_passes(target, min(len(target.slots) * (k_max + 1), 64))
     return costs
 
 
@@ -261,23 +325,39 @@ def measure_draft(d: Draft, costs: CostModel, k_max: int) -> None:
         )
 
 
-def measure_draft_cached(target: Backend, d: Draft, costs: CostModel, k_max: int) -> None:
-    """measure_draft, cached beside the calibration: a draft loaded after start-up (a prefetch)
-    is measured once per machine, not again by each fresh process while it decodes."""
-    path = cache_dir() / f"{DRAFT_CACHE_PREFIX}{cache_key(target, [d], k_max, d.id)}.json"
-    tables = {"draft_s": costs.draft_s, "draft_overhead_s": costs.draft_overhead_s}
+def _draft_cache(target: Backend, d: Draft, k_max: int) -> Path:
+    return cache_dir() / f"{DRAFT_CACHE_PREFIX}{cache_key(target, [d], k_max, d.id)}.json"
+
+
+def _draft_tables(costs: CostModel) -> dict[str, dict[str, float]]:
+    return {"draft_s": costs.draft_s, "draft_overhead_s": costs.draft_overhead_s}
+
+
+def cached_draft(target: Backend, d: Draft, costs: CostModel, k_max: int) -> bool:
+    """Add the draft's cost from this process's or the disk's cache: False if not there."""
+    path = _draft_cache(target, d, k_max)
     data = _measured.get(str(path))
     if data is None and path.is_file():
         data = json.loads(path.read_text())
-    if data is not None:
-        for name, table in tables.items():
-            table.update(data[name])
+    if data is None:
+        return False
+    for name, table in _draft_tables(costs).items():
+        table.update(data[name])
+    return True
+
+
+def measure_draft_cached(target: Backend, d: Draft, costs: CostModel, k_max: int) -> None:
+    """measure_draft, cached beside the calibration: a draft loaded after start-up (a prefetch)
+    is measured once per machine, not again by each fresh process while it decodes."""
+    if cached_draft(target, d, costs, k_max):
         return
+    path = _draft_cache(target, d, k_max)
+    tables = _draft_tables(costs)
     with OthersLoad() as load:
         measure_draft(d, costs, k_max)
     entry = {name: {d.id: t[d.id]} if d.id in t else {} for name, t in tables.items()}
     _measured[str(path)] = entry
-    if _cacheable(load, f"draft {d.id}"):
+    if _cacheable(load.share, f"draft {d.id}"):
         _write_json(path, entry | {"measured_at": time.time()})
 
 
@@ -288,37 +368,107 @@ def calibrate(
     draft's, cached per draft (measure_draft_cached): a runtime with another set of drafts
     (a daemon preloading the whole family after `generate` named three) measures nothing
     again. On a 1.5B target on 2 cores the verify curve alone takes minutes."""
-    path = cache_dir() / f"calibration-{cache_key(target, [], k_max, extra)}.json"
-    if force:  # drafts measured when they were loaded later are measured again too
-        for old in cache_dir().glob(f"{DRAFT_CACHE_PREFIX}*.json"):
-            old.unlink(missing_ok=True)
-        _measured.clear()
-    data = None if force else _measured.get(str(path))
-    if data is None and not force and path.is_file():
-        data = json.loads(path.read_text())
-    if data is not None:
-        costs = CostModel(list(data["verify_s"]))
-        costs.batch_s = {int(n): s for n, s in data.get("batch_s", {}).items()}
-    else:
-        with OthersLoad() as load:
-            costs = measure(target, [], k_max)
-        entry = {"verify_s": list(costs.verify_s), "batch_s": dict(costs.batch_s)}
-        _measured[str(path)] = entry
-        if _cacheable(load, "the verify curve"):
-            _write_json(path, entry | {"measured_at": time.time(), "others_cpu": load.share})
-    for d in drafts:
-        measure_draft_cached(target, d, costs, k_max)
+    costs = Calibration(target, k_max, force, extra).run(drafts)
+    assert costs is not None  # never stopped: measured whole
     return costs
 
 
-def _cacheable(load: OthersLoad, what: str) -> bool:
-    if load.share <= BUSY_SHARE:
+def _never() -> bool:
+    return False
+
+
+class Calibration:
+    """One target's calibration, read from the caches where they hold it, else measured a
+    timed pass at a time: `run` goes on where the last run stopped until it is done (the
+    costs) or `stop()` says to stop between two passes (None). A Calibration that needs no
+    measuring is `done` when made. The target curve's others' load is summed over every
+    run's passes, and judged once (BUSY_SHARE) before it is cached."""
+
+    def __init__(self, target: Backend, k_max: int, force: bool = False, extra: str = ""):
+        self.target, self.k_max = target, k_max
+        self._path = cache_dir() / f"calibration-{cache_key(target, [], k_max, extra)}.json"
+        if force:  # drafts measured when they were loaded later are measured again too
+            for old in cache_dir().glob(f"{DRAFT_CACHE_PREFIX}*.json"):
+                old.unlink(missing_ok=True)
+            _measured.clear()
+        self.costs: CostModel | None = None if force else self._cached()
+        self._passes: Generator[None, None, CostModel] | None = None
+        self._others_s = self._wall_s = 0.0
+        self.passes = 0  # timed passes run so far (status, tests)
+
+    def _cached(self) -> CostModel | None:
+        data = _measured.get(str(self._path))
+        if data is None and self._path.is_file():
+            data = json.loads(self._path.read_text())
+        if data is None:
+            return None
+        costs = CostModel(list(data["verify_s"]))
+        costs.batch_s = {int(n): s for n, s in data.get("batch_s", {}).items()}
+        return costs
+
+    def done(self, drafts: list[Draft]) -> CostModel | None:
+        """The costs, if the caches hold the target's curve and every one of `drafts`."""
+        costs = self.costs
+        if costs is None:
+            return None
+        missing = [d for d in drafts if not cached_draft(self.target, d, costs, self.k_max)]
+        return None if missing else costs
+
+    def run(
+        self,
+        drafts: list[Draft],
+        stop: Callable[[], bool] = _never,
+        lock: AbstractContextManager[object] | None = None,
+    ) -> CostModel | None:
+        """Measure what is left, `lock` held over each pass: the target's curve, then each
+        of `drafts` not measured yet (one pass each). None if `stop()` came first."""
+        guard = lock if lock is not None else nullcontext()
+        while self.costs is None:
+            if stop():
+                return None
+            if self._passes is None:
+                self._passes = target_passes(self.target, self.k_max)
+            with guard, OthersLoad() as load:
+                try:
+                    next(self._passes)
+                    finished = None
+                except StopIteration as end:
+                    finished = end.value
+            self._others_s += load.others_s
+            self._wall_s += load.wall_s
+            if finished is None:
+                self.passes += 1
+            else:
+                self._keep(finished)
+        costs = self.costs
+        for d in drafts:
+            if cached_draft(self.target, d, costs, self.k_max):
+                continue
+            if stop():
+                return None
+            with guard:
+                measure_draft_cached(self.target, d, costs, self.k_max)
+            self.passes += 1
+        return costs
+
+    def _keep(self, costs: CostModel) -> None:
+        """The target's measured curve: this process's, and the disk's if it was quiet."""
+        self.costs, self._passes = costs, None
+        entry = {"verify_s": list(costs.verify_s), "batch_s": dict(costs.batch_s)}
+        _measured[str(self._path)] = entry
+        share = others_share(self._others_s, self._wall_s)
+        if _cacheable(share, "the verify curve"):
+            _write_json(self._path, entry | {"measured_at": time.time(), "others_cpu": share})
+
+
+def _cacheable(share: float, what: str) -> bool:
+    if share <= BUSY_SHARE:
         return True
     log.warning(
         "calibration of %s ran while other processes took %.0f%% of the CPU: used by this "
         "process (reloads included), not cached on disk (measured again at the next start)",
         what,
-        100 * load.share,
+        100 * share,
     )
     return False
 

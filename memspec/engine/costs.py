@@ -104,6 +104,32 @@ class CostModel:
     _first_seen: dict[str, float] = field(default_factory=dict, repr=False)
     # (band, batch) -> estimate, till observe()
     _verify_memo: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
+    # False while this device's costs are not measured yet (unknown(): a model the daemon
+    # serves before its calibration has run): the rule then drafts nothing (best_k,
+    # plan_batch), since costs it does not know would make every draft look free.
+    known: bool = True
+
+    @classmethod
+    def alike(cls, k_max: int) -> CostModel:
+        """Every batch size one second, every draft free: what a tool that skips calibration
+        decodes with (`auto` then drafts every round it has a proposal)."""
+        return cls(verify_s=[1.0] * (k_max + 1))
+
+    @classmethod
+    def unknown(cls, k_max: int) -> CostModel:
+        """Not measured yet: plain decoding, until calibrated costs are adopted."""
+        return cls(verify_s=[1.0] * (k_max + 1), known=False)
+
+    def adopt(self, measured: CostModel) -> None:
+        """Take the calibrated curves and draft costs of `measured`, in place (the scheduler
+        and the rounds hold this object); what rounds measured meanwhile is kept."""
+        self.verify_s = list(measured.verify_s)
+        self.batch_s = dict(measured.batch_s)
+        self.draft_s.update(measured.draft_s)
+        self.draft_overhead_s.update(measured.draft_overhead_s)
+        self.prefill_s.update(measured.prefill_s)
+        self._verify_memo.clear()
+        self.known = True
 
     def observe(self, m: RoundCosts) -> None:
         """One round as measured (RoundCosts): the verify and draft estimates move to it."""
@@ -244,9 +270,10 @@ class CostModel:
         """The k (0 = don't draft) maximising tokens/s for this draft at acceptance alpha, at
         `context` tokens of context.
 
-        force: at least k = 1 when k_max allows, for a draft that must be tried (bandits)."""
+        force: at least k = 1 when k_max allows, for a draft that must be tried (bandits).
+        Costs not known yet: 0 (unless forced)."""
         best_k, best_rate = 0, self.rate(None, alpha, 0, context=context)
-        for k in range(1, k_max + 1):
+        for k in range(1, k_max + 1 if self.known else 1):
             r = self.rate(draft_id, alpha, k, alpha_cont=alpha_cont, context=context)
             if r > best_rate:
                 best_k, best_rate = k, r
@@ -330,6 +357,8 @@ def plan_batch(options: list[BatchOption], costs: CostModel, fed: list[int] = ()
         return tokens / seconds if seconds > 0 else 0.0
 
     fixed = [o.k if o.fixed else 0 for o in options]
+    if not costs.known:  # nothing measured yet: only what was asked for drafts
+        return fixed
     best, best_rate = fixed, rate(fixed) * BATCH_MARGIN
     depth = max((o.k for o in options if not o.fixed), default=0)
     for allow_passes in (False, True):

@@ -150,7 +150,10 @@ class EngineWorker:
         self.tuning = Tuning(settings, fallback)
         self.warnings: list[str] = []  # what the daemon runs without, and why (status)
         self.metrics = metrics
-        self._factory = runtime_factory or functools.partial(Runtime, batched=True)
+        # A new model serves at once, plain; it calibrates while idle (_calibrate_while_idle).
+        self._factory = runtime_factory or functools.partial(
+            Runtime, batched=True, defer_calibration=True
+        )
         self._on_ready = on_ready
         self._on_fatal = on_fatal
         # The models: every servable one by name, the resident ones' runtimes, and the policy
@@ -667,6 +670,20 @@ class EngineWorker:
             self._expire_and_prefetch()
         except Exception:  # noqa: BLE001 - the engine must go on serving
             log.exception("model housekeeping failed")
+        self._calibrate_while_idle()
+
+    def _calibrate_while_idle(self) -> None:
+        """The calibrations models left for later (Runtime.calibrate_pending), while no job
+        runs or waits: one that comes waits for the timed pass in hand, not the rest."""
+
+        def stop() -> bool:
+            self.heartbeat = time.monotonic()  # a pass at a time: the engine is not stuck
+            return bool(self._stop or self._queue or self._control or self._active
+                        or self._admitting)  # fmt: skip
+
+        for rt in list(self.targets.runtimes.values()):
+            if stop() or not rt.calibrate_pending(stop):
+                return
 
     def _expire_and_prefetch(self) -> None:
         """Unload the models whose keep_alive ran out (none with requests in flight or
