@@ -93,11 +93,12 @@ class Settings(BaseSettings):
         "runs) or lru (Ollama's: first come first served, least recently used unloaded)",
     )
     model_switch_wait_s: float = Field(
-        10.0,
+        30.0,
         ge=0,
         le=3600,
-        description="longest a request for a model that must load waits while another model "
-        "still has requests queued (residency memspec)",
+        description="cap on how long a request for a model that must load waits while the "
+        "model it displaces still has requests queued (residency memspec: the wait is 4x the "
+        "switch's measured loads, at most this)",
     )
     queue_timeout_s: float = Field(
         300.0,

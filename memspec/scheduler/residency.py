@@ -6,14 +6,17 @@ its own draft working set, and asks a ResidencyPolicy three things:
 - `victims`: the resident models to unload so that a model needing `need` bytes fits. A
   model with requests in flight, or pinned, is never one. None when nothing could make room.
 - `hold`: whether requests for a model that is not resident keep waiting while the resident
-  ones it would displace are still busy or still wanted.
+  ones it would displace (`models`: it and them) still have requests queued.
 - `prefetch`: a model worth loading ahead of need now that budget is free.
 
 `DemandResidency` (memspec's) follows the MemSpec decision rule with a model's load in place of
 a draft's: keeping a model resident saves `rate × load_s` seconds of loading per second, where
 `rate` is its recent arrivals, decayed (DemandEstimate). The least valuable go first, and a
 switch waits while the displaced model still has work queued (one load then serves a run of
-requests instead of one), but never longer than `max_hold_s`.
+requests instead of one), but the oldest request of the model waiting for it waits at most
+`switch_hold_s`: SWITCH_HOLD_RUNS times the switch's predicted cost (the measured loads of the
+model and of those it displaces, which their queued requests will load again), capped by
+`max_hold_s` (the setting model_switch_wait_s).
 `LruResidency` is Ollama's (its scheduler): first come first served, the least recently used
 idle model unloaded; `memspec bench models` runs both on one workload.
 """
@@ -73,6 +76,20 @@ class ResidencyPolicy(Protocol):
     def prefetch(self, free: int, models: list[ModelView], now: float) -> str | None: ...
 
 
+# A switch's oldest waiting request waits at most this many times the switch's predicted cost:
+# each model then serves a run of at least 4 loads' time between switches, so that loading
+# takes at most about a fifth of a busy engine's time when two models alternate.
+SWITCH_HOLD_RUNS = 4.0
+
+
+def switch_hold_s(want: ModelView, models: list[ModelView], max_hold_s: float) -> float:
+    """How long `want`'s oldest request may wait for the resident models it would displace
+    (those of `models` with requests queued) to serve their queued runs first."""
+    displaced = [m for m in models if m.resident and m.name != want.name and m.queued > 0]
+    cost = want.load_s + sum(m.load_s for m in displaced)
+    return min(max_hold_s, SWITCH_HOLD_RUNS * cost)
+
+
 def _evictable(m: ModelView, want: str) -> bool:
     return m.resident and m.name != want and not m.pinned and m.in_flight == 0
 
@@ -92,7 +109,7 @@ class DemandResidency:
     name = "memspec"
     first_come_first_served = False
 
-    def __init__(self, demand: DemandEstimate, max_hold_s: float = 10.0):
+    def __init__(self, demand: DemandEstimate, max_hold_s: float = 30.0):
         self.demand = demand
         self.max_hold_s = max_hold_s
 
@@ -111,11 +128,12 @@ class DemandResidency:
         return _take(order, need, free)
 
     def hold(self, want: ModelView, waited_s: float, models: list[ModelView], now: float) -> bool:
-        """Wait while a resident model still has requests queued and the switch has not
-        waited max_hold_s: its run goes on, and the switch then serves `want`'s run."""
-        if waited_s >= self.max_hold_s:
+        """Wait while a resident model it would displace still has requests queued and the
+        switch has not waited switch_hold_s: its run goes on, and the switch then serves
+        `want`'s run."""
+        if not any(m.resident and m.name != want.name and m.queued > 0 for m in models):
             return False
-        return any(m.resident and m.name != want.name and m.queued > 0 for m in models)
+        return waited_s < switch_hold_s(want, models, self.max_hold_s)
 
     def prefetch(self, free: int, models: list[ModelView], now: float) -> str | None:
         """The absent model with the most value that fits the free budget, if it has demand."""
