@@ -8,9 +8,9 @@ Each resident model is a Runtime (memspec.runtime): its backend, slots, drafts a
 working set holds a *share* of the budget: its target first, then its drafts. The shares never
 add up to more than the budget. A model loads with what is free as its share, after the
 others have handed back what they do not use and the victims its residency policy picked
-(memspec.scheduler.residency) are unloaded. The policy decides; this object only does it, on
-the engine thread (memspec.server.worker), and keeps each model's counts: loads, evictions,
-seconds spent loading, last use and expiry (Ollama's keep_alive).
+(memspec.scheduler.residency) are unloaded. The model scheduler decides
+(memspec.scheduler.models); this object only does it, on the engine thread, and keeps each
+model's counts: loads, evictions, seconds spent loading, last use and expiry (keep_alive).
 """
 
 from __future__ import annotations
@@ -95,6 +95,39 @@ class Targets:
 
     def stat(self, name: str) -> ModelStats:
         return self.stats.setdefault(name, ModelStats())
+
+    @property
+    def resident(self) -> list[str]:
+        return list(self.runtimes)
+
+    def free_slots(self, name: str) -> int:
+        rt = self.runtimes.get(name)
+        return rt.slot_table.free() if rt is not None else 0
+
+    def admitted(self, name: str) -> None:
+        """A request took a slot of `name` (a load that served one was not wasted)."""
+        self.stat(name).served += 1
+
+    def unservable(self, name: str) -> MemSpecError:
+        """Why requests for `name` cannot be scheduled: its file unreadable, marked bad, or
+        gone from the models dir."""
+        gone = UnknownModel(f"model {name!r} is no longer in the models dir", param="model")
+        error = self.view_errors.get(name) or self.catalog.unusable(name) or gone
+        return error if isinstance(error, MemSpecError) else ModelLoadError(str(error))
+
+    def free_budget(self) -> int:
+        """The budget no resident model's share holds now."""
+        return self._budget() - self.shares()
+
+    def embed_share(self, name: str) -> None:
+        """Set up `name`'s embedding context: the others hand back the share they do not use,
+        and `name` gets the free budget. BudgetExceeded if the context still cannot fit."""
+        rt = self.runtimes[name]
+        for other in self.runtimes.values():  # each keeps what it uses
+            if other is not rt:
+                other.set_budget(max(other.reserved_bytes, other.modelled_bytes()))
+        rt.set_budget(rt.budget_bytes + max(0, self._budget() - self.shares()))
+        rt.embedder()
 
     def shares(self) -> int:
         """The budget the resident models' working sets hold, together."""

@@ -181,6 +181,18 @@ def test_the_model_catalog_loads_nothing():
     assert not _reach(_graph(), "catalog") & {"runtime", "targets", "scheduler", "server"}
 
 
+def test_the_model_scheduler_decides_and_loads_nothing_itself():
+    """memspec.scheduler.models owns model residency (which model is resident, when to
+    switch, expiry, prefetch) in the scheduler layer: it is handed the pool of resident models
+    (memspec.targets) and the loader as callables, and imports neither them, the runtime nor
+    the server; the worker asks it and never imports the residency policies itself."""
+    mine = {n for n in _imports(ROOT / "scheduler" / "models.py") if n.startswith("memspec.")}
+    assert not {_part(n) for n in mine} & {"targets", "runtime", "server", "backends"}, mine
+    worker = _imports(ROOT / "server" / "worker.py")
+    assert "memspec.scheduler.models" in worker
+    assert "memspec.scheduler.residency" not in worker
+
+
 # Below the HTTP body (the routes' pydantic schemas), a generation takes three shapes on its
 # way down, each built in one layer: the client's ask (ClientRequest, by the routes), the one
 # this model can run as it is (GenerationRequest: tokens, every check, Runtime.request), and

@@ -9,10 +9,11 @@ finished; after each, the waiting generations are admitted before the next contr
 job streams events back to the asyncio side: `Token` per text delta, then `Done` or `Failed`.
 
 Several models share the budget (memspec.targets): a generation names its model, and waits
-in the same queue until that model is resident. A residency policy
-(memspec.scheduler.residency) decides when a model that is not resident is loaded, which
-idle models make room, and whether the switch waits for the resident one's queued run. The
-load runs on this thread, between rounds; a model with requests in flight is never unloaded.
+in the same queue until that model is resident. The model scheduler (memspec.scheduler.models)
+decides which waiting requests may run, when a model that is not resident is loaded, which
+idle models make room, whether the switch waits for the resident one's queued run, expiry and
+loads ahead of need; this worker keeps the queue and asks it. The load runs on this thread,
+between rounds; a model with requests in flight is never unloaded.
 
 The thread loads the Runtime itself (the HTTP server is already answering /health with 503),
 beats a heartbeat while idle and per token (the systemd watchdog pings only while it is fresh),
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
@@ -42,35 +42,21 @@ from memspec.config import Settings
 from memspec.engine.prefix_cache import PrefixCache
 from memspec.engine.speculative import Sequence
 from memspec.errors import (
-    BudgetExceeded,
     DeviceUnavailable,
-    LoadAbandoned,
     MemSpecError,
-    ModelDoesNotFit,
-    ModelLoadError,
-    UnknownModel,
 )
 from memspec.runtime import ClientRequest, Runtime, abandon_when, drafts_join_later
-from memspec.scheduler.residency import (
-    DemandEstimate,
-    ModelView,
-    ResidencyPolicy,
-    residency_policy,
-)
+from memspec.scheduler.models import ModelScheduler
 from memspec.server.engine_state import LIVE, EngineState, state_error
 from memspec.server.errors import EngineError, NotReady, QueueFull
 from memspec.server.metrics import Metrics
 from memspec.server.tuning import Tuning
 from memspec.targets import Targets
-from memspec.units import format_size, parse_size
+from memspec.units import parse_size
 
 log = logging.getLogger("memspec.server")
 
 IDLE_BEAT_S = 0.5  # the idle loop beats at least this often
-# A model is loaded ahead of need only once the engine has been idle this long: a gap between
-# one client's answer and its next request is milliseconds, and a load into it was evicted
-# unused by the next request for the other model (the thrash case).
-PREFETCH_SETTLE_S = 1.0
 DEVICE_RETRY_S = 2.0  # how often an unreachable RPC worker is tried again
 
 
@@ -156,21 +142,28 @@ class EngineWorker:
         )
         self._on_ready = on_ready
         self._on_fatal = on_fatal
-        # The models: every servable one by name, the resident ones' runtimes, and the policy
-        # that decides which stay (memspec.targets, memspec.scheduler.residency).
+        # The models: every servable one by name, the resident ones' runtimes, and the model
+        # scheduler that decides which stay and when to switch (memspec.targets,
+        # memspec.scheduler.models).
         self.catalog = ModelCatalog(settings)
         self.targets = Targets(
             self.catalog,
             self._factory,
             lambda: self.settings.budget_bytes,
-            on_change=self._model_changed,
+            on_change=lambda name, what: self.models.changed(name, what),
         )
-        self.demand = DemandEstimate()
-        self._draining: set[str] = set()  # resident models admitting nothing (a switch waits)
+        self.models = ModelScheduler(
+            self.targets,
+            self._load_model,
+            lambda: self.settings,
+            queued=self._queued,
+            in_flight=self._in_flight,
+            on_change=self._model_changed,
+            metrics=metrics,
+        )
         self.state = EngineState.STARTING
         self.error: str | None = None
         self._cond = threading.Condition()
-        self._failed_models: dict[str, MemSpecError] = {}
         self._queue: deque[GenerateJob] = deque()
         self._control: deque[ControlJob] = deque()
         self._current: Job | None = None  # the control job running
@@ -182,7 +175,6 @@ class EngineWorker:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.heartbeat = time.monotonic()
-        self._idle_since = time.monotonic()  # since when nothing waits or runs (prefetch)
         self.requests_served = 0
         self._recent: deque[tuple[float, int, float]] = deque(maxlen=256)  # (end, tokens, s)
         self.prefix_cache = PrefixCache(self._cache_capacity)
@@ -211,11 +203,6 @@ class EngineWorker:
         if rt is not None or not runtimes:
             return rt
         return runtimes[max(runtimes, key=lambda n: self.targets.stat(n).last_used)]
-
-    @property
-    def residency(self) -> ResidencyPolicy:
-        s = self.settings
-        return residency_policy(s.residency, self.demand, s.model_switch_wait_s)
 
     # --- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -299,7 +286,7 @@ class EngineWorker:
                 raise refused
             if isinstance(job, GenerateJob):
                 job.model = job.model or self.default_model
-                self.demand.arrive(job.model, time.monotonic())
+                self.models.arrive(job.model, time.monotonic())
             if isinstance(job, ControlJob):
                 # Bounded: each admin job holds back new generations while it waits.
                 if len(self._control) >= self.settings.admin_queue:
@@ -500,18 +487,11 @@ class EngineWorker:
                 self._round()
             self._check_device()
 
-    # --- which model runs: admission, loads, expiry -------------------------------------------
-    def _views(self, queued: Counter[str]) -> list[ModelView]:
-        in_flight = Counter(model for model, _ in self._active)
-        in_flight.update(j.model for j in self._admitting)
-        return self.targets.views(self.settings, in_flight, queued)
-
+    # --- which model runs: the model scheduler asks, the queue answers ------------------------
     def _schedule(self) -> tuple[list[GenerateJob], str | None]:
-        """Under the lock: the waiting generations to admit now (their model resident, a slot
-        free, the model not draining), then the model to load, if one is due. Admission goes
-        first, so a model just loaded takes its waiting run before any switch can unload it
-        (the admitted count as in flight). Requests for a model that cannot fit even with
-        every other model unloaded fail with a 503."""
+        """Under the lock: the waiting generations to admit now and the model to load, if
+        one is due (memspec.scheduler.models); requests whose clients left or that waited past
+        queue_timeout_s leave the queue, and those for a model that cannot be served fail."""
         waiting = [j for j in self._queue if not j.cancel.is_set()]  # the rest: clients left
         now = time.monotonic()
         timeout = self.settings.queue_timeout_s
@@ -529,28 +509,19 @@ class EngineWorker:
                     )
                 )
             )
-        policy = self.residency
-        free = {name: rt.slot_table.free() for name, rt in self.targets.runtimes.items()}
-        admit: list[GenerateJob] = []
-        keep: list[GenerateJob] = []
-        blocked = False  # first come first served: a request that must load holds the rest
+        plan = self.models.plan(waiting, self._in_flight(), now)
+        self._admitting.extend(plan.admit)  # in flight from here on: never a victim
+        admitted = set(map(id, plan.admit))
+        keep: deque[GenerateJob] = deque()
         for job in waiting:
-            ok = not blocked and job.model not in self._draining and free.get(job.model, 0) > 0
-            if ok:
-                admit.append(job)
-                free[job.model] -= 1
+            if id(job) in admitted:
+                continue
+            if job.model in plan.failed:
+                job.post(Failed(plan.failed[job.model]))
             else:
                 keep.append(job)
-                if policy.first_come_first_served and job.model not in self.targets.runtimes:
-                    blocked = True
-        absent: dict[str, float] = {}  # model -> when its oldest request arrived
-        for job in keep:
-            if job.model not in self.targets.runtimes:
-                absent.setdefault(job.model, job.enqueued_at)
-        self._admitting.extend(admit)  # in flight from here on: never a victim
-        load, self._draining = self._plan_switch(absent, Counter(j.model for j in keep))
-        self._queue = deque(j for j in keep if j.model not in self._failed_models)
-        return admit, load
+        self._queue = keep
+        return plan.admit, plan.load
 
     def _schedule_or_fail(self) -> tuple[list[GenerateJob], str | None]:
         """_schedule; if it raises (a bug), the waiting requests fail with the error rather
@@ -565,86 +536,38 @@ class EngineWorker:
                 job.post(Failed(e))
             return [], None
 
-    def _plan_switch(
-        self, absent: dict[str, float], queued: Counter[str]
-    ) -> tuple[str | None, set[str]]:
-        """For the longest-waiting model that is not resident: load it now (None if not), or
-        stop admitting to the busy models it must displace (the draining set)."""
-        self._failed_models: dict[str, MemSpecError] = {}
-        if not absent:
-            return None, set()
-        name = min(absent, key=lambda n: absent[n])
-        now = time.monotonic()
-        views = self._views(queued)
-        want = next((v for v in views if v.name == name), None)
-        if want is None:  # gone from the models dir since it was asked for, or gone bad
-            gone = UnknownModel(f"model {name!r} is no longer in the models dir", param="model")
-            error = self.targets.view_errors.get(name) or self.catalog.unusable(name) or gone
-            self._fail_model(name, error)
-            return None, set()
-        policy = self.residency
-        budget = self.budget_bytes
-        free = self.targets.free_after_handback()
-        if policy.victims(name, want.bytes, free, views, now) is not None:
-            if policy.hold(want, now - absent[name], views, now):
-                return None, set()
-            return name, set()
-        idle = [dataclasses.replace(v, in_flight=0) for v in views]
-        victims = policy.victims(name, want.bytes, free, idle, now)
-        if victims is None:  # pinned models, or too big for the budget: it can never fit now
-            pinned = [v.name for v in views if v.resident and v.pinned]
-            self._fail_model(
-                name,
-                ModelDoesNotFit(
-                    f"model {name!r} needs {format_size(want.bytes)} and cannot fit the budget "
-                    f"of {format_size(budget)}"
-                    + (f" beside the pinned {', '.join(pinned)}" if pinned else "")
-                    + "; raise the budget or lower n_ctx (see `memspec plan`)",
-                    param="model",
-                ),
-            )
-            return None, set()
-        if policy.hold(want, now - absent[name], views, now):
-            return None, set()
-        return None, {v for v in victims if v in self.targets.runtimes}
+    def _in_flight(self) -> Counter[str]:
+        """Requests per model decoding or being admitted (their model is never a victim)."""
+        with self._cond:
+            in_flight = Counter(model for model, _ in self._active)
+            in_flight.update(j.model for j in self._admitting)
+        return in_flight
 
-    def _fail_model(self, name: str, error: MemSpecError) -> None:
-        """Under the lock: every request waiting for `name` fails with `error`."""
-        self._failed_models[name] = error
-        for job in [j for j in self._queue if j.model == name]:
-            job.post(Failed(error))
+    def _queued(self) -> Counter[str]:
+        """Requests per model waiting, their clients still there."""
+        with self._cond:
+            return Counter(j.model for j in self._queue if not j.cancel.is_set())
 
     def _make_resident(self, name: str) -> None:
-        """Load `name`, unloading the idle models the policy picks; a load that fails fails
-        the requests waiting for it, and the daemon goes on serving."""
+        """Load `name` for its waiting requests (the model scheduler picks what it unloads);
+        a load that fails fails them, and the daemon goes on serving."""
         with self._cond:
-            waiting = [j for j in self._queue if j.model == name]
-        stalled = len(waiting) + len(self._active)  # requests that wait while it loads
-        t0 = time.monotonic()
-        try:
-            # Requests wait: the target first, its drafts when they pay (drafts_join_later).
-            with abandon_when(lambda: name not in self._waited_for()), drafts_join_later():
-                self._make_resident_or_raise(name)
-        except LoadAbandoned as e:  # its clients gave up: nothing loaded is kept or thrown away
-            log.info("loading model %s stopped after %.1f s: %s", name, time.monotonic() - t0,
-                     e.message)  # fmt: skip
-            self._model_changed(name, "abandoned")
+            stalled = sum(j.model == name for j in self._queue) + len(self._active)
+        error = self.models.load_for_waiting(name, stalled)
+        if error is None:
             return
-        except Exception as e:  # noqa: BLE001 - its requests fail; the others go on
-            error = e if isinstance(e, MemSpecError) else ModelLoadError(str(e), param="model")
-            log.error("loading model %s failed: %s", name, getattr(error, "message", error))
-            with self._cond:
-                for job in [j for j in self._queue if j.model == name]:
-                    self._queue.remove(job)
-                    job.post(Failed(error))
-            return
-        if self.metrics is not None:
-            self.metrics.observe_model_load(name, time.monotonic() - t0, stalled)
+        with self._cond:
+            for job in [j for j in self._queue if j.model == name]:
+                self._queue.remove(job)
+                job.post(Failed(error))
 
-    def _waited_for(self) -> set[str]:
-        """The models some request waits for, its client still there."""
-        with self._cond:
-            return {j.model for j in self._queue if not j.cancel.is_set()}
+    def _load_model(self, name: str, abandon: Callable[[], bool], ahead: bool) -> None:
+        """The model scheduler's loader: `name` into the free budget, on this thread, beating
+        the heartbeat; it stops part way once abandon() is true. For waiting requests the
+        target comes first and its drafts join when they pay (drafts_join_later)."""
+        join_later = contextlib.nullcontext() if ahead else drafts_join_later()
+        with self._beating(), abandon_when(abandon), join_later:
+            self.targets.load(name, self.settings, victims=[])
 
     @contextlib.contextmanager
     def _beating(self) -> Iterator[None]:
@@ -686,40 +609,12 @@ class EngineWorker:
                 return
 
     def _expire_and_prefetch(self) -> None:
-        """Unload the models whose keep_alive ran out (none with requests in flight or
-        waiting); when nothing waits, load ahead the model the policy expects next, among
-        those the budget pushed out (never one a client unloaded or let expire)."""
-        now = time.monotonic()
+        """keep_alive expiry and loads ahead of need (the model scheduler's), between jobs."""
         with self._cond:
             busy = {m for m, _ in self._active} | {j.model for j in self._queue}
-            expired = self.targets.expired(now, busy)
-        for name in expired:
-            self.targets.unload(name, "expire")
-            self.prefix_cache.drop_partition(name)
-        if expired or self._queue or self._active or self._control or self._admitting:
-            self._idle_since = now
-            return
-        if now - self._idle_since < PREFETCH_SETTLE_S:
-            return
-        free = self.budget_bytes - self.targets.shares()
-        pushed_out = [n for n, st in self.targets.stats.items() if st.last_evicted_why == "evict"]
-        if not pushed_out:
-            return
-        views = self._views(Counter({n: 0 for n in pushed_out}))
-        ahead = self.residency.prefetch(free, views, now)
-        if ahead is None or ahead in self.targets.runtimes:
-            return
-        log.info("loading model %s ahead of need (predicted demand)", ahead)
-        try:  # into free budget only: a load ahead of need never unloads another model
-            # ...and it stops if a request for another model comes meanwhile: that one needs
-            # the budget, and this load would be evicted before it served anything.
-            with self._beating(), abandon_when(lambda: bool(self._waited_for() - {ahead})):
-                self.targets.load(ahead, self.settings, victims=[])
-        except LoadAbandoned as e:
-            log.info("loading %s ahead of need stopped: %s", ahead, e.message)
-            self._model_changed(ahead, "abandoned")
-        except MemSpecError as e:
-            log.info("not loading %s ahead of need: %s", ahead, e.message)
+            busy |= {j.model for j in self._admitting}
+            idle = not (self._queue or self._active or self._control or self._admitting)
+        self.models.housekeep(busy, idle, time.monotonic())
 
     def _model_changed(self, name: str, what: str) -> None:
         if what in ("evict", "expire", "unload"):
@@ -727,77 +622,28 @@ class EngineWorker:
         if self.metrics is not None:
             self.metrics.observe_model_change(name, what)
 
+    # Control jobs (Ollama's keep_alive 0 and empty request, memspec-ctl, the embedding
+    # routes): the model scheduler does them; the in-flight requests have finished.
     def unload_model(self, name: str) -> bool:
-        """Engine thread (a control job): unload `name` now (Ollama's keep_alive 0); False if
-        it was not resident. Its in-flight requests have finished (control jobs wait)."""
-        if name not in self.targets.runtimes:
-            return False
-        self.targets.unload(name, "unload")
-        return True
+        return self.models.unload(name, "unload")
 
     def load_model(self, name: str, keep_alive_s: float | None = None) -> None:
-        """Engine thread (a control job): make `name` resident (Ollama's empty request); it
-        stays for `keep_alive_s` (None: the setting; negative: no expiry)."""
-        if name not in self.targets.runtimes:
-            self._make_resident_or_raise(name)
-        self.targets.touch(name, self._keep_alive(keep_alive_s), time.monotonic())
-
-    def _keep_alive(self, asked: float | None) -> float | None:
-        """A request's keep_alive (None: not given) as an expiry delay (None: no expiry)."""
-        if asked is None:
-            return self.settings.keep_alive_s
-        return None if asked < 0 else asked
-
-    def _make_resident_or_raise(self, name: str) -> None:
-        with self._cond:
-            queued = Counter(j.model for j in self._queue)
-        queued[name] = max(1, queued[name])
-        views = self._views(queued)
-        want = next((v for v in views if v.name == name), None)
-        if want is None:
-            gone = UnknownModel(f"model {name!r} is not in the models dir", param="model")
-            raise self.targets.view_errors.get(name) or self.catalog.unusable(name) or gone
-        free = self.targets.free_after_handback()
-        victims = self.residency.victims(name, want.bytes, free, views, time.monotonic())
-        with self._beating():
-            self.targets.load(name, self.settings, victims or [])
+        self.models.load(name, keep_alive_s)
 
     def load_embedder(self, name: str) -> None:
-        """Engine thread (a control job): the embedding context of the resident model `name`,
-        set up as a model is loaded. The other resident models hand back the share they do not
-        use and `name` gets the free budget; if the context still cannot fit, idle models are
-        unloaded in the residency policy's order, one at a time, as Ollama unloads an idle
-        model to make room. BudgetExceeded when only pinned or busy models are in the way."""
-        rt = self.targets.runtimes.get(name)
-        while rt is not None:
-            for other in self.targets.runtimes.values():  # each keeps what it uses
-                if other is not rt:
-                    other.set_budget(max(other.reserved_bytes, other.modelled_bytes()))
-            rt.set_budget(rt.budget_bytes + max(0, self.budget_bytes - self.targets.shares()))
-            try:
-                rt.embedder()
-                return
-            except BudgetExceeded:
-                with self._cond:
-                    queued = Counter(j.model for j in self._queue)
-                views = self._views(queued)
-                free = self.targets.free_after_handback()
-                victims = self.residency.victims(name, free + 1, free, views, time.monotonic())
-                if not victims:
-                    raise
-                self.targets.unload(victims[0], "evict")
+        self.models.load_embedder(name)
 
     def single_target(self) -> Runtime:
         """Engine thread: only the configured target resident (a live tune applies to it)."""
         for name in [n for n in self.targets.runtimes if n != self.default_model]:
             self.targets.unload(name, "unload")
         if self.default_model not in self.targets.runtimes:
-            self._make_resident_or_raise(self.default_model)
+            self.models.make_resident(self.default_model)
         return self.targets.runtimes[self.default_model]
 
     def models_status(self) -> list[dict[str, Any]]:
-        """Every servable model: resident or not, its bytes, share, expiry, loads, evictions."""
-        return self.targets.status(time.monotonic(), time.time())
+        """Every servable model: its state, bytes, share, expiry, loads, evictions."""
+        return self.models.status(time.monotonic(), time.time())
 
     def _check_device(self) -> None:
         """A target whose RPC worker was lost (backends/isolated.py): its requests have failed;
@@ -851,7 +697,7 @@ class EngineWorker:
         rt = self.runtime
         if rt is not None:
             self.metrics.observe_residency(rt.draft_status())
-        self.metrics.observe_models(self.models_status())
+        self.models.observe()
 
     # --- generation -----------------------------------------------------------------------
     def _admit(self, job: GenerateJob, alone: bool = True) -> None:
@@ -893,7 +739,7 @@ class EngineWorker:
             return
         with self._cond:
             self._active[(job.model, slot)] = (job, seq)
-        self.targets.stat(job.model).served += 1
+        self.models.admitted(job.model)
 
     def _round(self) -> None:
         """One round of every active sequence, model by model; the finished ones leave with
@@ -924,7 +770,7 @@ class EngineWorker:
         for (model, _), job, seq in finished:
             rt = self.targets.runtime(model)
             assert rt is not None
-            self.targets.touch(model, self._keep_alive(job.request.keep_alive_s), now)
+            self.models.finished(model, job.request.keep_alive_s, now)
             try:
                 gen = rt.close_sequence(seq)
             except MemSpecError as e:
