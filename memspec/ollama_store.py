@@ -433,6 +433,34 @@ class OllamaStore:
             found.append(_explicit(name))
         return found
 
+    def existing_name(self, name: OllamaName) -> OllamaName:
+        """`name` spelled as this store spells it, names comparing ignoring case as Ollama's
+        (server/routes.go getExistingName, which create, copy, delete and push all call):
+        the exact spelling when it has a manifest; else the manifest whose whole name matches
+        ignoring case (the first in sorted order); else each part (host, namespace, model,
+        tag) replaced by the spelling some manifest uses for it, so a new name lands in the
+        directories already there (`create Foo` beside `foo:v1` writes foo/...). A name that
+        matches nothing is returned as given. Where Ollama picks among several spellings in
+        a map's random order, this takes the first in sorted order."""
+        try:
+            if self.manifest_path(name).is_file():
+                return name
+        except OSError:
+            pass
+        names = self.names()
+        key = _fold(name)
+        for other in names:
+            if _fold(other) == key:
+                return _with_parts(name, other.host, other.namespace, other.model, other.tag)
+        parts = [name.host, name.namespace, name.model, name.tag]
+        for i in range(4):
+            for other in names:
+                theirs = (other.host, other.namespace, other.model, other.tag)[i]
+                if theirs.casefold() == parts[i].casefold():
+                    parts[i] = theirs
+                    break
+        return _with_parts(name, *parts)
+
     def delete(self, name: OllamaName) -> list[Path]:
         """Remove `name`'s manifest, then the blobs no other manifest in this store refers
         to; returns the paths removed (the manifest first). Nothing when there is none."""
@@ -474,6 +502,28 @@ class OllamaStore:
                 "only reads",
                 param="model",
             )
+
+
+def existing_name(name: OllamaName, *stores: OllamaStore) -> OllamaName:
+    """`name` as the first of `stores` that has a manifest for it (ignoring case) spells it;
+    else as the first store spells its parts (OllamaStore.existing_name). memspec has two
+    stores where Ollama has one: its own, written, and the adopted one, read."""
+    for store in stores:
+        found = store.existing_name(name)
+        try:
+            if store.manifest_path(found).is_file():
+                return found
+        except OSError:
+            continue
+    return stores[0].existing_name(name) if stores else name
+
+
+def _fold(name: OllamaName) -> tuple[str, ...]:
+    return tuple(x.casefold() for x in (name.host, name.namespace, name.model, name.tag))
+
+
+def _with_parts(name: OllamaName, host: str, namespace: str, model: str, tag: str) -> OllamaName:
+    return OllamaName(host, namespace, model, tag, name.scheme, name.explicit_tag)
 
 
 def _explicit(name: OllamaName) -> OllamaName:

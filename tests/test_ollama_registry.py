@@ -342,7 +342,7 @@ def test_cli_pull_push_and_rm(reg, small_model, tmp_path):
     assert store.blob_path(pushed.model_digest).read_bytes() == blob.read_bytes()
     sent = _memspec("push", "--insecure", name, data=data)
     assert sent.returncode == 0 and "pushing manifest" in sent.stderr, sent.stderr[-2000:]
-    gone = _memspec("rm", name, data=data)
+    gone = _memspec("rm", f"{reg.host}/TEST/Small:V1", data=data)  # case as stored: ignored
     assert gone.returncode == 0, gone.stderr
     assert not store.manifest_path(parse(name)).exists() and not store.has_blob(pushed.model_digest)
     again = _memspec("rm", name, data=data)
@@ -609,7 +609,8 @@ def test_api_push_of_a_created_model_with_token_auth_then_pull_back(
 ):
     """/api/push of a model made by /api/create, to a registry behind Bearer token auth (the
     daemon's credentials from its environment): then a pull of it, into a fresh store, is the
-    daemon's manifest and blobs byte for byte."""
+    daemon's manifest and blobs byte for byte. The name is asked in another case than it is
+    stored in: it is the stored model, pushed under its own spelling, as Ollama's."""
     reg, _ = smollm2_registry
     client = _client(daemon)
     src = f"{reg.host}/test/smollm2:q8"
@@ -623,7 +624,9 @@ def test_api_push_of_a_created_model_with_token_auth_then_pull_back(
         store = _store_of(daemon_data)
         manifest = store.read_manifest(parse(made))
         assert manifest is not None and len(manifest.layers) >= 3  # model, system, params
-        progress = list(client.push(made, insecure=True, stream=True))
+        # Asked in another case: the stored model, pushed under its spelling (as Ollama's).
+        asked = f"{gate.host}/Made/SmolLM2:TOK"
+        progress = list(client.push(asked, insecure=True, stream=True))
         assert [p.status for p in progress if not p.digest] == [
             "retrieving manifest",
             "pushing manifest",
@@ -646,7 +649,8 @@ def test_api_push_of_a_created_model_with_token_auth_then_pull_back(
         assert (
             fresh.blob_path(layer.digest).read_bytes() == store.blob_path(layer.digest).read_bytes()
         )
-    client.delete(made)
+    client.delete(f"{gate.host}/MADE/smollm2:Tok")  # a delete in another case, too
+    assert store.read_manifest(parse(made)) is None
 
 
 def test_delete_refuses_the_model_being_served(smollm2_registry, daemon, daemon_data):

@@ -29,6 +29,7 @@ from memspec.ollama_store import (
     OllamaStore,
     StoreReadOnly,
     adopted_store,
+    existing_name,
     own_store,
 )
 
@@ -96,6 +97,40 @@ def test_stray_files_are_skipped(ollama_root: Path) -> None:
     (ollama_root / "manifests/a/b/c/d").mkdir(parents=True)  # a directory, not a manifest
     store = OllamaStore(ollama_root, writable=False)
     assert len(store.names()) == 3
+
+
+def test_names_ignore_case_as_ollamas_get_existing_name(ollama_root: Path, tmp_path: Path) -> None:
+    """OllamaStore.existing_name: Ollama's getExistingName (server/routes.go), which create,
+    copy, delete, pull and push call: a name that differs from a stored one only by case is
+    that one, in its spelling; a new name takes the spelling of the parts already there."""
+    store = OllamaStore(ollama_root, writable=False)
+
+    def spelled(name: str) -> str:
+        return store.existing_name(parse(name)).full
+
+    assert spelled("llama3.2:1b") == "registry.ollama.ai/library/llama3.2:1b"  # exact
+    assert spelled("LLAMA3.2:1B") == "registry.ollama.ai/library/llama3.2:1b"
+    assert spelled("Registry.Ollama.AI/Library/Llama3.2:1b") == (
+        "registry.ollama.ai/library/llama3.2:1b"
+    )
+    assert spelled("HF.co/U/R:q4_k_m") == "hf.co/u/r:Q4_K_M"
+    assert spelled("MyHost:5000/NS/Name:TAG") == "myhost:5000/ns/name:tag"
+    # No such model: each part as some manifest spells it, the rest as given.
+    assert spelled("hf.co/U/Other:Q4_K_m") == "hf.co/u/Other:Q4_K_M"
+    assert spelled("Brand-New:V1") == "registry.ollama.ai/library/Brand-New:V1"
+    assert store.existing_name(parse("LLAMA3.2:1B")).explicit_tag
+    # Two stores: the first that has the model spells it; else the first spells the parts.
+    own = OllamaStore(tmp_path / "own", writable=True)
+    write_model(own.root, "registry.ollama.ai/library/Mine/v1", [(MEDIA_MODEL, b"GGUF-c")])
+    assert existing_name(parse("llama3.2:1B"), own, store).full == (
+        "registry.ollama.ai/library/llama3.2:1b"
+    )
+    assert existing_name(parse("mine:V1"), own, store).full == "registry.ollama.ai/library/Mine:v1"
+    assert existing_name(parse("MINE:v2"), own, store).full == "registry.ollama.ai/library/Mine:v2"
+    # An exact spelling wins over a case variant beside it.
+    write_model(own.root, "registry.ollama.ai/library/mine/v1", [(MEDIA_MODEL, b"GGUF-d")])
+    assert own.existing_name(parse("mine:v1")).model == "mine"
+    assert own.existing_name(parse("Mine:v1")).model == "Mine"
 
 
 def test_digest_checked_before_any_path(tmp_path: Path) -> None:

@@ -82,12 +82,14 @@ def _pull_family(args: argparse.Namespace) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     if args.package_index:
         return _pull_family(args)
+    from memspec import ollama_name
     from memspec import pull as pulls
     from memspec.ollama_store import own_store
 
     show = _Bars()
     try:
-        name = pulls.pull(args.name, show, insecure=args.insecure, every_s=0.0)
+        asked = own_store().existing_name(ollama_name.parse(args.name))  # case as stored
+        name = pulls.pull(asked, show, insecure=args.insecure, every_s=0.0)
     except KeyboardInterrupt:
         return _fail("pull interrupted; run it again to resume where it stopped", 130)
     except MemSpecError as e:
@@ -101,11 +103,13 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from memspec import registry
+    from memspec import ollama_name, registry
+    from memspec.ollama_store import own_store
 
     show = _Bars()
     try:
-        registry.push(args.name, args.insecure, show, every_s=0.0)
+        name = own_store().existing_name(ollama_name.parse(args.name))  # case as stored
+        registry.push(name, args.insecure, show, every_s=0.0)
     except KeyboardInterrupt:
         return _fail("push interrupted", 130)
     except MemSpecError as e:
@@ -118,14 +122,19 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
+    from memspec import ollama_name
     from memspec import pull as pulls
+    from memspec.ollama_store import existing_name, own_store
 
     try:
         if args.package_index:
             model = pulls.resolve_family(args.name)
             removed = pulls.delete_family(model)
         else:
-            removed = pulls.delete(args.name, adopted=_adopted())
+            adopted = _adopted()
+            stores = (own_store(), adopted) if adopted is not None else (own_store(),)
+            name = existing_name(ollama_name.parse(args.name), *stores)  # case as stored
+            removed = pulls.delete(name, adopted=adopted)
     except pulls.ModelNotFound:
         return _fail(f"model '{args.name}' not found")
     except MemSpecError as e:

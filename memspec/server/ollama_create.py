@@ -23,6 +23,10 @@ HeadBlobHandler, CopyHandler; create.go):
 - /api/copy writes the source's manifest under the new name (the same digest).
 - Names are checked as Ollama checks them (memspec.ollama_name): `..`, a path, 5,000
   characters are a 400 before any file is touched.
+- A valid name compares ignoring case, as Ollama's (getExistingName): a FROM or a copy's
+  source finds `SmolLM2:Q8` as the stored `smollm2:q8`; a create's name or a copy's
+  destination that differs from a model's only by case replaces that model under its own
+  spelling (no second manifest beside it).
 Nothing is written into an adopted Ollama store: a blob of it that a new model needs is hard
 linked into the own store (same filesystem) or copied, and the log says which. A create runs
 to its end even when its client leaves, so no model is left half-written; creates and copies
@@ -256,7 +260,7 @@ def _stores(ctx: ServerContext) -> list[OllamaStore]:
 
 def _find_manifest(ctx: ServerContext, name: OllamaName) -> tuple[Manifest, OllamaStore] | None:
     for store in _stores(ctx):
-        manifest = store.read_manifest(name)
+        manifest = store.read_manifest(store.existing_name(name))  # ignoring case, as Ollama
         if manifest is not None:
             return manifest, store
     return None
@@ -388,7 +392,9 @@ def make_plan(ctx: ServerContext, body: CreateBody) -> Plan:
     asked = body.model or body.name
     if not asked or not asked.strip():
         raise InvalidRequest("model is required", param="model")
-    name = ollama_name.parse(asked)
+    # A name that differs from a model's only by case is that model (Ollama's getExistingName):
+    # the create replaces it, under its spelling, rather than writing a second manifest.
+    name = own_store().existing_name(ollama_name.parse(asked))
     if body.modelfile:
         _merge_modelfile(body)
     refused = {
@@ -750,9 +756,11 @@ async def create(request: Request, ctx: Ctx) -> Response:
 
 def _copy(ctx: ServerContext, source: str, destination: str) -> Manifest:
     src = ollama_name.parse(source, param="source")
-    dst = ollama_name.parse(destination, param="destination")
-    found = _find_manifest(ctx, src)
     store = own_store()
+    # Both names ignore case as Ollama's (getExistingName): a destination that differs from
+    # a model's name only by case replaces that model, under its spelling.
+    dst = store.existing_name(ollama_name.parse(destination, param="destination"))
+    found = _find_manifest(ctx, src)
     why = f"copy {src.display} to {dst.display}"
     if found is None:  # a GGUF the catalog serves: made a model of the own store
         served = ctx.worker.catalog.find(src.local) or ctx.worker.catalog.find(source)

@@ -15,6 +15,8 @@ waitForStream):
 - "stream": false answers one {"status": "success"}, or 500 {"error": "..."};
 - a name Ollama would refuse (memspec.ollama_name) is a 400 {"error": "invalid model name ..."}
   on every route, before any lookup;
+- a valid name compares ignoring case, as Ollama's (getExistingName, OllamaStore.existing_name):
+  `SmolLM2:Q8` pulls into, pushes or deletes the stored `smollm2:q8`, under that spelling;
 - `insecure` speaks http to the registry, as Ollama's flag; `username`/`password` (Ollama's
   older fields) are Basic credentials for the registry's token or htpasswd auth, never logged;
 - a second pull of a model already being pulled joins it (Ollama: "multiple calls will share
@@ -47,7 +49,7 @@ from memspec import ollama_name, registry
 from memspec import pull as pulls
 from memspec.errors import InvalidRequest, MemSpecError
 from memspec.ollama_name import OllamaName
-from memspec.ollama_store import StoreReadOnly, adopted_store, own_store
+from memspec.ollama_store import StoreReadOnly, adopted_store, existing_name, own_store
 from memspec.paths import models_dir, resolve_model_path
 from memspec.server.auth import require_admin_key
 from memspec.server.context import Ctx, ServerContext
@@ -237,7 +239,7 @@ async def _answer(job: TransferJob, queue: asyncio.Queue[Any], stream: bool) -> 
 @router.post("/api/pull")
 async def pull(request: Request, ctx: Ctx) -> Response:
     body: PullBody = await read_body(request, PullBody)
-    name = _asked(body)
+    name = await asyncio.to_thread(own_store().existing_name, _asked(body))
     credentials = registry.Credentials.given(body.username, body.password)
 
     def work(job: TransferJob) -> None:
@@ -254,7 +256,7 @@ async def pull(request: Request, ctx: Ctx) -> Response:
 @router.post("/api/push")
 async def push(request: Request) -> Response:
     body: PushBody = await read_body(request, PushBody)
-    name = _asked(body)
+    name = await asyncio.to_thread(own_store().existing_name, _asked(body))
     if own_store().read_manifest(name) is None:
         raise UnknownModel(f"model '{name.display}' not found", param="model")
     credentials = registry.Credentials.given(body.username, body.password)
@@ -314,7 +316,9 @@ def _resident_names(ctx: ServerContext) -> list[str]:
 @router.delete("/api/delete")
 async def delete(request: Request, ctx: Ctx) -> Response:
     body: DeleteBody = await read_body(request, DeleteBody)
-    name = _asked(body)
+    adopted = adopted_store(ctx.settings)
+    stores = (own_store(), adopted) if adopted is not None else (own_store(),)
+    name = await asyncio.to_thread(existing_name, _asked(body), *stores)
     job = _jobs.get(_job_key("pull", name))
     if job is not None and not job.done:
         raise InvalidRequest(
@@ -326,7 +330,7 @@ async def delete(request: Request, ctx: Ctx) -> Response:
             pulls.delete,
             name,
             _in_use(ctx),
-            adopted=adopted_store(ctx.settings),
+            adopted=adopted,
             serving=_resident_names(ctx),
         )
     except pulls.ModelNotFound:

@@ -316,6 +316,38 @@ def test_copy_then_delete(created, admin, user, store) -> None:
     assert "copied/smollm2:v1" not in {m.model for m in user.list().models}
 
 
+def test_copy_create_and_delete_names_ignore_case_as_ollamas(created, admin, user, store) -> None:
+    """Names compare ignoring case on /api/copy, /api/create and /api/delete, as Ollama's
+    (routes.go getExistingName): a source is found in any case; a destination or a created
+    name that differs from a model's only by case replaces that model under its spelling, so
+    no two manifests differ only by case; a delete in any case removes the model."""
+
+    def cased() -> list[str]:
+        return sorted(n.full for n in store.names() if n.namespace.lower() == "cased")
+
+    admin.copy(NAME.upper(), "cased/Smol:v1")  # the source, asked in capitals
+    original = store.read_manifest(parse(NAME))
+    assert store.read_manifest(parse("cased/Smol:v1")).digest == original.digest
+    assert cased() == ["registry.ollama.ai/cased/Smol:v1"]
+    admin.copy(NAME, "CASED/SMOL:V1")  # onto a case variant: that model, replaced
+    assert cased() == ["registry.ollama.ai/cased/Smol:v1"]
+    done = admin.create(model="Cased/smol:V1", from_=NAME.upper(), system="Other.")
+    assert done.status == "success"
+    assert cased() == ["registry.ollama.ai/cased/Smol:v1"]  # replaced, not a second manifest
+    made = store.read_manifest(parse("cased/Smol:v1"))
+    assert made.digest != original.digest
+    system = made.layer(MEDIA_SYSTEM)
+    assert store.blob_path(system.digest).read_text() == "Other."
+    assert "cased/Smol:v1" in {m.model for m in user.list().models}
+    admin.delete("CASED/smol:v1")  # a delete in another case
+    assert cased() == []
+    with pytest.raises(ollama.ResponseError) as e:
+        admin.delete("cased/Smol:v1")
+    assert e.value.status_code == 404
+    assert store.read_manifest(parse(NAME)).digest == original.digest  # the source untouched
+    assert all(store.has_blob(x.digest) for x in (original.config, *original.layers))
+
+
 @pytest.mark.parametrize("bad", ["../../etc/passwd", "/etc/passwd", "a" * 5000, "x:y:z/.."])
 def test_names_are_checked_as_ollama_checks_them(admin, bad, store) -> None:
     before = sorted(p.as_posix() for p in store.root.rglob("*"))
