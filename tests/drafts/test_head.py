@@ -79,6 +79,9 @@ def prompts(target):
     ]
 
 
+# Slow tier: the recipe's labelling path (trainings run there); that transformers' features are
+# llama.cpp's is checked in the default tier by tests/backends/test_features.py.
+@pytest.mark.slow
 @pytest.mark.models
 def test_torch_teacher_gives_the_targets_features(target, prompts, tmp_path):
     """`teacher = "torch"` labels the corpus through transformers: the features a head is
@@ -148,14 +151,31 @@ def test_greedy_lossless_under_the_decision_rule(head_ci, target, prompts, plain
         assert spec.speculative_generate(target, prompt, params, policy).token_ids == want
 
 
-def test_sampling_matches_the_target(head_ci, target, monkeypatch):
-    """The proposal is a distribution over the whole vocabulary (zero outside the head's
-    sub-vocabulary); speculative samples of two tokens follow the target's exact joint, and
-    an argmax-only acceptance rule is caught by the same harness."""
-    head = HeadDraft("head-ci", head_ci, target)
-    prompt = target.tokenize(
+def head_samples(head: HeadDraft, target, prompt: list[int], n: int) -> tuple[Counter, int]:
+    """The first two tokens of `n` speculative samples (seeds 0..n-1) with the head at k 2, and
+    the tokens it proposed."""
+    counts: Counter = Counter()
+    proposed = 0
+    for seed in range(n):
+        target.reset()  # a prefill each time: the head starts from its last feature
+        sp = SamplingParams(max_tokens=2, seed=seed, **PARAMS)
+        gen = spec.speculative_generate(target, prompt, sp, FixedPolicy(head, 2))
+        counts[tuple(gen.token_ids)] += 1
+        proposed += gen.proposed
+    return counts, proposed
+
+
+def fruit_prompt(target) -> list[int]:
+    return target.tokenize(
         target.chat_prompt([{"role": "user", "content": "Name a fruit."}]), special=True
     )
+
+
+def test_sampling_matches_the_target(head_ci, target):
+    """The proposal is a distribution over the whole vocabulary (zero outside the head's
+    sub-vocabulary); speculative samples of two tokens follow the target's exact joint."""
+    head = HeadDraft("head-ci", head_ci, target)
+    prompt = fruit_prompt(target)
     params = SamplingParams(**PARAMS)
     exact = exact_joint(target, prompt)
     # Half the engine's sample count (a head's sample costs ~0.3 s here): the acceptance rule
@@ -164,33 +184,33 @@ def test_sampling_matches_the_target(head_ci, target, monkeypatch):
     n_exact = N_SAMPLES // 2
     threshold = null_threshold(exact, n_exact, np.random.default_rng(0))
 
-    drafted = Counter()
-
-    def samples(n: int) -> Counter:
-        counts: Counter = Counter()
-        for seed in range(n):
-            target.reset()  # a prefill each time: the head starts from its last feature
-            sp = SamplingParams(max_tokens=2, seed=seed, **PARAMS)
-            gen = spec.speculative_generate(target, prompt, sp, FixedPolicy(head, 2))
-            counts[tuple(gen.token_ids)] += 1
-            drafted["tokens"] += gen.proposed
-        return counts
-
     target.reset()
     target.eval(prompt[:-1], all_logits=False)
     proposal = head.propose(prompt, 2, params, np.random.default_rng(0))
     assert proposal.probs is not None and len(proposal.probs[0]) == target.n_vocab
     assert np.isclose(proposal.probs[0].sum(), 1.0)
     assert proposal.probs[0][proposal.tokens[0]] > 0
-    assert tv(samples(n_exact), exact, n_exact) < threshold
-    assert drafted["tokens"] >= n_exact  # the head proposed in every sample
+    counts, proposed = head_samples(head, target, prompt, n_exact)
+    assert tv(counts, exact, n_exact) < threshold
+    assert proposed >= n_exact  # the head proposed in every sample
+
+
+# Slow tier: the harness's power with the head's proposal. The same harness's power against the
+# same wrong rule is shown in the default tier (tests/engine/test_sampling_distribution.py).
+@pytest.mark.slow
+def test_argmax_only_acceptance_with_the_head_is_detected(head_ci, target, monkeypatch):
+    """An argmax-only acceptance rule is caught by the harness above."""
+    head = HeadDraft("head-ci", head_ci, target)
+    prompt = fruit_prompt(target)
+    exact = exact_joint(target, prompt)
 
     def argmax_accept(token, p, q, rng):  # wrong on purpose: accept iff it is p's argmax
         return int(np.argmax(p)) == token
 
     monkeypatch.setattr(spec, "accept_draft_token", argmax_accept)
     n = N_POWER
-    assert tv(samples(n), exact, n) > null_threshold(exact, n, np.random.default_rng(0))
+    counts, _ = head_samples(head, target, prompt, n)
+    assert tv(counts, exact, n) > null_threshold(exact, n, np.random.default_rng(0))
 
 
 def test_bad_artifacts_and_targets(head_ci, target, tmp_path):

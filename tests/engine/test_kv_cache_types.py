@@ -93,7 +93,10 @@ def test_greedy_equals_plain_with_the_same_cache_types(kv_runtime, draft):
             assert margin < NEAR_TIE, f"{draft} k={k} diverged at {at}, margin {margin:.3g}"
 
 
-@pytest.mark.parametrize("kv_runtime", ["q8_0"], indirect=True)  # one quantized case
+# One quantized case, in the slow tier: the default tier's sampling checks run on the f16 cache
+# (tests/engine/test_sampling_distribution.py), and the greedy ones above on every cache here.
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_runtime", ["q8_0"], indirect=True)
 def test_sampling_matches_the_target_with_a_quantized_cache(kv_runtime):
     rt = kv_runtime
     prompt = rt.prompt_tokens(messages=[{"role": "user", "content": "Name a fruit."}])

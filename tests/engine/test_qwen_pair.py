@@ -195,5 +195,8 @@ def test_numeric_greedy_differs_only_at_near_ties(qwen, qwen_numeric, prompts, d
         assert margin <= NEAR_TIE, (draft, k, diverged, margin)
 
 
+# Slow tier: the sibling's sampling check repeated in the other exactness mode (the default tier
+# runs it in the bitwise one, above).
+@pytest.mark.slow
 def test_numeric_speculative_sampling_matches_the_target(qwen_numeric):
     assert_sibling_sampling_matches_the_target(qwen_numeric)

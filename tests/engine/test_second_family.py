@@ -1,7 +1,7 @@
 """The second model family: Gemma 3 270M (vocabulary 262,144) as the target, with the pool
 `drafts build --family gemma3` derived for it (memspec.drafts.family). Greedy output with every
 derived draft and any k is plain decoding's, token for token; the sampling distribution test
-runs on it in test_sampling_distribution.py."""
+runs on it in test_sampling_distribution.py (the slow tier's)."""
 
 from __future__ import annotations
 

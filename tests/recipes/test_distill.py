@@ -139,6 +139,9 @@ def built_distilled() -> list[str]:
     return sorted(ids)
 
 
+# Slow tier: distill-ci is trained here (minutes). The model draft kind's greedy lossless check
+# stays in the default tier (tests/engine/test_speculative.py, the Q2_K self-draft).
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_id", built_distilled())
 @pytest.mark.models
 def test_every_built_distilled_draft_is_lossless(draft_id, target_path, request):

@@ -13,7 +13,9 @@ import pytest
 from launcher import MODEL, Daemon, start
 from rpc_workers import workers
 
-pytestmark = pytest.mark.timeout(600)
+# Slow tier: a kill-and-restart test (a worker killed mid-stream, then back); the split target
+# itself is checked in the default tier by tests/rpc/.
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 

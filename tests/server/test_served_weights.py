@@ -19,6 +19,11 @@ from memspec.memory.gguf_info import read_shape
 from memspec.package_index import QWEN_SIBLING_FILE
 from memspec.paths import models_dir
 
+# Slow tier: the daemon end to end on the 1.5B pair (minutes of loads here). Sharing one load's
+# weights, decoding as if alone and the context-only charge are checked in the default tier on
+# the backends (tests/backends/test_shared_weights.py).
+pytestmark = pytest.mark.slow
+
 QUESTION = "Write a Python function that adds two numbers."
 TOKENS = 12
 N_CTX = 512
