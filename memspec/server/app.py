@@ -27,6 +27,7 @@ from memspec.server import (
     embeddings_api,
     ollama_api,
     ollama_create,
+    ollama_extra,
     ollama_pull,
     openai_api,
 )
@@ -184,6 +185,8 @@ def create_app(
     app.include_router(ollama_pull.router)
     app.include_router(ollama_create.router)
     app.include_router(ollama_create.blob_router)
+    app.include_router(ollama_extra.router)  # the rest of Ollama's routes: none is a 404
+    app.include_router(ollama_extra.open_router)
 
     @app.get("/health", tags=["daemon"])
     async def health(ctx: Ctx) -> JSONResponse:
