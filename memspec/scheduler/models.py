@@ -136,7 +136,7 @@ Loader = Callable[[str, Callable[[], bool], bool], None]
 class Plan(Generic[J]):
     admit: list[J] = field(default_factory=list)  # their model resident with a free slot
     load: str | None = None  # the model to load now
-    failed: dict[str, MemSpecError] = field(default_factory=dict)  # model -> why its fail
+    failed: dict[str, MemSpecError] = field(default_factory=dict)  # model -> why its requests fail
 
 
 class ModelScheduler:
@@ -230,58 +230,65 @@ class ModelScheduler:
         is due, and the models whose requests must fail. Admission goes first, so a model just
         loaded takes its waiting run before any switch can unload it (the admitted count as
         in flight)."""
-        policy = self.policy
+        fcfs = self.policy.first_come_first_served
+        # First come first served: those ahead of the request that must load run in their
+        # turn, whatever drains.
+        admit, keep = self._admissible(waiting, set() if fcfs else self.draining, fcfs)
+        plan: Plan[J] = Plan(admit)
+        plan.load, self.draining = self._switch(keep, in_flight, admit, plan.failed, now)
+        stats = self.pool.stats
+        late = {m for m in self.draining if m in stats and stats[m].served > 0}
+        if not fcfs and any(j.model in late for j in admit):
+            # The switch's wait is over now: the models it displaces take no more, not one
+            # more each (one just loaded, which has served nothing yet, keeps its first).
+            back = [j for j in admit if j.model in late]
+            admit = [j for j in admit if j.model not in late]
+            failed: dict[str, MemSpecError] = {}
+            load, draining = self._switch([*keep, *back], in_flight, admit, failed, now)
+            if load is not None or draining:  # still due without them: they wait
+                plan, self.draining = Plan(admit, load, failed), draining
+        return plan
+
+    def _admissible(
+        self, waiting: Sequence[J], draining: set[str], fcfs: bool
+    ) -> tuple[list[J], list[J]]:
+        """The waiting requests split into those that take a free slot now and the rest."""
         resident = set(self.pool.resident)
         free = {name: self.pool.free_slots(name) for name in resident}
-        plan: Plan[J] = Plan()
+        admit: list[J] = []
         keep: list[J] = []
         blocked = False  # first come first served: a request that must load holds the rest
         for job in waiting:
-            if not blocked and job.model not in self.draining and free.get(job.model, 0) > 0:
-                plan.admit.append(job)
+            if not blocked and job.model not in draining and free.get(job.model, 0) > 0:
+                admit.append(job)
                 free[job.model] -= 1
             else:
                 keep.append(job)
-                if policy.first_come_first_served and job.model not in resident:
-                    blocked = True
-        absent: dict[str, float] = {}  # model -> when its oldest request arrived
-        for job in keep:
-            if job.model not in resident:
-                absent.setdefault(job.model, job.enqueued_at)
-        busy = Counter(in_flight)
-        busy.update(j.model for j in plan.admit)  # in flight from here on: never a victim
-        plan.load, self.draining = self._switch(
-            absent, Counter(j.model for j in keep), busy, plan.failed, now
-        )
-        # A switch whose wait is over drains at once: the models it displaces take no more
-        # (one just loaded, which has served nothing yet, keeps its first admissions).
-        stats = self.pool.stats
-        late = {m for m in self.draining if m in stats and stats[m].served > 0}
-        if late and any(j.model in late for j in plan.admit):
-            back = [j for j in plan.admit if j.model in late]
-            busy.subtract(j.model for j in back)
-            failed: dict[str, MemSpecError] = {}
-            queued = Counter(j.model for j in [*keep, *back])
-            load, draining = self._switch(absent, queued, +busy, failed, now)
-            if load is not None or draining:  # still due without them: they wait
-                plan.admit = [j for j in plan.admit if j.model not in late]
-                plan.load, self.draining, plan.failed = load, draining, failed
-        return plan
+                blocked = blocked or (fcfs and job.model not in resident)
+        return admit, keep
 
     def _switch(
         self,
-        absent: dict[str, float],
-        queued: Counter[str],
-        in_flight: Counter[str],
+        keep: Sequence[Waiting],
+        in_flight: Mapping[str, int],
+        admitted: Sequence[Waiting],
         failed: dict[str, MemSpecError],
         now: float,
     ) -> tuple[str | None, set[str]]:
         """For the longest-waiting model that is not resident: load it now (None if not), or
         stop admitting to the busy models it must displace (the draining set)."""
+        resident = set(self.pool.resident)
+        absent: dict[str, float] = {}  # model -> when its oldest request arrived
+        for job in keep:
+            if job.model not in resident:
+                absent[job.model] = min(job.enqueued_at, absent.get(job.model, job.enqueued_at))
         if not absent:
             return None, set()
         name = min(absent, key=lambda n: absent[n])
-        views = self.pool.views(self.settings, in_flight, queued)
+        busy = Counter(in_flight)
+        busy.update(j.model for j in admitted)  # in flight from here on: never a victim
+        queued = Counter(j.model for j in keep)
+        views = self.pool.views(self.settings, busy, queued)
         want = next((v for v in views if v.name == name), None)
         if want is None:  # gone from the models dir since it was asked for, or gone bad
             failed[name] = self.pool.unservable(name)
@@ -312,7 +319,7 @@ class ModelScheduler:
             return None, set()
         if hold(victims):
             return None, set()
-        return None, {v for v in victims if v in self.pool.resident}  # they drain, then go
+        return None, {v for v in victims if v in resident}  # they drain, then go
 
     # --- loads and unloads (engine thread) --------------------------------------------------
     def load_for_waiting(self, name: str, stalled: int) -> MemSpecError | None:

@@ -371,6 +371,11 @@ def test_lru_serves_in_arrival_order():
     jobs = [rig.submit("coder"), rig.submit("chat"), rig.submit("coder"), rig.submit("coder")]
     rig.drain()
     assert served_order(jobs) == ["coder", "chat", "coder", "coder"]
+    rig.start_with("coder")
+    jobs = [rig.submit("coder"), rig.submit("coder"), rig.submit("chat")]
+    rig.drain()
+    assert served_order(jobs) == ["coder", "coder", "chat"]  # no drain cuts in line
+    assert rig.pool.stat("chat").wasted == 0  # ... nor loads the chat model for nothing
 
 
 def test_a_model_that_never_fits_fails_its_requests():
