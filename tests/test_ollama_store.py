@@ -172,6 +172,34 @@ def test_blob_writer_resumes_and_checks(tmp_path: Path) -> None:
     assert not path.with_name(path.name + "-partial").exists()
 
 
+def test_blob_writer_threads_keep_the_order_and_report_a_failed_write(tmp_path: Path) -> None:
+    """write() hands buffers (bytes, or a stream's reads as a tuple) to a hash thread and a
+    file thread: the blob is the bytes in the order given, and an error of the file thread
+    (a full disk) is raised by commit, which then renames nothing."""
+    store = OllamaStore(tmp_path, writable=True)
+    parts = [os.urandom(70_000 + i) for i in range(40)]  # more buffers than the queues hold
+    data = b"".join(parts)
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    w = store.open_blob_writer(digest)
+    for i in range(0, 40, 4):
+        w.write(tuple(parts[i : i + 4]) if i % 8 else b"".join(parts[i : i + 4]))
+    assert w.written == len(data)
+    assert w.commit().read_bytes() == data
+
+    other = b"y" * 5000
+    digest = "sha256:" + hashlib.sha256(other).hexdigest()
+    w = store.open_blob_writer(digest)
+
+    def full_disk(parts: tuple[bytes, ...]) -> None:
+        raise OSError(28, "No space left on device")
+
+    w._write_parts = full_disk  # type: ignore[method-assign]  # the file thread's step
+    w.write(other)
+    with pytest.raises(OSError, match="No space left"):
+        w.commit()
+    assert not store.has_blob(digest)
+
+
 def test_blob_mismatch_deletes_the_partial(tmp_path: Path) -> None:
     store = OllamaStore(tmp_path, writable=True)
     digest = "sha256:" + hashlib.sha256(b"right").hexdigest()

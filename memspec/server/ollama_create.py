@@ -851,10 +851,10 @@ async def _receive_blob(store: OllamaStore, digest: str, request: Request, room:
             pending.append(chunk)
             pending_bytes += len(chunk)
             if pending_bytes >= WRITE_CHUNK:
-                await asyncio.to_thread(writer.write, b"".join(pending))
+                await asyncio.to_thread(writer.write, tuple(pending))
                 pending, pending_bytes = [], 0
         if pending:
-            await asyncio.to_thread(writer.write, b"".join(pending))
+            await asyncio.to_thread(writer.write, tuple(pending))
         try:
             await asyncio.to_thread(writer.commit)
         except BlobMismatch as e:  # the partial is gone
