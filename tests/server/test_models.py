@@ -1,5 +1,5 @@
 """Several models under one budget, on the real daemon: SmolLM2 (the default target) and Gemma 3
-270M at a budget that holds one of them (memspec.targets, memspec.scheduler.residency).
+270M at a budget that holds one of them (memspec.targets, memspec.scheduler.models and .residency).
 
 Every answer must equal the model's own plain decoding served alone, the modelled bytes must
 stay within the budget, a model with a request in flight is never unloaded, a model that can
