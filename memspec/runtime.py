@@ -5,61 +5,55 @@ Drafts live in a WorkingSet (memspec.scheduler.working_set): resident under the 
 thread. The working set is the budget's one holder: settings.budget sizes the start, and
 `set_budget` (a live tune) changes it there. The Scheduler (memspec.scheduler.rounds) decides
 every round over it: every round of the lead slot (LEAD_SLOT), and the free-draft rule of the
-slots beside it. A client's request is checked once, by `request()`, into a GenerationRequest
-whose fields `generate()` decodes (tools that hold token ids call `generate()` directly).
+slots beside it.
+
+The Runtime builds and wires the parts that serve one target, each in a module of its own:
+`requests` (memspec.request_check) checks a client's request once into a GenerationRequest
+whose fields `generate()` and `open_sequence()` decode (tools that hold token ids call
+`generate()` directly); `draft_admin` (memspec.draft_admin) is what requests and the admin API
+name drafts by; `embeddings` (memspec.embeddings) holds the embedding context. What is left
+here is the load, in named steps (`__init__`), and the engine's calls: a sequence's rounds,
+prefix reuse, calibration left for idle time (`calibrate_pending`), budget and status.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import logging
-import math
-import os
 import threading
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
-
-import jinja2
 
 from memspec.backends.base import Backend, BackendOptions, load_backend
-from memspec.backends.embedding import LlamaEmbedder, plan_embedding
 from memspec.config import Settings
-from memspec.drafts.compat import check_draft, fingerprint_of, incompatible_error
+from memspec.draft_admin import DraftAdmin
+from memspec.drafts.compat import check_draft, fingerprint_of
 from memspec.drafts.datastore import DatastoreDraft
-from memspec.drafts.family import settings_pool_dir, skipped_error, skipped_recipes
-from memspec.drafts.manifest import DraftManifest, check_id, load_manifests
+from memspec.drafts.family import settings_pool_dir, skipped_recipes
+from memspec.drafts.manifest import DraftManifest, load_manifests
 from memspec.drafts.registry import draft_kind
+from memspec.embeddings import Embeddings
 from memspec.engine.calibration import Calibration, measure_draft_cached
-from memspec.engine.context_shift import Shifted, shift_messages
 from memspec.engine.costs import AcceptanceEstimator, CostModel
-from memspec.engine.fim import FimRequest, FimTokens, fim_prompt, find_fim_tokens
-from memspec.engine.grammar import Grammar
 from memspec.engine.prefix_cache import PrefixCache, share_slot_prefix
 from memspec.engine.slots import SlotTable
 from memspec.engine.speculative import (
     Generation,
     Sequence,
     TokenCallback,
-    check_prompt,
     decode_round,
 )
 from memspec.engine.types import Draft, ModelBacked, RoundPolicy, SamplingParams
 from memspec.errors import (
     BudgetExceeded,
-    InvalidRequest,
     LoadAbandoned,
     MemSpecError,
     ModelLoadError,
-    UnknownDraft,
 )
 from memspec.memory.footprint import (
     Footprint,
-    embedding_footprint,
     split_footprint,
     target_footprint,
 )
@@ -69,8 +63,8 @@ from memspec.model_id import model_aliases, served_model_id
 from memspec.paths import data_dir, models_dir, resolve_model_path
 from memspec.predictor.artifacts import predictor_path
 from memspec.predictor.model import load_or_fallback
+from memspec.request_check import GenerationRequest, RequestCheck
 from memspec.rpc.endpoints import LayerSplit, layer_split
-from memspec.scheduler.draft_choice import AUTO_ASK, DraftAsk
 from memspec.scheduler.learned import Memory
 from memspec.scheduler.manifest_source import ManifestSource
 from memspec.scheduler.rounds import LEAD_SLOT, Scheduler
@@ -78,70 +72,6 @@ from memspec.scheduler.working_set import WorkingSet
 from memspec.units import format_size
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ClientRequest:
-    """A generation as a client asks for it, before it is checked against the runtime."""
-
-    prompt: str | list[int] | None = None  # text, or token ids (completions)
-    messages: list[dict[str, str]] | None = None  # chat
-    max_tokens: int | None = None  # None: settings.default_max_tokens
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    draft: str = "auto"  # "auto", "none" or a draft id
-    policy: str | None = None  # for draft "auto"; None: settings.policy
-    cache_partition: str = ""  # whose cached prefixes it may reuse (key and cache_salt)
-    # Sampling fields beyond temperature/top_p (None: SamplingParams' default, i.e. off).
-    top_k: int | None = None
-    min_p: float | None = None
-    typical_p: float | None = None
-    repeat_penalty: float | None = None
-    repeat_last_n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    ignore_eos: bool = False  # llama-server's: end-of-generation tokens banned
-    logprobs: int | None = None  # report logprobs with this many alternatives; None: off
-    fim: FimRequest | None = None  # fill-in-the-middle: the prompt is built from it
-    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: end the text like EOS
-    grammar: str | None = None  # GBNF the output must follow (engine/grammar.py)
-    grammar_param: str = "grammar"  # the request field the grammar came from (its 400s)
-    tools: list[dict[str, Any]] | None = None  # chat: the tools the chat template receives
-    context_overflow: str | None = None  # chat: "error" or "shift"; None: the setting's
-    model: str = ""  # the served name of the model that runs it ("": the default target)
-    # How long the model stays loaded after this request (Ollama's keep_alive), in seconds;
-    # None: settings.keep_alive; negative: no expiry; 0: unloaded once it is idle.
-    keep_alive_s: float | None = None
-
-
-# ClientRequest's sampling fields that map one to one onto SamplingParams.
-SAMPLING_FIELDS = (
-    "top_k",
-    "min_p",
-    "typical_p",
-    "repeat_penalty",
-    "repeat_last_n",
-    "presence_penalty",
-    "frequency_penalty",
-)
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A generation this runtime can run as it is (Runtime.request checks a ClientRequest)."""
-
-    prompt: list[int]
-    params: SamplingParams
-    draft: DraftAsk = AUTO_ASK  # parsed and checked once (Runtime.draft_ask)
-    policy: str | None = None  # None: settings.policy
-    messages: list[dict[str, str]] | None = None  # chat: what the scheduler's predictor reads
-    cache_partition: str = ""  # whose cached prefixes it may reuse (PrefixCache)
-    # A chat shifted to fit the context: {"dropped_messages": n, "dropped_tokens": m}.
-    context_shift: dict[str, int] | None = None
-
 
 
 # A load checks between its stages (target, drafts, calibration) whether anyone still waits
@@ -205,28 +135,53 @@ class Runtime:
         runtime` times the runtime's own cost per token over a stub whose step costs
         nothing. The runtime closes it."""
         self.settings = settings
+        target_path = resolve_model_path(settings.target)
+        self._target_file = str(target_path)  # the key of its drafts' costs (_draft_costs)
+        self._read_pool(settings, target_path)
+        self._plan_target(target_path, batched)
+        self._init_costs()
+        _stage("the target")
+        self.target: Backend = target or load_backend(
+            target_path, self.options, self.settings.backend
+        )
+        self._serve_target(target_path)
+        try:
+            self._load_drafts(target_path, calibrate_costs, defer_calibration)
+            self._start_scheduler(target_path)
+        except Exception:
+            self.close()
+            raise
+
+    # --- the steps of a load, in order ---------------------------------------------------
+    def _read_pool(self, settings: Settings, target_path: Path) -> None:
+        """The draft manifests of the target's pool, what is preloaded (settings.drafts, else
+        the whole family as far as it is built) and the target's tokenizer, which every
+        manifest is checked against once (drafts that speak another are left out)."""
         pool = settings_pool_dir(settings)
         self.manifest_errors: dict[str, str] = {}  # manifests left out (file stem -> why)
         self.preload_errors: dict[str, str] = {}  # drafts named at start but left out (id -> why)
         self.manifests: dict[str, DraftManifest] = load_manifests(pool, self.manifest_errors)
         for name, why in self.manifest_errors.items():
             log.error("draft manifest %s left out: %s", name, why)
-        # What is loaded at start: settings.drafts, else the whole family as far as it is built.
         self.preload_ids = (
             list(settings.drafts) if settings.drafts is not None else self._whole_family()
         )
-        target_path = resolve_model_path(settings.target)
-        self._target_file = str(target_path)  # the key of its drafts' costs (_draft_costs)
-        # Every manifest is checked against the target's tokenizer once: the drafts that
-        # speak another are left out of the pool (draft_status says why).
         self.target_tokenizer = fingerprint_of(target_path)
-        # The runtime's settings carry the resolved n_ctx.
-        self.context: ContextPlan = self._plan_slots(settings, target_path, batched)
+        # Recipes a target's family skipped (e.g. a Q4 self-draft of a Q4 target): named in
+        # settings.drafts they are passed over with the reason, named in a request refused.
+        self.skipped_drafts: dict[str, str] = skipped_recipes(pool)
+
+    def _plan_target(self, target_path: Path, batched: bool) -> None:
+        """Slots and context (n_ctx "auto" resolved into self.settings), the layer split over
+        RPC workers, the backend options, and the target's footprint, charged first:
+        BudgetExceeded, with what would fit, if the budget cannot hold it."""
+        self.context: ContextPlan = self._plan_slots(self.settings, target_path, batched)
         self.slots = self.context.slots
-        if settings.n_ctx == "auto":
+        if self.settings.n_ctx == "auto":
             log.info("n_ctx auto: %s", self.context.describe())
             n_ctx = self.context.n_ctx or MIN_N_CTX  # 0: refused below, with the numbers
-            settings = self.settings = settings.model_copy(update={"n_ctx": n_ctx})
+            self.settings = self.settings.model_copy(update={"n_ctx": n_ctx})
+        settings = self.settings
         # A target split over RPC workers: how many of its layers each device holds.
         self.layer_split: LayerSplit | None = None
         rpc: dict[str, object] = {}
@@ -252,24 +207,15 @@ class Runtime:
             kv_cache=settings.kv_cache,
             **rpc,  # type: ignore[arg-type]
         )
-        # Recipes a target's family skipped (e.g. a Q4 self-draft of a Q4 target): named in
-        # settings.drafts they are passed over with the reason, named in a request refused.
-        self.skipped_drafts: dict[str, str] = skipped_recipes(pool)
-        self.costs = CostModel.alike(settings.k_max)  # calibrated ones are adopted in place
-        self._calibration: Calibration | None = None  # one left for calibrate_pending()
-        self._calibrated = False
-        self.calibration_error: str | None = None
-        self._later: list[str] = []  # drafts that join when they pay (drafts_join_later)
-        self._measure_loads = False  # drafts loaded after calibration get their cost measured
-        self._lead_stall0 = 0.0  # the working set's stall clock when the lead slot's began
-        self.requests_per_draft: Counter[str] = Counter()
-        self.estimator = self.new_estimator()
-        self.lock = threading.Lock()  # one decode loop at a time owns the models
-        # The embedding context (embedder()): loaded on the first embedding request.
-        self._embedder: LlamaEmbedder | None = None
-        self._embedder_lock = threading.Lock()
-        self.embedding_footprint: Footprint | None = None
-        # The target and its KV caches (one per slot) and buffers are charged first.
+        # A head drafts from the target's features: a target with one it can use loads them.
+        if any(self._usable_head(m) for m in self.manifests.values()):
+            self.options = replace(self.options, features=True)
+        self._charge_target(target_path)
+
+    def _charge_target(self, target_path: Path) -> None:
+        """The target and its KV caches (one per slot) and buffers, charged first; split over
+        workers, this device's budget pays its share and each worker the rest."""
+        settings = self.settings
         self.target_footprint: Footprint = target_footprint(
             target_path,
             settings.n_ctx,
@@ -278,7 +224,6 @@ class Runtime:
             self.slots,
             settings.kv_cache,
         )
-        # Split over workers: this device's budget pays its share, each worker the rest.
         self.remote_bytes: dict[str, int] = {}
         if self.layer_split is not None:
             self.target_footprint, self.remote_bytes = split_footprint(
@@ -297,14 +242,26 @@ class Runtime:
                 "see `memspec plan --budget SIZE`",
                 param="budget",
             )
-        # A head drafts from the target's features: a target with one it can use loads them.
-        if any(self._usable_head(m) for m in self.manifests.values()):
-            self.options = replace(self.options, features=True)
-        _stage("the target")
-        self.target: Backend = target or load_backend(target_path, self.options, settings.backend)
+
+    def _init_costs(self) -> None:
+        """Costs alike until calibrated ones are adopted, in place (_calibrate)."""
+        self.costs = CostModel.alike(self.settings.k_max)
+        self._calibration: Calibration | None = None  # one left for calibrate_pending()
+        self._calibrated = False
+        self.calibration_error: str | None = None
+        self._later: list[str] = []  # drafts that join when they pay (drafts_join_later)
+        self._measure_loads = False  # drafts loaded after calibration get their cost measured
+        self._lead_stall0 = 0.0  # the working set's stall clock when the lead slot's began
+        self.estimator = self.new_estimator()
+        self.lock = threading.Lock()  # one decode loop at a time owns the models
+
+    def _serve_target(self, target_path: Path) -> None:
+        """What the loaded target is served as: its slots, names and chat template, the
+        parts built on it (what requests and admins name, the embedding context), and what
+        earlier runtimes learnt about it. A chat template that cannot work fails the load."""
+        settings = self.settings
         # Which of the target's sequence slots hold a sequence (the daemon takes and releases).
         self.slot_table = SlotTable(self.target.slots, lead=LEAD_SLOT)
-        # What the target is served as and how its chats are rendered, from its own metadata.
         self.model_id = served_model_id(settings.model_name, target_path)
         self.model_aliases = model_aliases(
             self.model_id, self.target.metadata.get("general.name"), target_path
@@ -322,42 +279,60 @@ class Runtime:
             self.manifests, draft_options, settings.backend, self.target_tokenizer, self.target
         )
         self.working_set: WorkingSet | None = None
+        self.draft_admin = DraftAdmin(
+            self.manifests,
+            self.skipped_drafts,
+            self.draft_source,
+            lambda: self.working_set,
+            self.estimator,
+        )
+        # The embedding context: set up by the first embedding request.
+        self.embeddings = Embeddings(
+            lambda: self.settings, self.target, self.options, self._reserve
+        )
         # What earlier runtimes learnt about this target (memspec.scheduler.learned).
         self.memory = Memory(self, settings.state_dir or data_dir() / "state", self.target.path)
         if settings.drafts is None:  # the default pool: what was resident last time first
             last = self.memory.resident
             self.preload_ids = last + [i for i in self.preload_ids if i not in last]
-        try:
-            _stage("the drafts")
-            # Only the preload ids are loaded, weightless ones included: "auto" then uses
-            # exactly what the configuration names until something else is loaded.
-            self.working_set = WorkingSet(
-                self.draft_source,
-                settings.budget_bytes,
-                self.target_footprint.total,
-                on_loaded=self._on_draft_loaded,
-                autoload_free=False,
-            )
-            later = self._drafts_for_later(settings, target_path)
-            self._preload(self.working_set, [i for i in self.preload_ids if i not in later])
+
+    def _load_drafts(self, target_path: Path, calibrate_costs: bool, defer: bool) -> None:
+        """The working set, the preload (but the drafts that join later), then the costs:
+        read from the caches, measured, or left for calibrate_pending (`defer`)."""
+        _stage("the drafts")
+        # Only the preload ids are loaded, weightless ones included: "auto" then uses
+        # exactly what the configuration names until something else is loaded.
+        self.working_set = WorkingSet(
+            self.draft_source,
+            self.settings.budget_bytes,
+            self.target_footprint.total,
+            on_loaded=self._on_draft_loaded,
+            autoload_free=False,
+        )
+        later = self._drafts_for_later(self.settings, target_path)
+        self._preload(self.working_set, [i for i in self.preload_ids if i not in later])
+        with self.working_set.leased():
             resident = list(self.drafts.values())
-            self.working_set.release_leases()
-            self._later = later
-            if calibrate_costs:
-                _stage("calibration")
-                self._calibrate(resident, defer_calibration)
-            if later:
-                log.info("drafts %s join later, when they pay", ", ".join(later))
-            predictor = load_or_fallback(predictor_path(target_path, settings.predictor))
-            if predictor.error:
-                log.warning("predictor: %s; using per-kind priors", predictor.error)
-            self.scheduler = Scheduler(
-                self.working_set, self.costs, self.estimator, settings.k_max, predictor
-            )
-            self.memory.restore()
-        except Exception:
-            self.close()
-            raise
+        self._later = later
+        if calibrate_costs:
+            _stage("calibration")
+            self._calibrate(resident, defer)
+        if later:
+            log.info("drafts %s join later, when they pay", ", ".join(later))
+
+    def _start_scheduler(self, target_path: Path) -> None:
+        """The scheduler that decides every round (with the predictor, or per-kind priors),
+        what it learnt last time restored, and the request check that names its policies."""
+        predictor = load_or_fallback(predictor_path(target_path, self.settings.predictor))
+        if predictor.error:
+            log.warning("predictor: %s; using per-kind priors", predictor.error)
+        self.scheduler = Scheduler(
+            self._ws, self.costs, self.estimator, self.settings.k_max, predictor
+        )
+        self.memory.restore()
+        self.requests = RequestCheck(
+            self.target, lambda: self.settings, self.draft_admin, self.scheduler.check_policy
+        )
 
     def _plan_slots(self, settings: Settings, target_path: Path, batched: bool) -> ContextPlan:
         """The slots (settings.parallel; 0: as many as fit the budget beside the target and
@@ -450,12 +425,12 @@ class Runtime:
                 log.warning("not preloading %s: %s", draft_id, self.skipped_drafts[draft_id])
                 continue
             try:  # a draft refused (its manifest left out, an unknown id) is skipped, not fatal
-                self.manifest(draft_id)
+                self.draft_admin.manifest(draft_id)
             except MemSpecError as e:
                 log.error("draft %s left out at start: %s", draft_id, e.message)
                 self.preload_errors[draft_id] = e.message
                 continue
-            reason = self.incompatible.get(draft_id)
+            reason = self.draft_admin.incompatible.get(draft_id)
             if reason is not None:
                 log.warning("not preloading %s: %s", draft_id, reason)
                 continue
@@ -503,14 +478,12 @@ class Runtime:
         if calibration is None or self.working_set is None:
             return True
         try:
-            resident = list(self.drafts.values())
-            measured = calibration.run(resident, stop, self.lock)
+            with self._ws.leased():
+                measured = calibration.run(list(self.drafts.values()), stop, self.lock)
         except Exception as e:  # noqa: BLE001 - the model goes on serving, plain
             log.exception("%s: calibration failed; decoding plain", self.target.path.name)
             self._calibration, self.calibration_error = None, str(e)
             return True
-        finally:
-            self._ws.release_leases()
         if measured is None:
             return False
         self._land(measured)
@@ -551,107 +524,13 @@ class Runtime:
             )
         self._ws.budget_bytes = budget_bytes
 
-    # --- drafts -------------------------------------------------------------------------
-    def manifest(self, draft_id: str) -> DraftManifest:
-        check_id(draft_id)
-        if draft_id in self.skipped_drafts and draft_id not in self.manifests:
-            raise skipped_error(draft_id, self.skipped_drafts[draft_id])
-        if draft_id not in self.manifests:
-            raise UnknownDraft(
-                f"unknown draft {draft_id!r}; known: {', '.join(sorted(self.manifests))}",
-                param="draft",
-            )
-        return self.manifests[draft_id]
-
-    def draft_ask(self, draft: str) -> DraftAsk:
-        """A request's `draft` field decoded; a named draft is checked before anything runs
-        (unknown: 404, incompatible: 400)."""
-        ask = DraftAsk.parse(draft)
-        if ask.named is not None:
-            self.usable(ask.named)
-        return ask
-
-    @property
-    def incompatible(self) -> dict[str, str]:
-        """Drafts that speak another tokenizer than the target, with the reason."""
-        return self.draft_source.refused
-
-    def usable(self, draft_id: str) -> DraftManifest:
-        """The manifest of a draft this target can use: UnknownDraft, or DraftIncompatible."""
-        m = self.manifest(draft_id)
-        reason = self.incompatible.get(draft_id)
-        if reason is not None:
-            raise incompatible_error(draft_id, reason)
-        return m
-
+    # --- drafts ---------------------------------------------------------------------
     @property
     def drafts(self) -> dict[str, Draft]:
-        """Resident drafts, in load order, leased to the calling thread until its next
-        generate() (or working_set.release_leases()): safe to use their backends meanwhile."""
+        """Resident drafts, in load order, leased to the calling thread until the end of its
+        `working_set.leased()` scope (the engine's: its next round): safe to use meanwhile."""
         ws = self.working_set
         return {d.id: d for d in ws.lease_resident()} if ws is not None else {}
-
-    def load_draft(self, draft_id: str) -> Draft:
-        """Load now (evicting lower-value drafts if the budget needs it); retries a failed
-        draft. ModelLoadError on a bad file, BudgetExceeded if pinned drafts block it,
-        DraftIncompatible if it speaks another tokenizer."""
-        self.usable(draft_id)
-        return self._ws.load(draft_id)
-
-    def evict_draft(self, draft_id: str) -> None:
-        if self.manifest(draft_id).id not in self.incompatible:  # never loaded: evicted already
-            self._ws.evict(draft_id)
-
-    def pin(self, draft_id: str, pinned: bool = True) -> None:
-        if pinned:
-            self.usable(draft_id)
-            self._ws.pin(draft_id)
-        elif self.manifest(draft_id).id not in self.incompatible:  # those are never pinned
-            self._ws.unpin(draft_id)
-
-    def unload_draft(self, draft_id: str) -> None:
-        """Evict even if pinned."""
-        ws = self.working_set
-        if ws is not None and draft_id not in self.incompatible:
-            ws.unpin(draft_id)
-            ws.evict(draft_id)
-
-    def draft_bytes(self, draft_id: str) -> int:
-        """Modelled bytes the draft takes when resident (memspec.memory.footprint)."""
-        self.manifest(draft_id)
-        try:
-            return self.draft_source.draft_bytes(draft_id)
-        except (ModelLoadError, OSError, ValueError):
-            return 0
-
-    def draft_status(self) -> list[dict]:
-        """One row per known draft: what status/admin/ctl report."""
-        ws_rows = {r["id"]: r for r in self.working_set.status()} if self.working_set else {}
-        rows = []
-        for m in self.manifests.values():
-            w = ws_rows.get(m.id, {})
-            reason = self.incompatible.get(m.id)
-            rows.append(
-                {
-                    "id": m.id,
-                    "kind": m.kind,
-                    "bytes": w.get("bytes", 0),
-                    "resident": w.get("resident", False),
-                    "pinned": w.get("pinned", False),
-                    "acceptance": round(self.estimator.alpha(m.id), 4),
-                    # The policy's last plan: what holding it is predicted to be worth.
-                    "value": round(float(w.get("value") or 0.0), 6),
-                    "requests": self.requests_per_draft.get(m.id, 0),
-                    "tags": m.tags,
-                    "state": w.get("state", "absent"),
-                    "error": w.get("error"),
-                    "load_s": w.get("load_s"),
-                    "measured_bytes": w.get("measured_bytes"),
-                    "compatible": reason is None,  # speaks the target's tokenizer
-                    "reason": reason,
-                }
-            )
-        return rows
 
     def devices(self) -> list[dict]:
         """Where the target's layers are and what each device holds (status). One row, this
@@ -676,9 +555,9 @@ class Runtime:
         ws = self.working_set
         out = ws.summary() if ws is not None else {"budget_bytes": self.budget_bytes}
         out["target"] = self.target_footprint.to_dict()
-        out["embedding"] = self.embedding_status()
+        out["embedding"] = self.embeddings.status()
         out["context"] = self.context.to_dict()  # context per slot against drafts and slots
-        rows = self.draft_status()
+        rows = self.draft_admin.draft_status()
         absent = [r["id"] for r in rows if r["state"] in ("absent", "failed") and r["bytes"] > 0]
         resident_models = [r for r in rows if r["resident"] and r["bytes"] > 0]
         out["scheduling"] = self.scheduler.status()  # policy state, predictor (or why not)
@@ -698,144 +577,6 @@ class Runtime:
     def policies(self) -> tuple[str, ...]:
         """The policy names a request (or settings.policy) may use."""
         return self.scheduler.names
-
-    # --- requests -----------------------------------------------------------------------
-    def prompt_tokens(
-        self,
-        prompt: str | None = None,
-        messages: list[dict[str, str]] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        if messages is not None:
-            try:
-                text = self.target.chat_prompt(messages, tools)
-            except jinja2.TemplateError as e:  # the model's template refuses these messages
-                raise InvalidRequest(
-                    f"the model's chat template cannot render these messages: {e}",
-                    param="messages",
-                ) from None
-            return self.target.tokenize(text, add_bos=True, special=True)
-        return self.target.tokenize(prompt or "", add_bos=True)
-
-    def request(self, ask: ClientRequest) -> GenerationRequest:
-        """Check a client's request against this runtime, once: its tokens, the context,
-        the draft and the policy it names. Raises the error the client gets."""
-        messages, shift = ask.messages, None
-        if ask.fim is not None:
-            prompt = fim_prompt(self.target, ask.fim, self.fim_tokens)
-        elif ask.messages is not None:
-            prompt = self.prompt_tokens(messages=ask.messages, tools=ask.tools)
-            messages, shift = self._shift_context(ask, prompt)
-            prompt = shift.prompt if shift is not None else prompt
-        elif isinstance(ask.prompt, list):
-            self._check_token_ids(ask.prompt, "prompt")
-            prompt = list(ask.prompt)
-        else:
-            prompt = self.prompt_tokens(prompt=ask.prompt or "")
-        n_ctx = self.target.n_ctx
-        hint = self._overflow_hint(ask) if len(prompt) >= n_ctx else ""
-        param = "messages" if ask.messages is not None and prompt else "prompt"
-        check_prompt(prompt, n_ctx, param, hint)
-        draft = self.draft_ask(ask.draft)
-        if ask.policy is not None:
-            fixed = ask.policy.removeprefix("fixed:")
-            if ask.policy.startswith("fixed:") and fixed in self.incompatible:  # the same 400
-                self.usable(fixed)
-            self.scheduler.check_policy(ask.policy)
-        # A max_tokens beyond what the context holds is capped there (finish_reason length),
-        # as llama-server does; only a prompt that does not fit is refused.
-        max_tokens = ask.max_tokens or self.settings.default_max_tokens
-        params = SamplingParams(
-            max_tokens=min(max_tokens, n_ctx - len(prompt)),
-            temperature=ask.temperature,
-            top_p=ask.top_p,
-            seed=None if ask.seed is None else ask.seed % 2**64,
-            stop=ask.stop,
-            logit_bias=self._logit_bias(ask),
-            logprobs=ask.logprobs,
-            stop_token_ids=self._stop_tokens(ask),
-            **{
-                name: getattr(ask, name)
-                for name in SAMPLING_FIELDS
-                if getattr(ask, name) is not None
-            },
-        )
-        if ask.grammar is not None:  # parsed against the target's vocabulary: a bad one is a 400
-            params.grammar = Grammar(ask.grammar, self.target.path, param=ask.grammar_param)
-        report = shift.report() if shift is not None else None
-        return GenerationRequest(
-            prompt, params, draft, ask.policy, messages, ask.cache_partition, report
-        )
-
-    def _overflow_hint(self, ask: ClientRequest) -> str:
-        """What a client whose prompt does not fit can do about it."""
-        if self._shifts(ask):
-            return ", and dropping its older turns would not make it fit. Shorten it."
-        if ask.messages is not None:
-            return '. Shorten the conversation, or send context_overflow: "shift".'
-        return ". Shorten the prompt."
-
-    def _shifts(self, ask: ClientRequest) -> bool:
-        """A chat whose overflow shifts the context (the request's choice, else the setting)."""
-        overflow = ask.context_overflow or self.settings.context_overflow
-        if overflow not in ("error", "shift"):
-            raise InvalidRequest(
-                f'context_overflow must be "error" or "shift", not {overflow!r}',
-                param="context_overflow",
-            )
-        return ask.messages is not None and overflow == "shift"
-
-    def _shift_context(
-        self, ask: ClientRequest, prompt: list[int]
-    ) -> tuple[list[dict[str, str]] | None, Shifted | None]:
-        """context_overflow "shift": a chat whose prompt and max_tokens exceed the context
-        keeps its system prompt and drops its oldest turns (memspec.engine.context_shift).
-        Returns the messages kept and the shift (None: none needed, or none possible)."""
-        max_tokens = ask.max_tokens or self.settings.default_max_tokens
-        n_ctx = self.target.n_ctx
-        if not self._shifts(ask) or ask.messages is None or len(prompt) + max_tokens <= n_ctx:
-            return ask.messages, None
-
-        def render(messages: list[dict[str, Any]]) -> list[int]:
-            return self.prompt_tokens(messages=messages, tools=ask.tools)
-
-        shift = shift_messages(ask.messages, len(prompt), render, n_ctx, max_tokens)
-        if shift is None:
-            return ask.messages, None
-        log.info(
-            "context shift: %d messages (%d tokens) dropped to fit n_ctx %d",
-            shift.dropped_messages, shift.dropped_tokens, n_ctx,
-        )  # fmt: skip
-        return shift.messages, shift
-
-    def _logit_bias(self, ask: ClientRequest) -> dict[int, float]:
-        """logit_bias, checked, with ignore_eos's ban on the end-of-generation tokens."""
-        self._check_token_ids(ask.logit_bias, "logit_bias")
-        bias = dict(ask.logit_bias)
-        if ask.ignore_eos:
-            bias.update(dict.fromkeys(self.target.eos_token_ids, -math.inf))
-        return bias
-
-    def _check_token_ids(self, ids: Iterable[int], param: str) -> None:
-        """InvalidRequest naming `param` if an id is outside the target's vocabulary."""
-        n_vocab = self.target.n_vocab
-        bad = next((t for t in ids if not 0 <= t < n_vocab), None)
-        if bad is not None:
-            raise InvalidRequest(
-                f"{param}: token id {bad} is outside the vocabulary (0..{n_vocab - 1})",
-                param=param,
-            )
-
-    def _stop_tokens(self, ask: ClientRequest) -> frozenset[int]:
-        """stop_token_ids, checked; a FIM prompt's middle also ends at the FIM end tokens."""
-        self._check_token_ids(ask.stop_token_ids, "stop_token_ids")
-        fim_end = self.fim_tokens.end if ask.fim is not None and self.fim_tokens else frozenset()
-        return frozenset(ask.stop_token_ids) | fim_end
-
-    @functools.cached_property
-    def fim_tokens(self) -> FimTokens | None:
-        """The target's fill-in-the-middle tokens (None: it has none)."""
-        return find_fim_tokens(self.target)
 
     def prepare_prefix(
         self,
@@ -882,7 +623,8 @@ class Runtime:
         one. A named draft that is not resident is loaded first (counted as stall); if that
         load fails the request decodes without it (output identical: the target decides every
         token) and the draft's status says why."""
-        req = GenerationRequest(prompt, params, self.draft_ask(draft), policy, messages)
+        ask = self.draft_admin.draft_ask(draft)
+        req = GenerationRequest(prompt, params, ask, policy, messages)
         seq = self.open_sequence(req, LEAD_SLOT, on_token, cancel, k=k, estimator=estimator)
         while not seq.done:
             self.decode_round([seq])
@@ -940,9 +682,9 @@ class Runtime:
     def decode_round(self, sequences: list[Sequence]) -> tuple[int, int]:
         """One round of every open sequence, in one forward pass of the target: the
         (sequences, tokens) it carried."""
-        self._ws.release_leases()  # the last round's proposals are verified by now
         ordered = sorted(sequences, key=lambda s: s.target.seq_id)  # the lead chooses first
-        with self.lock:
+        # The drafts the round's policies take are leased until it ends, however it ends.
+        with self._ws.leased(), self.lock:
             return decode_round(self.target, ordered, self.costs, self.settings.prefill_chunk)
 
     def close_sequence(self, seq: Sequence) -> Generation:
@@ -958,85 +700,22 @@ class Runtime:
         gen = seq.result()
         if lead:  # waits on reactive loads happen in the lead's rounds
             gen.stall_s = self._ws.thread_stall_s() - self._lead_stall0
-        for d in self._ws.lease_resident():  # learning datastores file the output now
-            if isinstance(d, DatastoreDraft) and d.learn:
-                d.finish_request(gen.token_ids)
-        self._ws.release_leases()
-        self.requests_per_draft.update(gen.drafts_used.keys())
+        with self._ws.leased():  # learning datastores file the output now
+            for d in self._ws.lease_resident():
+                if isinstance(d, DatastoreDraft) and d.learn:
+                    d.finish_request(gen.token_ids)
+        self.draft_admin.requests_per_draft.update(gen.drafts_used.keys())
         if lead:
             self.memory.request_done()
         return gen
 
-    # --- embeddings ---------------------------------------------------------------------
-    def embedder(self) -> LlamaEmbedder:
-        """The embedding context (memspec.backends.embedding), set up on first use on
-        settings.embedding_model, else on the target's loaded weights. Its footprint is
-        charged to the budget before it is allocated (drafts evicted to make room):
-        BudgetExceeded if the target and the pinned drafts leave too little."""
-        with self._embedder_lock:
-            if self._embedder is None:
-                self._embedder = self._load_embedder()
-            return self._embedder
-
-    def _load_embedder(self) -> LlamaEmbedder:
-        from memspec.drafts.gguf_header import open_header, scalar
-
-        s = self.settings
-        target_path = resolve_model_path(s.target)
-        path = resolve_model_path(s.embedding_model) if s.embedding_model else target_path
-        if not path.is_file():
-            raise ModelLoadError(f"embedding model not found: {path}", param="model")
-        header = open_header(path)
-        arch = scalar(header, "general.architecture") or "llama"
-        keys = ("pooling_type", "context_length", "attention.causal")
-        meta = {f"{arch}.{k}": scalar(header, f"{arch}.{k}") for k in keys}
-        plan = plan_embedding({"general.architecture": arch, **meta}, s.n_ctx)
-        # The target's own llama_model, when it is loaded in this process by llama.cpp.
-        llm = getattr(self.target, "_llm", None) if path == target_path else None
-        shared = getattr(llm, "_model", None)
-        fp = embedding_footprint(
-            read_shape(path), plan.n_ctx, plan.n_batch, shared is not None, s.n_gpu_layers
-        )
-        self._ws.reserve(fp.total, f"the embedding context ({path.name}, n_ctx {plan.n_ctx})")
-        try:
-            emb = LlamaEmbedder(
-                path,
-                plan,
-                shared,
-                n_threads=self.options.n_threads or os.cpu_count() or 1,
-                n_gpu_layers=s.n_gpu_layers,
-                use_mmap=self.options.use_mmap,
-            )
-        except BaseException:
-            self._ws.reserve(-fp.total, "")
-            raise
-        self.embedding_footprint = fp
-        log.info(
-            "embeddings: %s, %s pooling, n_ctx %d, %s", path.name, plan.pooling_name,
-            emb.n_ctx, format_size(fp.total),
-        )  # fmt: skip
-        return emb
-
-    def release_embedder(self) -> bool:
-        """Free the embedding context and give its bytes back (waits for an input being
-        embedded). False if none was loaded."""
-        with self._embedder_lock:
-            emb, self._embedder = self._embedder, None
-            if emb is None:
-                return False
-            emb.close()
-            fp, self.embedding_footprint = self.embedding_footprint, None
-            if fp is not None and self.working_set is not None:
-                self.working_set.reserve(-fp.total, "")
-            return True
-
-    def embedding_status(self) -> dict[str, Any]:
-        """What status reports: loaded or not, and, loaded, its bytes by part and its setup."""
-        emb, fp = self._embedder, self.embedding_footprint
-        model = self.settings.embedding_model or self.settings.target
-        if emb is None or fp is None:
-            return {"loaded": False, "model": Path(model).name}
-        return {"loaded": True, **emb.describe(), "bytes": fp.to_dict()}
+    def _reserve(self, n_bytes: int, what: str) -> None:
+        """Charge (or, negative, give back) bytes beside the drafts: the embedding context's."""
+        ws = self.working_set
+        if ws is not None:
+            ws.reserve(n_bytes, what)
+        elif n_bytes > 0:
+            raise RuntimeError("the runtime is closed")
 
     def close(self) -> None:
         for draft_id, draft_s in self.costs.draft_s.items():  # for a reload (drafts_join_later)
@@ -1044,7 +723,7 @@ class Runtime:
                 draft_s,
                 self.costs.draft_overhead_s.get(draft_id),
             )
-        self.release_embedder()  # before the target: it may sit on the target's model
+        self.embeddings.release()  # before the target: it may sit on the target's model
         if self.working_set is not None and hasattr(self, "scheduler"):
             self.memory.save()
         ws, self.working_set = self.working_set, None

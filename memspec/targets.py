@@ -127,7 +127,7 @@ class Targets:
             if other is not rt:
                 other.set_budget(max(other.reserved_bytes, other.modelled_bytes()))
         rt.set_budget(rt.budget_bytes + max(0, self._budget() - self.shares()))
-        rt.embedder()
+        rt.embeddings.get()
 
     def shares(self) -> int:
         """The budget the resident models' working sets hold, together."""
@@ -349,7 +349,7 @@ class Targets:
         try:
             # Closed under its lock: a caller on another thread (/tokenize) finishes first.
             # The embedding context goes before: an embedding takes the lock per input.
-            rt.release_embedder()
+            rt.embeddings.release()
             with rt.lock:
                 rt.close()
         except Exception:  # noqa: BLE001 - the budget is given back either way
@@ -407,6 +407,8 @@ class Targets:
                     "loads_wasted": st.wasted,
                     "evictions": st.evictions,
                     "load_s_total": round(st.load_s_total, 3),
+                    # "calibrating": served plain until its costs are measured (idle time)
+                    "calibration": rt.calibration if rt is not None else None,
                 }
             )
         return rows

@@ -799,7 +799,7 @@ def step_lossless(work: Path, prof: Profile) -> dict[str, Any]:
     try:
         params = SamplingParams(max_tokens=prof.lossless_tokens)
         prompts = [
-            rt.prompt_tokens(messages=[{"role": "user", "content": p}])
+            rt.requests.prompt_tokens(messages=[{"role": "user", "content": p}])
             for p in PROMPTS[: prof.lossless_prompts]
         ]
         proposed = accepted = 0

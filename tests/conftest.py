@@ -89,7 +89,9 @@ def gemma_runtime():
 
 @pytest.fixture(scope="session")
 def chat_prompts(runtime) -> list[list[int]]:
-    return [runtime.prompt_tokens(messages=[{"role": "user", "content": p}]) for p in PROMPTS]
+    return [
+        runtime.requests.prompt_tokens(messages=[{"role": "user", "content": p}]) for p in PROMPTS
+    ]
 
 
 @pytest.fixture()

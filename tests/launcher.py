@@ -137,7 +137,7 @@ def plain_answer(target: Path | None, question: str, tokens: int, n_ctx: int = N
         Settings.load(drafts=[], n_ctx=n_ctx, n_threads=N_THREADS, **extra), calibrate_costs=False
     )
     try:
-        prompt = rt.prompt_tokens(messages=[{"role": "user", "content": question}])
+        prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": question}])
         params = SamplingParams(max_tokens=tokens, temperature=0.0)
         return rt.generate(prompt, params, draft="none").text
     finally:

@@ -533,3 +533,18 @@ def test_status_shows_the_context_trade_and_tune_takes_auto():
     for bad in (["tune", "n-ctx", "8"], ["tune", "context-overflow", "cut"]):
         with pytest.raises(SystemExit):
             parse(bad)
+
+
+def test_status_says_which_resident_model_is_still_calibrating():
+    """A model served before its costs were measured decodes plain until they land (its
+    calibration runs while the engine is idle): status says so beside it."""
+    from memspec.ctl import render
+
+    row = {"name": "new:1b", "resident": True, "bytes": 2**30, "expires_at": None, "loads": 1}
+    models = [
+        row | {"calibration": "calibrating"},
+        row | {"name": "old:1b"} | {"calibration": "calibrated"},
+    ]
+    out = render.status({"models": models}, "http://x")
+    assert "new:1b: resident 1.00 GiB, no expiry, calibrating;" in out
+    assert "old:1b: resident 1.00 GiB, no expiry;" in out

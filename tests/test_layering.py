@@ -76,7 +76,18 @@ def _reach(graph: dict[str, set[str]], part: str) -> set[str]:
 
 
 # What the daemon serves from: none of it may reach the draft build recipes.
-SERVING = ("drafts", "scheduler", "engine", "runtime", "backends", "predictor", "memory")
+SERVING = (
+    "drafts",
+    "scheduler",
+    "engine",
+    "runtime",
+    "request_check",
+    "draft_admin",
+    "embeddings",
+    "backends",
+    "predictor",
+    "memory",
+)
 
 
 def test_serving_parts_do_not_import_the_recipes():
@@ -163,9 +174,21 @@ def test_no_import_cycle_between_packages():
 
 
 # The data path, top to bottom: a request enters the server, is routed to its model's runtime
-# (targets: the resident models under one budget), whose scheduler picks drafts that the
-# engine runs on the backends. Each layer imports only layers below it: no arrow up.
-DATA_PATH = ("server", "targets", "runtime", "scheduler", "engine", "backends")
+# (targets: the resident models under one budget), which checks it (request_check, naming the
+# drafts draft_admin knows) and whose scheduler picks drafts that the engine runs on the
+# backends. The runtime is the composition root that builds and wires the parts below it
+# (embeddings: the embedding context). Each layer imports only layers below it: no arrow up.
+DATA_PATH = (
+    "server",
+    "targets",
+    "runtime",
+    "request_check",
+    "draft_admin",
+    "embeddings",
+    "scheduler",
+    "engine",
+    "backends",
+)
 
 
 def test_the_data_path_has_no_arrow_up():
@@ -195,14 +218,14 @@ def test_the_model_scheduler_decides_and_loads_nothing_itself():
 
 # Below the HTTP body (the routes' pydantic schemas), a generation takes three shapes on its
 # way down, each built in one layer: the client's ask (ClientRequest, by the routes), the one
-# this model can run as it is (GenerationRequest: tokens, every check, Runtime.request), and
+# this model can run as it is (GenerationRequest: tokens, every check, RequestCheck.check), and
 # the engine's running sequence (Sequence, by the runtime; speculative_generate makes its own
 # for callers of the engine alone). Beside them the policies read a view of it (Request: text,
 # turns, length), which the simulator builds from a trace, without a target's tokens.
 # (The lab's benchmarks and simulator build them too, from outside: memspec_lab.)
 REQUEST_SHAPES = {
     "ClientRequest": {"server"},
-    "GenerationRequest": {"runtime"},
+    "GenerationRequest": {"runtime", "request_check"},
     "Sequence": {"runtime", "engine"},
     "Request": {"scheduler"},
 }

@@ -10,7 +10,8 @@ from launcher import require_testbed
 from memspec.config import Settings
 from memspec.errors import BudgetExceeded, ContextOverflow, InvalidRequest
 from memspec.memory.footprint import target_footprint
-from memspec.runtime import ClientRequest, Runtime
+from memspec.request_check import ClientRequest
+from memspec.runtime import Runtime
 
 N_CTX = 512
 
@@ -72,13 +73,13 @@ def chat(turns: int) -> list[dict[str, str]]:
 
 def test_a_chat_over_the_context_is_refused_by_default(runtime):
     messages = chat(5)
-    assert len(runtime.prompt_tokens(messages=messages)) > N_CTX
+    assert len(runtime.requests.prompt_tokens(messages=messages)) > N_CTX
     with pytest.raises(ContextOverflow) as e:
-        runtime.request(ClientRequest(messages=messages, max_tokens=16))
+        runtime.requests.check(ClientRequest(messages=messages, max_tokens=16))
     assert e.value.param == "messages"  # a 400 context_length_exceeded (server/errors.py)
     assert 'context_overflow: "shift"' in e.value.message
     with pytest.raises(InvalidRequest):
-        runtime.request(ClientRequest(messages=messages, context_overflow="truncate"))
+        runtime.requests.check(ClientRequest(messages=messages, context_overflow="truncate"))
 
 
 def test_shift_keeps_the_system_prompt_and_drops_the_oldest_turns(runtime):
@@ -86,9 +87,9 @@ def test_shift_keeps_the_system_prompt_and_drops_the_oldest_turns(runtime):
     to fit; the system prompt and the last turns kept whole; the answer decodes from exactly
     the kept conversation, and its Generation says what was dropped."""
     messages = chat(5)
-    whole = len(runtime.prompt_tokens(messages=messages))
+    whole = len(runtime.requests.prompt_tokens(messages=messages))
     max_tokens = 8
-    req = runtime.request(
+    req = runtime.requests.check(
         ClientRequest(messages=messages, max_tokens=max_tokens, context_overflow="shift")
     )
     kept = req.messages
@@ -97,12 +98,12 @@ def test_shift_keeps_the_system_prompt_and_drops_the_oldest_turns(runtime):
     assert kept[0] == messages[0] and kept[1]["role"] == "user"
     assert kept == [messages[0], *messages[1 + shift["dropped_messages"] :]]
     assert shift["dropped_messages"] % 2 == 0 and shift["dropped_messages"] > 0
-    assert req.prompt == runtime.prompt_tokens(messages=kept)
+    assert req.prompt == runtime.requests.prompt_tokens(messages=kept)
     assert shift["dropped_tokens"] == whole - len(req.prompt)
     assert len(req.prompt) + max_tokens <= N_CTX
     # One turn fewer dropped would not have fitted.
     more = [messages[0], *messages[shift["dropped_messages"] - 1 :]]
-    assert len(runtime.prompt_tokens(messages=more)) + max_tokens > N_CTX
+    assert len(runtime.requests.prompt_tokens(messages=more)) + max_tokens > N_CTX
     seq = runtime.open_sequence(req)
     while not seq.done:
         runtime.decode_round([seq])
@@ -110,12 +111,14 @@ def test_shift_keeps_the_system_prompt_and_drops_the_oldest_turns(runtime):
     assert gen.context_shift == shift and gen.prompt_tokens == len(req.prompt)
     # A chat that fits is left whole, shift or not; the setting is the default.
     short = chat(1)
-    req = runtime.request(ClientRequest(messages=short, max_tokens=8, context_overflow="shift"))
+    req = runtime.requests.check(
+        ClientRequest(messages=short, max_tokens=8, context_overflow="shift")
+    )
     assert req.context_shift is None and req.messages == short
     configured = runtime.settings
     runtime.settings = configured.model_copy(update={"context_overflow": "shift"})  # a tune
     try:
-        req = runtime.request(ClientRequest(messages=messages, max_tokens=max_tokens))
+        req = runtime.requests.check(ClientRequest(messages=messages, max_tokens=max_tokens))
         assert req.context_shift == shift
     finally:
         runtime.settings = configured
@@ -125,5 +128,5 @@ def test_shift_cannot_drop_the_last_turn(runtime):
     """One user turn over the context: nothing to drop, the same 400."""
     messages = [{"role": "user", "content": "the sea is wide. " * 200}]
     with pytest.raises(ContextOverflow) as e:
-        runtime.request(ClientRequest(messages=messages, context_overflow="shift"))
+        runtime.requests.check(ClientRequest(messages=messages, context_overflow="shift"))
     assert "dropping its older turns would not make it fit" in e.value.message

@@ -19,7 +19,9 @@ def _settings() -> Settings:
 
 
 def _answer(rt: Runtime, draft: str) -> list[int]:
-    prompt = rt.prompt_tokens(messages=[{"role": "user", "content": "Name three colours."}])
+    prompt = rt.requests.prompt_tokens(
+        messages=[{"role": "user", "content": "Name three colours."}]
+    )
     params = SamplingParams(max_tokens=24, temperature=0.0)
     return rt.generate(prompt, params, draft=draft).token_ids
 

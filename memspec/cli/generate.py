@@ -48,9 +48,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     rt = Runtime(settings)
     try:
         if args.chat:
-            prompt = rt.prompt_tokens(messages=[{"role": "user", "content": args.prompt}])
+            prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": args.prompt}])
         else:
-            prompt = rt.prompt_tokens(args.prompt)
+            prompt = rt.requests.prompt_tokens(args.prompt)
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,

@@ -176,6 +176,8 @@ def _model_lines(models: list[dict[str, Any]], residency: str | None) -> list[tu
             exp = m.get("expires_at")
             until = "no expiry" if exp is None else f"expires in {_duration(exp - time.time())}"
             state = f"resident {_size(m.get('bytes'))}, {until}"
+            if m.get("calibration") == "calibrating":  # plain decoding till it lands
+                state += ", calibrating"
         else:
             state = "not loaded"
         counts = f"loads {m.get('loads', 0)}, evictions {m.get('evictions', 0)}"

@@ -1,6 +1,6 @@
 """A request's `draft` field, decoded in one place: "none", "auto" or one draft's id.
 
-The API and the CLI carry the field as the client wrote it (a string); Runtime.draft_ask
+The API and the CLI carry the field as the client wrote it (a string); DraftAdmin.draft_ask
 parses it once into the DraftAsk that GenerationRequest and the Scheduler carry, so the words
 "none" and "auto" are compared here and nowhere else.
 """
@@ -24,7 +24,7 @@ class DraftAsk:
     @classmethod
     def parse(cls, raw: str) -> DraftAsk:
         """The meaning of a `draft` field as sent. A named draft is not checked here
-        (Runtime.draft_ask: unknown is a 404, incompatible a 400)."""
+        (DraftAdmin.draft_ask: unknown is a 404, incompatible a 400)."""
         if raw == NONE:
             return cls(plain=True)
         if raw == AUTO:

@@ -115,7 +115,7 @@ def draft_rows(ctx: ServerContext) -> list[dict[str, Any]]:
     rt = ctx.worker.runtime
     if rt is None:
         return []
-    return [_draft_row(r) for r in _retry(rt.draft_status, [])]
+    return [_draft_row(r) for r in _retry(rt.draft_admin.draft_status, [])]
 
 
 def tuned_settings(ctx: ServerContext) -> dict[str, Any]:
@@ -253,14 +253,14 @@ async def draft_action(
 ) -> dict[str, Any]:
     def run(worker: EngineWorker) -> dict[str, Any]:
         rt = worker.runtime
-        rt.manifest(draft_id)  # unknown or invalid id: 404
+        rt.draft_admin.manifest(draft_id)  # unknown or invalid id: 404
         if action == "load":
-            rt.load_draft(draft_id)
+            rt.draft_admin.load_draft(draft_id)
         elif action == "evict":
-            rt.evict_draft(draft_id)
+            rt.draft_admin.evict_draft(draft_id)
         else:
-            rt.pin(draft_id, action == "pin")
-        row = next(r for r in rt.draft_status() if r["id"] == draft_id)
+            rt.draft_admin.pin(draft_id, action == "pin")
+        row = next(r for r in rt.draft_admin.draft_status() if r["id"] == draft_id)
         return _draft_row(row)
 
     row = await ctx.control(run, f"draft {action}")

@@ -1,8 +1,8 @@
 """Embeddings: Ollama's POST /api/embed and legacy POST /api/embeddings, OpenAI's POST
 /v1/embeddings (docs/api.md, "Embeddings").
 
-All three run on one embedding context (Runtime.embedder: llama.cpp's embeddings mode with the
-model's own pooling, memspec/backends/embedding.py), loaded by the first request and charged
+All three run on one embedding context (memspec/embeddings.py: llama.cpp's embeddings mode with
+the model's own pooling, memspec/backends/embedding.py), loaded by the first request and charged
 to the budget; a budget that cannot hold it is a 503 saying so. The work runs on a worker
 thread, each chunk between the engine's rounds (under the runtime's lock).
 
@@ -109,7 +109,7 @@ async def _runtime(ctx: ServerContext) -> Runtime:
         rt = w.targets.runtime(w.default_model)
     if rt is None:
         raise NotReady("models are loading; retry shortly", code="model_loading")
-    if not rt.embedding_status()["loaded"]:
+    if not rt.embeddings.status()["loaded"]:
         # Set up on the engine thread, which unloads idle models if the budget needs their room.
         try:
             await ctx.control(
@@ -183,7 +183,7 @@ async def embed(
     def run() -> Embedded:
         t0 = time.perf_counter()
         try:
-            emb = rt.embedder()
+            emb = rt.embeddings.get()
         except BudgetExceeded as e:
             raise EmbeddingsUnavailable(f"embeddings are unavailable: {e.message}") from None
         except RuntimeError as e:  # unloaded for another model since it was picked
@@ -364,7 +364,7 @@ async def _release_if(ctx: ServerContext, keep_alive: str | int | float | None) 
     """keep_alive 0: the embedding context is freed and its bytes given back (Ollama unloads)."""
     w = ctx.worker
     if _unloads(keep_alive) and (rt := w.targets.runtime(w.default_model)) is not None:
-        await asyncio.to_thread(rt.release_embedder)
+        await asyncio.to_thread(rt.embeddings.release)
 
 
 @ollama_router.post("/api/embed")

@@ -35,7 +35,7 @@ class LiveValues:
     active_slots: int = 0
     slots: int = 1
     prefix_cache_bytes: int = 0
-    drafts: list[dict] = field(default_factory=list)  # Runtime.draft_status() rows
+    drafts: list[dict] = field(default_factory=list)  # DraftAdmin.draft_status() rows
 
 
 class _LiveCollector(Collector):

@@ -40,7 +40,7 @@ from memspec.engine.speculative import Generation
 from memspec.errors import InvalidRequest, MemSpecError, UnknownModel
 from memspec.files import recorded_sha256, sha256_file
 from memspec.memory.gguf_info import read_shape
-from memspec.runtime import ClientRequest
+from memspec.request_check import ClientRequest
 from memspec.server import tools
 from memspec.server.auth import require_api_key
 from memspec.server.context import Ctx, ServerContext
@@ -759,7 +759,7 @@ async def show(request: Request, ctx: Ctx) -> dict[str, Any]:
     # a system message (server/tools.py), so Open WebUI's and editors' tools are not refused.
     # Embeddings too: the target serves them unless embedding_model names another model.
     capabilities = ["completion", "tools"]
-    fim = rt.fim_tokens is not None if rt is not None else _has_fim_tokens(path)
+    fim = rt.requests.fim_tokens is not None if rt is not None else _has_fim_tokens(path)
     if fim:
         capabilities.append("insert")
     if not ctx.settings.embedding_model and name == ctx.worker.default_model:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
 
 HTTP-level checks run here (model, fields, text, size); the engine thread checks the request
-against the models once (Runtime.request) and answers once it has produced its first event,
+against the models once (RequestCheck.check) and answers once it has produced its first event,
 so errors found before any token (unknown draft, prompt over the context) get their own
 status even for a stream. Streams are SSE: `data: {chunk}` per text delta, a last chunk with
 finish_reason (and `memspec`), a usage chunk when asked for, then `data: [DONE]`. A client
@@ -32,7 +32,7 @@ from memspec.engine.fim import FimRequest
 from memspec.engine.sampling import TokenLogprob
 from memspec.engine.speculative import Generation
 from memspec.errors import InvalidRequest
-from memspec.runtime import ClientRequest
+from memspec.request_check import ClientRequest
 from memspec.server import structured, tools
 from memspec.server.auth import request_partition, require_api_key
 from memspec.server.context import Ctx, ServerContext

@@ -45,7 +45,8 @@ from memspec.errors import (
     DeviceUnavailable,
     MemSpecError,
 )
-from memspec.runtime import ClientRequest, Runtime, abandon_when, drafts_join_later
+from memspec.request_check import ClientRequest
+from memspec.runtime import Runtime, abandon_when, drafts_join_later
 from memspec.scheduler.models import ModelScheduler
 from memspec.server.engine_state import LIVE, EngineState, state_error
 from memspec.server.errors import EngineError, NotReady, QueueFull
@@ -696,7 +697,7 @@ class EngineWorker:
             return
         rt = self.runtime
         if rt is not None:
-            self.metrics.observe_residency(rt.draft_status())
+            self.metrics.observe_residency(rt.draft_admin.draft_status())
         self.models.observe()
 
     # --- generation -----------------------------------------------------------------------
@@ -722,7 +723,7 @@ class EngineWorker:
 
         slot: int | None = None
         try:
-            req = rt.request(job.request)  # the one check: a clean 4xx before anything runs
+            req = rt.requests.check(job.request)  # the one check: a clean 4xx before anything runs
             # A model's cached prefixes are its own: its name heads the partition.
             partition = f"{job.model}\x00{req.cache_partition}"
             slot = rt.slot_table.take(req.prompt, partition)
@@ -803,7 +804,7 @@ class EngineWorker:
         loaded again and the error raised; if even that fails the daemon reports it and exits.
         """
         rt = self.single_target()
-        rows = rt.draft_status()
+        rows = rt.draft_admin.draft_status()
         resident = [r["id"] for r in rows if r["resident"]]
         pinned = [r["id"] for r in rows if r["pinned"]]
         old = self.tuning.shape()
@@ -846,7 +847,7 @@ class EngineWorker:
         rt = self._factory(self.settings.model_copy(update={"drafts": drafts}))
         self.targets.adopt(self.default_model, rt, time.monotonic() - t0)
         for draft_id in pinned:
-            rt.pin(draft_id, True)
+            rt.draft_admin.pin(draft_id, True)
         self.state, self.error = EngineState.READY, None
         self.heartbeat = time.monotonic()
         self._beat_through_waits(rt)

@@ -164,7 +164,7 @@ def test_gemma_runtime_serves_its_own_id_and_builtin_template():
     try:
         assert rt.model_id == "gemma3:270m"
         assert rt.chat_template.status() == {"source": "builtin:gemma", "warning": None}
-        tokens = rt.prompt_tokens(messages=QUESTION)
+        tokens = rt.requests.prompt_tokens(messages=QUESTION)
         assert tokens.count(rt.target.bos_token_id) == 1 and tokens[0] == rt.target.bos_token_id
         assert (
             rt.target.detokenize(tokens[1:]).decode()
@@ -183,7 +183,7 @@ def test_runtime_takes_the_setting_from_the_environment(monkeypatch):
     rt = Runtime(settings, calibrate_costs=False)
     try:
         assert rt.chat_template.source == "setting:llama3"
-        tokens = rt.prompt_tokens(messages=QUESTION)
+        tokens = rt.requests.prompt_tokens(messages=QUESTION)
         text = rt.target.detokenize(tokens).decode()
         # SmolLM2's vocab has no Llama 3 control tokens: the markup is there as text.
         assert "<|start_header_id|>user<|end_header_id|>" in text

@@ -215,9 +215,9 @@ def _runtime(pool: Path, target: str):
 
 
 def _check_refused(rt, refused: set[str], served: set[str], caplog) -> None:
-    from memspec.runtime import ClientRequest
+    from memspec.request_check import ClientRequest
 
-    rows = {r["id"]: r for r in rt.draft_status()}
+    rows = {r["id"]: r for r in rt.draft_admin.draft_status()}
     assert set(rows) == set(MANIFESTS)  # every manifest is listed, usable or not
     assert {i for i, r in rows.items() if not r["compatible"]} == refused
     for draft_id in refused:
@@ -233,21 +233,21 @@ def _check_refused(rt, refused: set[str], served: set[str], caplog) -> None:
     bad = next(iter(refused & {"gemma", "q4_0"}))
     msg = f"draft '{bad}' cannot serve this target: built for"
     with pytest.raises(DraftIncompatible, match=msg) as e:
-        rt.request(ClientRequest(prompt="Hello", draft=bad, max_tokens=4))
+        rt.requests.check(ClientRequest(prompt="Hello", draft=bad, max_tokens=4))
     assert e.value.param == "draft"
     with pytest.raises(DraftIncompatible, match=msg):
-        rt.request(ClientRequest(prompt="Hello", policy=f"fixed:{bad}", max_tokens=4))
-    prompt = rt.prompt_tokens("Hello")
+        rt.requests.check(ClientRequest(prompt="Hello", policy=f"fixed:{bad}", max_tokens=4))
+    prompt = rt.requests.prompt_tokens("Hello")
     with pytest.raises(DraftIncompatible, match=msg):
         rt.generate(prompt, SamplingParams(max_tokens=4, temperature=0), draft=bad)
-    for action in (rt.load_draft, rt.pin):
+    for action in (rt.draft_admin.load_draft, rt.draft_admin.pin):
         with pytest.raises(DraftIncompatible, match=msg):
             action(bad)
-    rt.evict_draft(bad)  # never loaded: nothing to do, no error
-    rt.pin(bad, False)
+    rt.draft_admin.evict_draft(bad)  # never loaded: nothing to do, no error
+    rt.draft_admin.pin(bad, False)
     # The rest of the pool serves, losslessly.
     text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\ndef fib("
-    prompt = rt.prompt_tokens(text)
+    prompt = rt.requests.prompt_tokens(text)
     params = SamplingParams(max_tokens=24, temperature=0)
     plain = rt.generate(prompt, params, draft="none")
     for draft in ("auto", *sorted(served)):

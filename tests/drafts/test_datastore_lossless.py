@@ -119,7 +119,7 @@ def test_runtime_files_each_output_in_a_learning_datastore_at_once(tmp_path):
     rt = Runtime(s, calibrate_costs=False)
     try:
         rt.working_set.wait_idle(60)
-        prompt = rt.prompt_tokens(messages=[{"role": "user", "content": PROMPTS[1]}])
+        prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": PROMPTS[1]}])
         params = SamplingParams(max_tokens=MAX_TOKENS)
         first = rt.generate(prompt, params, draft="learner")
         learner = rt.working_set.get("learner")

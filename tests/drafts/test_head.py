@@ -269,7 +269,7 @@ def test_runtime_serves_a_head(head_ci, tmp_path):
     try:
         assert rt.target.options.features
         assert "head-ci" in rt.drafts
-        prompt, params = rt.prompt_tokens(TEXTS[0]), SamplingParams(max_tokens=32)
+        prompt, params = rt.requests.prompt_tokens(TEXTS[0]), SamplingParams(max_tokens=32)
         want = rt.generate(prompt, params, draft="none").token_ids
         gen = rt.generate(prompt, params, draft="head-ci", k=4)
         assert gen.token_ids == want
@@ -294,9 +294,9 @@ def test_damaged_head_in_the_pool_is_reported(head_ci, tmp_path, monkeypatch):
     rt = Runtime(settings, calibrate_costs=False)
     try:
         assert "head-ci" not in rt.drafts
-        row = next(r for r in rt.draft_status() if r["id"] == "head-ci")
+        row = next(r for r in rt.draft_admin.draft_status() if r["id"] == "head-ci")
         assert "damaged" in json.dumps(row) or "readable" in json.dumps(row)
-        gen = rt.generate(rt.prompt_tokens("Hello"), SamplingParams(max_tokens=4))
+        gen = rt.generate(rt.requests.prompt_tokens("Hello"), SamplingParams(max_tokens=4))
         assert gen.completion_tokens == 4
     finally:
         rt.close()

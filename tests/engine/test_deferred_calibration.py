@@ -78,7 +78,7 @@ def _settings() -> Settings:
 
 
 def _answer(rt, draft: str) -> tuple[list[int], dict[str, int]]:
-    prompt = rt.prompt_tokens(messages=[{"role": "user", "content": PROMPT}])
+    prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": PROMPT}])
     gen = rt.generate(prompt, SamplingParams(max_tokens=32, temperature=0.0), draft=draft)
     return gen.token_ids, dict(gen.drafts_used)
 

@@ -51,7 +51,7 @@ def test_bad_grammars_are_refused_with_their_param(runtime):
 
 
 def test_grammar_greedy_identical_for_every_draft_kind(runtime, schema_grammar):
-    prompt = runtime.prompt_tokens(messages=[{"role": "user", "content": EXTRACT}])
+    prompt = runtime.requests.prompt_tokens(messages=[{"role": "user", "content": EXTRACT}])
     params = SamplingParams(max_tokens=48, grammar=schema_grammar)
     ref = runtime.generate(prompt, params, draft="none")
     assert ref.finish_reason == "stop", ref.text
@@ -67,7 +67,7 @@ def test_grammar_greedy_identical_for_every_draft_kind(runtime, schema_grammar):
 
 
 def test_grammar_applies_to_plain_decoding(runtime):
-    prompt = runtime.prompt_tokens(messages=[{"role": "user", "content": "Is water wet?"}])
+    prompt = runtime.requests.prompt_tokens(messages=[{"role": "user", "content": "Is water wet?"}])
     grammar = Grammar('root ::= "yes" | "no"', runtime.target.path)
     for draft in ("none", "q4_0"):
         gen = runtime.generate(prompt, SamplingParams(max_tokens=16, grammar=grammar), draft=draft)
@@ -138,7 +138,7 @@ def masked_joint(target, prompt, grammar: Grammar) -> dict[tuple[int, int], floa
 
 
 def test_grammar_sampling_matches_masked_target(runtime):
-    prompt = runtime.prompt_tokens(messages=[{"role": "user", "content": "Name a fruit."}])
+    prompt = runtime.requests.prompt_tokens(messages=[{"role": "user", "content": "Name a fruit."}])
     grammar = Grammar(FRUITS, runtime.target.path)
     exact = masked_joint(runtime.target, prompt, grammar)
     threshold = null_threshold(exact, N_SAMPLES, np.random.default_rng(0))

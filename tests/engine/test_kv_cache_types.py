@@ -80,7 +80,7 @@ def test_greedy_equals_plain_with_the_same_cache_types(kv_runtime, draft):
     rt = kv_runtime
     params = SamplingParams(max_tokens=MAX_TOKENS)
     for text in PROMPTS[:2]:  # extraction (lookup pays) and code
-        prompt = rt.prompt_tokens(messages=[{"role": "user", "content": text}])
+        prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": text}])
         ref = rt.generate(prompt, params, draft="none").token_ids
         assert ref
         for k in (2, 8) if draft != "auto" else (None,):
@@ -99,7 +99,7 @@ def test_greedy_equals_plain_with_the_same_cache_types(kv_runtime, draft):
 @pytest.mark.parametrize("kv_runtime", ["q8_0"], indirect=True)
 def test_sampling_matches_the_target_with_a_quantized_cache(kv_runtime):
     rt = kv_runtime
-    prompt = rt.prompt_tokens(messages=[{"role": "user", "content": "Name a fruit."}])
+    prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": "Name a fruit."}])
     exact = exact_joint(rt.target, prompt)
     threshold = null_threshold(exact, 1200, np.random.default_rng(0))
     counts = speculative_samples(rt, prompt, "q2_k")

@@ -55,8 +55,8 @@ def qwen():
 @pytest.fixture(scope="module")
 def prompts(qwen) -> list[list[int]]:
     return [
-        qwen.prompt_tokens(PROMPTS[0]),
-        qwen.prompt_tokens(messages=[{"role": "user", "content": PROMPTS[1]}]),
+        qwen.requests.prompt_tokens(PROMPTS[0]),
+        qwen.requests.prompt_tokens(messages=[{"role": "user", "content": PROMPTS[1]}]),
     ]
 
 
@@ -70,17 +70,17 @@ def references(qwen, prompts) -> list[list[int]]:
 
 def test_the_family_is_the_sibling_and_the_targets_own_drafts(qwen):
     assert qwen.target.n_vocab == 151_936
-    assert not qwen.incompatible, qwen.incompatible
-    sibling = qwen.manifest(QWEN_SIBLING)
+    assert not qwen.draft_admin.incompatible, qwen.draft_admin.incompatible
+    sibling = qwen.draft_admin.manifest(QWEN_SIBLING)
     assert sibling.kind == "model" and sibling.file == QWEN_SIBLING_FILE
-    assert qwen.skipped_drafts["q2_k"].endswith("which is a model of its own at that size")
+    assert qwen.draft_admin.skipped["q2_k"].endswith("which is a model of its own at that size")
     assert set(QWEN_DRAFTS) <= set(qwen.drafts)
 
 
 def test_every_end_of_generation_token_stops(qwen):
     """llama.cpp's EOG set, not only EOS/EOT: a completion ends at `<|endoftext|>`."""
     assert {ENDOFTEXT, IM_END} <= qwen.target.eos_token_ids
-    prompt = qwen.prompt_tokens(ENDS_SOON)
+    prompt = qwen.requests.prompt_tokens(ENDS_SOON)
     gen = qwen.generate(prompt, SamplingParams(max_tokens=24), draft="none")
     assert gen.finish_reason == "stop", qwen.target.detokenize(gen.token_ids)
     assert not qwen.target.eos_token_ids & set(gen.token_ids)
@@ -106,7 +106,7 @@ def test_greedy_identical_with_the_rest_of_the_family(qwen, prompts, references,
 def assert_sibling_sampling_matches_the_target(rt) -> None:
     # A prompt whose first tokens are nearly certain keeps the exact joint small (one target
     # eval per first token in the nucleus).
-    prompt = rt.prompt_tokens("Monday, Tuesday, Wednesday,")
+    prompt = rt.requests.prompt_tokens("Monday, Tuesday, Wednesday,")
     exact = exact_joint(rt.target, prompt)
     counts = speculative_samples(rt, prompt, QWEN_SIBLING, N_SAMPLES)
     n = sum(counts.values())

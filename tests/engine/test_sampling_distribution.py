@@ -42,7 +42,9 @@ def family_setup(request, family: str):
     if family not in _setups:
         text = TEXT_PROMPT.get(family)
         prompt = (
-            runtime.prompt_tokens(text) if text else runtime.prompt_tokens(messages=CHAT_PROMPT)
+            runtime.requests.prompt_tokens(text)
+            if text
+            else runtime.requests.prompt_tokens(messages=CHAT_PROMPT)
         )
         exact = exact_joint(runtime.target, prompt)
         threshold = null_threshold(exact, N_SAMPLES, np.random.default_rng(0))
@@ -100,7 +102,7 @@ _processed: dict[str, tuple] = {}
 
 def processed_setup(runtime):
     if "smollm2" not in _processed:
-        prompt = runtime.prompt_tokens(REPEATING)
+        prompt = runtime.requests.prompt_tokens(REPEATING)
         exact = exact_joint(runtime.target, prompt, PROCESSED)
         threshold = null_threshold(exact, N_PROCESSED, np.random.default_rng(0))
         _processed["smollm2"] = (prompt, exact, threshold)

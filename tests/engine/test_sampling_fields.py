@@ -28,7 +28,7 @@ def generate(runtime, prompt, draft: str | None, **fields):
 
 @pytest.fixture(scope="module")
 def prompt(runtime):
-    return runtime.prompt_tokens(messages=PROMPT)
+    return runtime.requests.prompt_tokens(messages=PROMPT)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_penalties_count_the_rounds_earlier_tokens(runtime, monkeypatch):
     """On a prompt that repeats, a draft proposes repeats within a round. A rule that
     penalizes only committed tokens (not this round's drafted prefix) accepts some that plain
     decoding penalizes: the output differs, where the real rule's does not."""
-    prompt = runtime.prompt_tokens("1 1 1 1 1 1 1 1 1 1 1 1")
+    prompt = runtime.requests.prompt_tokens("1 1 1 1 1 1 1 1 1 1 1 1")
     fields = dict(presence_penalty=1.5, frequency_penalty=0.5, max_tokens=12)
     reference = generate(runtime, prompt, None, **fields).token_ids
     assert generate(runtime, prompt, "q8_0", **fields).token_ids == reference

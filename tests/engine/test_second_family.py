@@ -22,8 +22,8 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def prompts(gemma_runtime) -> list[list[int]]:
     chat = [{"role": "user", "content": "List three benefits of regular exercise."}]
-    return [gemma_runtime.prompt_tokens(p) for p in PROMPTS] + [
-        gemma_runtime.prompt_tokens(messages=chat)
+    return [gemma_runtime.requests.prompt_tokens(p) for p in PROMPTS] + [
+        gemma_runtime.requests.prompt_tokens(messages=chat)
     ]
 
 
@@ -37,14 +37,14 @@ def test_the_pool_is_the_targets_own(gemma_runtime):
     rt = gemma_runtime
     assert rt.target.n_vocab == 262_144
     for draft_id in GEMMA_DRAFTS:
-        m = rt.manifest(draft_id)
+        m = rt.draft_admin.manifest(draft_id)
         assert m.source_path is not None and m.source_path.parent == family_dir(rt.target.path)
         if m.file:  # stored per target: never the testbed's file
             assert m.file.startswith("gemma-3-270m-q4_k_m-")
-    assert not rt.incompatible, rt.incompatible
+    assert not rt.draft_admin.incompatible, rt.draft_admin.incompatible
     # A recipe the family skipped is refused with the reason, not as a typo.
     with pytest.raises(UnknownDraft, match="not built for this target.*bits/weight"):
-        rt.manifest("q4_0")
+        rt.draft_admin.manifest("q4_0")
 
 
 @pytest.mark.parametrize("draft", GEMMA_DRAFTS)

@@ -32,7 +32,7 @@ def gemma_runtime():
 def long_prompt(gemma_runtime) -> list[int]:
     """A whole-file edit of about 1,700 tokens: past the sliding-window cache's 1,024 cells."""
     (p,) = [p for p in load_edit_workload("edit", 10)[0] if p.id == "edit-heldout-rename-errors"]
-    tokens = gemma_runtime.prompt_tokens(messages=[{"role": "user", "content": p.text}])
+    tokens = gemma_runtime.requests.prompt_tokens(messages=[{"role": "user", "content": p.text}])
     assert 1100 < len(tokens) < N_CTX - MAX_TOKENS
     return tokens
 

@@ -57,7 +57,7 @@ def test_greedy_identical_at_a_near_tie(runtime):
     from memspec_lab.testbed import load_mtbench
 
     q = next(q for q in load_mtbench() if q["question_id"] == 122)
-    prompt = runtime.prompt_tokens(messages=[{"role": "user", "content": q["turns"][0]}])
+    prompt = runtime.requests.prompt_tokens(messages=[{"role": "user", "content": q["turns"][0]}])
     params = SamplingParams(max_tokens=48)
     ref = runtime.generate(prompt, params, draft="none").token_ids
     be = runtime.target
@@ -122,7 +122,7 @@ def test_stop_strings_and_streaming(runtime, chat_prompts, references):
 def test_max_tokens_and_eos(runtime, chat_prompts):
     gen = runtime.generate(chat_prompts[0], SamplingParams(max_tokens=5), draft="auto")
     assert gen.completion_tokens == 5 and gen.finish_reason == "length"
-    short = runtime.prompt_tokens(messages=[{"role": "user", "content": "Say just: yes"}])
+    short = runtime.requests.prompt_tokens(messages=[{"role": "user", "content": "Say just: yes"}])
     gen = runtime.generate(short, SamplingParams(max_tokens=200), draft="auto")
     assert gen.finish_reason == "stop" and gen.completion_tokens < 200
 

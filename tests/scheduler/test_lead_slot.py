@@ -18,7 +18,8 @@ PROMPTS = ["Count from one to ten in words: one, two,", "The three primary colou
 
 
 def test_the_lead_slot_runs_the_policy_and_the_others_say_they_ran_auto(tmp_path):
-    from memspec.runtime import GenerationRequest, Runtime
+    from memspec.request_check import GenerationRequest
+    from memspec.runtime import Runtime
 
     if not (models_dir() / "smollm2-135m-f32.gguf").is_file():
         pytest.fail("testbed missing: run scripts/setup.sh", pytrace=False)
@@ -34,7 +35,7 @@ def test_the_lead_slot_runs_the_policy_and_the_others_say_they_ran_auto(tmp_path
     rt = Runtime(settings, batched=True)
     try:
         params = SamplingParams(max_tokens=24)
-        reqs = [GenerationRequest(rt.prompt_tokens(prompt=p), params) for p in PROMPTS]
+        reqs = [GenerationRequest(rt.requests.prompt_tokens(prompt=p), params) for p in PROMPTS]
         alone = [rt.generate(r.prompt, params, draft="none").token_ids for r in reqs]
         lead = rt.open_sequence(reqs[0], LEAD_SLOT, alone=False)
         beside = rt.open_sequence(reqs[1], LEAD_SLOT + 1, alone=False)

@@ -29,7 +29,7 @@ def _runtime(state_dir, drafts=("prompt-lookup", "q4_0")):
 def test_a_new_runtime_starts_from_what_the_last_one_learnt(tmp_path):
     rt = _runtime(tmp_path)
     try:
-        prompt = rt.prompt_tokens(messages=[{"role": "user", "content": PROMPT}])
+        prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": PROMPT}])
         for policy in ("auto", "memspec"):
             rt.generate(prompt, SamplingParams(max_tokens=24), draft="auto", policy=policy)
         learnt = rt.estimator.snapshot()

@@ -53,7 +53,7 @@ def test_missing_and_corrupt_drafts_leave_runtime_decoding(broken_pool):
     real, models = broken_pool
     rt = make_runtime(real, ["prompt-lookup", "q8_0", "q4_0", "q2_k"])
     try:
-        rows = {r["id"]: r for r in rt.draft_status()}
+        rows = {r["id"]: r for r in rt.draft_admin.draft_status()}
         assert rows["q4_0"]["state"] == "failed" and "not found" in rows["q4_0"]["error"]
         assert rows["q2_k"]["state"] == "failed" and rows["q2_k"]["error"]
         assert rows["q8_0"]["state"] == "resident"
@@ -63,7 +63,7 @@ def test_missing_and_corrupt_drafts_leave_runtime_decoding(broken_pool):
         # Nothing half-loaded: only the resident drafts are charged.
         assert ws.used_bytes() == ws.reserved_bytes + rows["q8_0"]["bytes"]
 
-        prompt = rt.prompt_tokens(messages=[{"role": "user", "content": PROMPT}])
+        prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": PROMPT}])
         params = SamplingParams(max_tokens=16)
         ref = rt.generate(prompt, params, draft="none").token_ids
         auto = rt.generate(prompt, params, draft="auto")
@@ -74,12 +74,12 @@ def test_missing_and_corrupt_drafts_leave_runtime_decoding(broken_pool):
             assert gen.token_ids == ref and not gen.drafts_used
         assert ws.acquire("q4_0") is None  # no retry per request; status says why
         with pytest.raises(ModelLoadError):
-            rt.load_draft("q2_k")  # an explicit load retries, and reports the reason
+            rt.draft_admin.load_draft("q2_k")  # an explicit load retries, and reports the reason
         # Fixed on disk: the explicit load now succeeds.
         shutil.copyfile(real / "smollm2-135m-q4_0.gguf", models / "smollm2-135m-q4_0.gguf")
-        rt.load_draft("q4_0")
+        rt.draft_admin.load_draft("q4_0")
         assert rt.generate(prompt, params, draft="q4_0").token_ids == ref
-        assert {r["id"]: r["state"] for r in rt.draft_status()}["q4_0"] == "resident"
+        assert {r["id"]: r["state"] for r in rt.draft_admin.draft_status()}["q4_0"] == "resident"
     finally:
         rt.close()
 
@@ -90,20 +90,20 @@ def test_corrupted_after_start_fails_in_llama_cpp(broken_pool):
     rt = make_runtime(real, ["prompt-lookup"])
     try:
         ws = rt.working_set
-        assert rt.draft_bytes("q4_0") > 0  # footprint read from the intact header
+        assert rt.draft_admin.draft_bytes("q4_0") > 0  # footprint read from the intact header
         ws.prefetch([("q4_0", 1.0)])
         ws.wait_idle(timeout=60)
-        rt.evict_draft("q4_0")
+        rt.draft_admin.evict_draft("q4_0")
         # Now the tensor data is cut short: only llama.cpp's loader can notice.
         path = models / "smollm2-135m-q4_0.gguf"
         with open(path, "r+b") as f:
             f.truncate(path.stat().st_size // 2)
         used = ws.used_bytes()
         assert ws.acquire("q4_0") is None
-        row = {r["id"]: r for r in rt.draft_status()}["q4_0"]
+        row = {r["id"]: r for r in rt.draft_admin.draft_status()}["q4_0"]
         assert row["state"] == "failed" and "failed to load" in row["error"]
         assert ws.used_bytes() == used  # the failed load released its reservation
-        prompt = rt.prompt_tokens(messages=[{"role": "user", "content": PROMPT}])
+        prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": PROMPT}])
         params = SamplingParams(max_tokens=12)
         ref = rt.generate(prompt, params, draft="none").token_ids
         assert rt.generate(prompt, params, draft="auto").token_ids == ref

@@ -266,7 +266,7 @@ def test_daemon_policies_are_lossless_and_report_a_broken_predictor(tmp_path):
     )
     rt = Runtime(settings)
     try:
-        prompt = rt.prompt_tokens(
+        prompt = rt.requests.prompt_tokens(
             messages=[
                 {"role": "user", "content": "Extract the names: Alice met Bob, then Alice left."}
             ]

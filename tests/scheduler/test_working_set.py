@@ -81,7 +81,9 @@ def setup():
         Settings.load(drafts=["prompt-lookup", "q2_k"], n_ctx=N_CTX, budget=budget, n_threads=1),
         calibrate_costs=False,
     )
-    prompts = [rt.prompt_tokens(messages=[{"role": "user", "content": p}]) for p in PROMPTS]
+    prompts = [
+        rt.requests.prompt_tokens(messages=[{"role": "user", "content": p}]) for p in PROMPTS
+    ]
     params = SamplingParams(max_tokens=MAX_TOKENS)
     refs = [rt.generate(p, params, draft="none").token_ids for p in prompts]
     yield rt, prompts, refs, sizes, rss_base
@@ -141,18 +143,18 @@ def test_budget_never_exceeded_randomized(setup):
                     ws.acquire(d, wait=False)
                 elif op == "pin":
                     if pinned is not None:
-                        rt.pin(pinned, False)
+                        rt.draft_admin.pin(pinned, False)
                         pinned = None
                     else:
-                        rt.pin(d)
+                        rt.draft_admin.pin(d)
                         pinned = d
                         assert ws.state(d) == DraftState.RESIDENT
                 elif op == "evict":
                     if d == pinned:
                         with pytest.raises(InvalidRequest):
-                            rt.evict_draft(d)
+                            rt.draft_admin.evict_draft(d)
                     else:
-                        rt.evict_draft(d)
+                        rt.draft_admin.evict_draft(d)
             except BudgetExceeded:
                 assert pinned is not None  # only pinned drafts may block a load (not in-use)
             ws.release_leases()
@@ -170,7 +172,7 @@ def test_budget_never_exceeded_randomized(setup):
     # few percent of RSS; 10% leaves room for allocator slack after many loads and frees).
     assert mon.worst_rss <= ws.budget_bytes * 1.10, (mon.worst_rss, ws.budget_bytes)
     if pinned is not None:
-        rt.pin(pinned, False)
+        rt.draft_admin.pin(pinned, False)
     print(ws.summary(), f"worst RSS growth {mon.worst_rss / 1e6:.0f} MB")
 
 
@@ -178,7 +180,8 @@ def test_pinned_drafts_block_loads_and_budget_changes(setup):
     rt, prompts, refs, sizes, _ = setup
     ws = rt.working_set
     reset(rt)
-    rt.pin("q8_0")  # evicts what it must: the budget holds q8_0 and no other model draft
+    # Evicts what it must: the budget holds q8_0 and no other model draft.
+    rt.draft_admin.pin("q8_0")
     try:
         assert "q8_0" in ws.resident_ids()
         # q4_0 cannot fit beside the pinned q8_0: refused, never over budget.
@@ -190,10 +193,10 @@ def test_pinned_drafts_block_loads_and_budget_changes(setup):
             ws.budget_bytes = ws.reserved_bytes + sizes["q8_0"] - 1
         assert ws.used_bytes() <= ws.budget_bytes
         # Unpinned, it is an ordinary victim again.
-        rt.pin("q8_0", False)
+        rt.draft_admin.pin("q8_0", False)
         assert ws.acquire("q4_0") is not None and "q8_0" not in ws.resident_ids()
     finally:
-        rt.pin("q8_0", False)
+        rt.draft_admin.pin("q8_0", False)
     # Shrinking the budget live evicts by value per byte until it fits.
     old = ws.budget_bytes
     ws.prefetch([("q8_0", 1.0), ("q4_0", 5.0)])
@@ -210,13 +213,13 @@ def test_stall_is_accounted(setup):
     ws = rt.working_set
     reset(rt)
     for d in MODELS:
-        rt.evict_draft(d)
+        rt.draft_admin.evict_draft(d)
     assert ws.acquire("q2_k", wait=False) is None  # schedules, does not wait
     stall0 = ws.stall_s
     ws.wait_idle(timeout=60)
     assert ws.stall_s == stall0 and "q2_k" in ws.resident_ids()
     # A request naming a draft that is not resident waits for its load: that is stall.
-    rt.evict_draft("q4_0")
+    rt.draft_admin.evict_draft("q4_0")
     gen = rt.generate(prompts[1], SamplingParams(max_tokens=MAX_TOKENS), draft="q4_0")
     assert gen.token_ids == refs[1]
     load_s = next(r["load_s"] for r in ws.status() if r["id"] == "q4_0")
@@ -232,7 +235,7 @@ def test_background_prefetch_does_not_block_generate(setup):
     rt, prompts, refs, sizes, _ = setup
     ws = rt.working_set
     reset(rt)
-    rt.evict_draft("q8_0")
+    rt.draft_admin.evict_draft("q8_0")
     states: list[str] = []
 
     def on_token(_delta: str, _tok: int | None) -> None:
@@ -271,7 +274,7 @@ def test_background_prefetch_does_not_block_generate(setup):
 
 def test_status_rows_and_runtime_api(setup):
     rt, *_ = setup
-    rows = {r["id"]: r for r in rt.draft_status()}
+    rows = {r["id"]: r for r in rt.draft_admin.draft_status()}
     assert {"prompt-lookup", *MODELS} <= set(rows)
     for r in rows.values():
         assert {
@@ -287,7 +290,7 @@ def test_status_rows_and_runtime_api(setup):
         assert r["state"] in {s.value for s in DraftState}
         assert r["resident"] == (r["state"] == "resident")
     assert rows["prompt-lookup"]["bytes"] == 0 and rows["q8_0"]["bytes"] > rows["q2_k"]["bytes"]
-    assert rows["q8_0"]["bytes"] == rt.draft_bytes("q8_0")
+    assert rows["q8_0"]["bytes"] == rt.draft_admin.draft_bytes("q8_0")
     assert rt.modelled_bytes() == rt.working_set.used_bytes() <= rt.settings.budget_bytes
     mem = rt.memory_status()
     assert mem["budget_bytes"] == rt.settings.budget_bytes and mem["shedding"] in (

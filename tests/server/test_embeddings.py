@@ -160,8 +160,8 @@ def test_a_budget_without_room_is_a_503_with_the_reason():
     try:
         used = rt.modelled_bytes()
         with pytest.raises(BudgetExceeded, match="embedding context .* needs"):
-            rt.embedder()
-        assert rt.modelled_bytes() == used and not rt.embedding_status()["loaded"]
+            rt.embeddings.get()
+        assert rt.modelled_bytes() == used and not rt.embeddings.status()["loaded"]
     finally:
         rt.close()
     assert http_error(EmbeddingsUnavailable("x")).status == 503

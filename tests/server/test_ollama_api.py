@@ -25,7 +25,7 @@ def oc(server) -> ollama.Client:
 @pytest.fixture(scope="module")
 def plain_answer(reference_runtime) -> str:
     rt = reference_runtime
-    prompt = rt.prompt_tokens(messages=[{"role": "user", "content": QUESTION}])
+    prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": QUESTION}])
     return rt.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0), draft="none").text
 
 

@@ -16,8 +16,8 @@ QUESTION = "Name three primary colors."
 def reference(reference_runtime) -> dict[str, str]:
     """Plain greedy target decoding in this process: chat and completion prompts."""
     rt = reference_runtime
-    chat = rt.prompt_tokens(messages=[{"role": "user", "content": QUESTION}])
-    text = rt.prompt_tokens(prompt="The three primary colors are")
+    chat = rt.requests.prompt_tokens(messages=[{"role": "user", "content": QUESTION}])
+    text = rt.requests.prompt_tokens(prompt="The three primary colors are")
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     return {
         "chat": rt.generate(chat, params, draft="none").text,
@@ -245,7 +245,7 @@ def test_sampling_fields_greedy_equal_plain_decoding(client, reference_runtime):
     """Greedy with the fields equals plain decoding with them in this process, whatever the
     draft; llama-server's n_predict and repetition_penalty names map onto ours."""
     rt = reference_runtime
-    prompt = rt.prompt_tokens(messages=[{"role": "user", "content": QUESTION}])
+    prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": QUESTION}])
     fields = {k: v for k, v in PROCESSED.items() if k != "logit_bias"}
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logit_bias={28: -3.0}, **fields)
     expected = rt.generate(prompt, params, draft="none").text

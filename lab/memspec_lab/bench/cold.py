@@ -101,12 +101,12 @@ def _run_fresh(
     rt = Runtime(settings.model_copy(deep=True))
     try:
         if p.chat:
-            prompt = rt.prompt_tokens(messages=[{"role": "user", "content": p.text}])
+            prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": p.text}])
         else:
-            prompt = rt.prompt_tokens(prompt=p.text)
+            prompt = rt.requests.prompt_tokens(prompt=p.text)
         draft = "none" if policy is None else "auto"
         gen = rt.generate(prompt, params, draft=draft, policy=policy)
-        loaded = [r["id"] for r in rt.draft_status() if r["resident"] and r["bytes"]]
+        loaded = [r["id"] for r in rt.draft_admin.draft_status() if r["resident"] and r["bytes"]]
     finally:
         rt.close()
     return {

@@ -113,7 +113,7 @@ def run_drafts_replay(
     rt = Runtime(settings, calibrate_costs=False)
     try:
         prompts = [
-            rt.prompt_tokens(messages=[{"role": "user", "content": q["turns"][0]}])
+            rt.requests.prompt_tokens(messages=[{"role": "user", "content": q["turns"][0]}])
             for q in questions
         ]
         target_path = Path(rt.target.path)
@@ -149,7 +149,7 @@ def run_drafts_replay(
     }
     try:
         for d_id in tqdm(pool, desc="replay", unit="draft"):
-            draft = rt.load_draft(d_id)
+            draft = rt.draft_admin.load_draft(d_id)
             if isinstance(draft, DatastoreDraft):
                 draft.learn = False
             rows_d = []
@@ -164,7 +164,7 @@ def run_drafts_replay(
             cats = sorted({q["category"] for q in questions})
             report["drafts"][d_id] = {
                 "kind": rt.manifests[d_id].kind,
-                "bytes": rt.draft_bytes(d_id),
+                "bytes": rt.draft_admin.draft_bytes(d_id),
                 "overall": _replay_summary(rows_d),
                 "per_category": {
                     c: _replay_summary([r for r in rows_d if r["category"] == c]) for c in cats
@@ -239,7 +239,7 @@ def _generate(rt, prompt: list[int], params: SamplingParams, name: str):
     if name == "none":
         policy = FixedPolicy(None, 0)
     else:
-        draft = rt.load_draft(name)
+        draft = rt.draft_admin.load_draft(name)
         policy = DecisionRulePolicy([draft], rt.costs, rt.new_estimator(), rt.settings.k_max)
     with rt.lock:
         return speculative_generate(rt.target, prompt, params, policy)
@@ -262,7 +262,7 @@ def run_drafts_eval(
     pool = drafts or built_drafts(settings.manifest_dir)
     settings = settings.model_copy(update={"drafts": pool})
     rt = Runtime(settings)
-    drafts_live = {d_id: rt.load_draft(d_id) for d_id in pool}
+    drafts_live = {d_id: rt.draft_admin.load_draft(d_id) for d_id in pool}
     for d in drafts_live.values():
         if isinstance(d, DatastoreDraft):
             d.learn = False
@@ -271,7 +271,9 @@ def run_drafts_eval(
     params = SamplingParams(max_tokens=max_tokens)
     try:
         for q in tqdm(questions, desc="drafts eval", unit="prompt"):
-            prompt = rt.prompt_tokens(messages=[{"role": "user", "content": q["turns"][0]}])
+            prompt = rt.requests.prompt_tokens(
+                messages=[{"role": "user", "content": q["turns"][0]}]
+            )
             plain_ids: list[int] = []
             for name in configs:
                 rt.target.reset()  # no KV reuse across configurations
@@ -302,7 +304,7 @@ def run_drafts_eval(
             d_id: {
                 "kind": rt.manifests[d_id].kind,
                 "bytes": drafts_live[d_id].memory_bytes(),
-                "file_bytes": rt.draft_bytes(d_id),
+                "file_bytes": rt.draft_admin.draft_bytes(d_id),
                 "tags": rt.manifests[d_id].tags,
                 "calibrated_draft_ms_per_token": round(rt.costs.draft_s.get(d_id, 0.0) * 1e3, 3),
                 "calibrated_overhead_ms_per_round": round(

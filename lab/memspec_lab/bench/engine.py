@@ -81,7 +81,7 @@ def open_bench_runtime(settings: Settings) -> tuple[Runtime, list[str], str | No
         update={"drafts": [d for d in settings.drafts or [] if d not in ones] + ones}
     )
     rt = Runtime(settings)
-    pool = [d for d in ones if d in rt.manifests and d not in rt.incompatible]
+    pool = [d for d in ones if d in rt.manifests and d not in rt.draft_admin.incompatible]
     peer_draft = next((d for d in siblings + PEER_DRAFTS if d in pool), None)
     return rt, pool, peer_draft
 
@@ -261,7 +261,7 @@ def run_engine_bench(
     for d in pool:
         configs += [(f"{d} k={k_fixed}", d, k_fixed, None), (f"{d} adaptive-k", d, None, None)]
     configs += [("memspec", "auto", None, "memspec"), ("auto", "auto", None, "auto")]
-    peer_draft_file = (peer_draft, rt.manifest(peer_draft)) if peer_draft else None
+    peer_draft_file = (peer_draft, rt.draft_admin.manifest(peer_draft)) if peer_draft else None
     if only is not None:
         known = [n for n, *_ in configs] + [PEER]
         known += list(peer_configs(draft_file(peer_draft_file)))
@@ -277,7 +277,9 @@ def run_engine_bench(
     try:
         # Warm up: every config once on a prompt outside the workloads, so draft loads and the
         # first cost corrections are not charged to the first prompt of one config only.
-        warm = rt.prompt_tokens(messages=[{"role": "user", "content": "Say hello in one line."}])
+        warm = rt.requests.prompt_tokens(
+            messages=[{"role": "user", "content": "Say hello in one line."}]
+        )
         for _name, draft, k, policy in configs:
             rt.generate(warm, SamplingParams(max_tokens=16), draft=draft, k=k, policy=policy)
         for w in workloads:
@@ -426,9 +428,9 @@ def _run_prompt(
     servers: dict[str, PeerServer],
 ) -> None:
     if p.chat:
-        prompt = rt.prompt_tokens(messages=[{"role": "user", "content": p.text}])
+        prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": p.text}])
     else:
-        prompt = rt.prompt_tokens(prompt=p.text)
+        prompt = rt.requests.prompt_tokens(prompt=p.text)
     base: dict = {"id": p.id, "category": p.category, "prompt_tokens": len(prompt)}
     if isinstance(p, EditPrompt):
         base["heldout"] = p.heldout

@@ -84,13 +84,13 @@ def pool_source(rt, sizes: dict[str, int]):
     from memspec.drafts.registry import instantiate
     from memspec.scheduler.working_set import FactorySource
 
-    kinds = {d: rt.manifest(d).kind for d in sizes}
+    kinds = {d: rt.draft_admin.manifest(d).kind for d in sizes}
     # Private copies: a policy's loads must read the file, not join the runtime's resident
     # drafts' weights (backends.shared_weights).
     options = replace(rt.options, share_weights=False)
     return FactorySource(
         lambda d: instantiate(
-            rt.manifest(d), options, rt.settings.backend, target_backend=rt.target
+            rt.draft_admin.manifest(d), options, rt.settings.backend, target_backend=rt.target
         ),
         sizes,
         kinds,
@@ -190,12 +190,12 @@ def run_live(settings, cfg, out: Path) -> dict:
     )
     rt = Runtime(settings)
     if configured is None:  # the whole family, as the daemon's default
-        configured = [d for d in rt.preload_ids if d not in rt.incompatible]
+        configured = [d for d in rt.preload_ids if d not in rt.draft_admin.incompatible]
     sets: dict = {}
     try:
         trace = bench_trace(rt, cfg, out)
         for d in list(rt.drafts):  # from here on drafts live in the policies' working sets
-            rt.unload_draft(d)
+            rt.draft_admin.unload_draft(d)
         env = draft_env(rt, trace)
         budget = resolve_live_budget(cfg.budget, trace, env)
         workload = sim_workload(trace, None, cfg.seed)

@@ -62,7 +62,7 @@ def run_reuse_bench(
         convs = []
         for q in qs:
             u1, u2 = q["turns"][0], q["turns"][1]
-            p1 = rt.prompt_tokens(messages=[{"role": "user", "content": u1}])
+            p1 = rt.requests.prompt_tokens(messages=[{"role": "user", "content": u1}])
             rt.target.reset()
             turn1 = rt.generate(p1, first, draft="none")
             a1 = turn1.text
@@ -71,7 +71,7 @@ def run_reuse_bench(
                 {"role": "assistant", "content": a1},
                 {"role": "user", "content": u2},
             ]
-            p2 = rt.prompt_tokens(messages=msgs)
+            p2 = rt.requests.prompt_tokens(messages=msgs)
             live = rt.generate(p2, probe, draft="none")
             rt.target.reset()
             cold = rt.generate(p2, probe, draft="none")

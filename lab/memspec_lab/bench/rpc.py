@@ -36,8 +36,8 @@ CONFIGS: list[tuple[str, str, int | None, str | None]] = [
 
 def _tokens(rt: Runtime, p: BenchPrompt) -> list[int]:
     if p.chat:
-        return rt.prompt_tokens(messages=[{"role": "user", "content": p.text}])
-    return rt.prompt_tokens(prompt=p.text)
+        return rt.requests.prompt_tokens(messages=[{"role": "user", "content": p.text}])
+    return rt.requests.prompt_tokens(prompt=p.text)
 
 
 def run_rpc_bench(
@@ -94,7 +94,9 @@ def _run_level(
     params: SamplingParams,
     load_s: float,
 ) -> dict[str, Any]:
-    warm = rt.prompt_tokens(messages=[{"role": "user", "content": "Say hello in one line."}])
+    warm = rt.requests.prompt_tokens(
+        messages=[{"role": "user", "content": "Say hello in one line."}]
+    )
     for _, draft, k, policy in CONFIGS:
         rt.generate(warm, SamplingParams(max_tokens=8), draft=draft, k=k, policy=policy)
     rows: dict[str, list[dict]] = {name: [] for name, *_ in CONFIGS}

@@ -173,7 +173,7 @@ class StreamSink:
 
     def open(self) -> tuple[TokenCallback, Callable[[Generation], None]]:
         """(on_token for one generation, finish(gen) that waits for its stream to drain)."""
-        from memspec.runtime import ClientRequest
+        from memspec.request_check import ClientRequest
         from memspec.server.openai_api import sse
         from memspec.server.worker import Done, GenerateJob, Token
 
@@ -215,8 +215,8 @@ class StreamSink:
 
 def _tokens(rt: Runtime, p: BenchPrompt) -> list[int]:
     if p.chat:
-        return rt.prompt_tokens(messages=[{"role": "user", "content": p.text}])
-    return rt.prompt_tokens(prompt=p.text)
+        return rt.requests.prompt_tokens(messages=[{"role": "user", "content": p.text}])
+    return rt.requests.prompt_tokens(prompt=p.text)
 
 
 def run_real(
@@ -238,7 +238,9 @@ def run_real(
         rows["memspec stream"] = []
     peer_rows: list[dict[str, Any]] = []
     try:
-        warm = rt.prompt_tokens(messages=[{"role": "user", "content": "Say hello in one line."}])
+        warm = rt.requests.prompt_tokens(
+            messages=[{"role": "user", "content": "Say hello in one line."}]
+        )
         timed_generate(rt, warm, SamplingParams(max_tokens=16))
         for n, p in enumerate(prompts * max(repeat, 1)):
             prompt = _tokens(rt, p)

@@ -185,7 +185,7 @@ def run_structured_bench(
     prompts = load_extraction_prompts(workload, ids, limit)
     rt, pool, model_draft = open_bench_runtime(settings)
     configs = memspec_configs(pool, model_draft)
-    peer_draft = (model_draft, rt.manifest(model_draft)) if model_draft else None
+    peer_draft = (model_draft, rt.draft_admin.manifest(model_draft)) if model_draft else None
     if only is not None:
         known = [n for n, *_ in configs] + list(peer_configs(draft_file(peer_draft)))
         unknown = [n for n in only if n not in known]
@@ -242,7 +242,7 @@ def _warm_up(
 ) -> None:
     """Every config once on a prompt and schema outside the workload, so draft loads, first
     cost corrections and llama-server's first request are not charged to one prompt."""
-    prompt = rt.prompt_tokens(messages=[{"role": "user", "content": "Greet me, as JSON."}])
+    prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": "Greet me, as JSON."}])
     grammar = _schema_grammar(rt, {"name": "greeting", "strict": True, "schema": WARM_SCHEMA})
     params = SamplingParams(max_tokens=16, grammar=grammar)
     for _name, draft, k, policy in configs:
@@ -262,9 +262,9 @@ def _run_prompt(
     results: dict[str, list[dict]],
 ) -> None:
     if p.chat:
-        prompt = rt.prompt_tokens(messages=[{"role": "user", "content": p.text}])
+        prompt = rt.requests.prompt_tokens(messages=[{"role": "user", "content": p.text}])
     else:
-        prompt = rt.prompt_tokens(prompt=p.text)
+        prompt = rt.requests.prompt_tokens(prompt=p.text)
     grammar = _schema_grammar(rt, p.json_schema)
     params = SamplingParams(max_tokens=max_tokens, grammar=grammar)
     base = {"id": p.id, "category": p.category}

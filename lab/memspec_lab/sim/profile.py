@@ -251,7 +251,9 @@ def measure_this_machine(settings, load_reps: int = 5) -> dict:
 
         target_prefill = prefill(rt.target)
         # Engine overhead per round: a plain greedy decode, minus its forward passes.
-        prompt = rt.prompt_tokens(messages=[{"role": "user", "content": "Tell me about Paris."}])
+        prompt = rt.requests.prompt_tokens(
+            messages=[{"role": "user", "content": "Tell me about Paris."}]
+        )
         rt.target.reset()
         f0 = rt.target.forward_s
         gen = speculative_generate(

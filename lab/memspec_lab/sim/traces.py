@@ -291,7 +291,7 @@ def footprints(rt, draft_ids: list[str]) -> tuple[int, dict[str, int]]:
     ).total
     sizes = {}
     for d in draft_ids:
-        m = rt.manifest(d)
+        m = rt.draft_admin.manifest(d)
         path = m.model_path(models_dir()) if m.file else None
         sizes[d] = draft_footprint(
             m.kind, path, s.n_ctx, m.params, s.n_gpu_layers, s.draft_kv_cache
@@ -307,7 +307,7 @@ def measure_loads(rt, draft_ids: list[str], reps: int) -> dict[str, list[float]]
     options = replace(rt.options, share_weights=False)
     out: dict[str, list[float]] = {}
     for d in draft_ids:
-        m = rt.manifest(d)
+        m = rt.draft_admin.manifest(d)
         times = []
         for _ in range(reps if m.kind == "model" else 1):
             t = time.perf_counter()
@@ -429,10 +429,12 @@ def collect_one(
 ) -> TraceRequest:
     if spec.turn == 2 and spec.question_id not in first_answers:
         first = RequestSpec(spec.question_id, spec.category, 1, spec.turns)
-        p1 = rt.prompt_tokens(messages=chat_messages(first, None))
+        p1 = rt.requests.prompt_tokens(messages=chat_messages(first, None))
         gen1, _ = _run(rt, p1, params, FixedPolicy(None, 0))
         first_answers[spec.question_id] = gen1.text
-    prompt = rt.prompt_tokens(messages=chat_messages(spec, first_answers.get(spec.question_id)))
+    prompt = rt.requests.prompt_tokens(
+        messages=chat_messages(spec, first_answers.get(spec.question_id))
+    )
     gen, plain = _run(rt, prompt, params, FixedPolicy(None, 0))
     if spec.turn == 1:
         first_answers[spec.question_id] = gen.text
