@@ -39,3 +39,37 @@ def test_a_batch_invariant_target_adds_no_warning(small_backend):
     worker._first_load()
     assert small_backend.describe()["batch_invariant"] is True
     assert worker.warnings == []
+
+
+class CalibratingRuntime:
+    """A runtime whose calibration was left for idle time: a timed pass per stop() check."""
+
+    def __init__(self, on_pass: object = None):
+        self.passes, self.on_pass = 0, on_pass
+
+    def calibrate_pending(self, stop) -> bool:
+        while not stop():
+            self.passes += 1
+            if self.on_pass is not None:
+                self.on_pass(self.passes)
+        return False
+
+
+def test_calibration_runs_only_while_nothing_waits_and_stops_for_a_request():
+    worker = EngineWorker(Settings(), runtime_factory=lambda s: RuntimeWith(None))
+    queued: list[object] = []
+
+    def request_comes(passes: int) -> None:  # a request arrives during the third pass
+        if passes == 3:
+            worker._queue.append(queued.pop())
+
+    rt = CalibratingRuntime(request_comes)
+    worker.targets.runtimes["new:1b"] = rt  # type: ignore[assignment]
+    worker._queue.append(object())  # a request waits: its first token before any calibration
+    worker._calibrate_while_idle()
+    assert rt.passes == 0
+    queued.append(worker._queue.popleft())  # admitted and answered: the engine is idle
+    beat = worker.heartbeat
+    worker._calibrate_while_idle()
+    assert rt.passes == 3  # the request waited for the pass in hand, not the rest
+    assert worker.heartbeat > beat  # a beat per pass: a long calibration is no stuck engine
