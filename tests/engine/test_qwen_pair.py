@@ -9,8 +9,8 @@ power of the harness is shown on the small families in test_sampling_distributio
 - generation ends on every end-of-generation token of the vocabulary (`<|endoftext|>` in a
   completion, not only `<|im_end|>`);
 - speculative sampling with the sibling draws from the target's distribution;
-- with `exactness = "numeric"` (the row rule off: verification passes take the repacked
-  kernels' gemm), plain decoding is unchanged, greedy speculative output differs from it only
+- with `exactness = "numeric"` (slow tier; the row rule off: verification passes take the
+  repacked kernels' gemm), plain decoding is unchanged, greedy speculative output differs from it only
   at near-ties (each divergence's top-2 margin printed), and sampling keeps the distribution;
 - a sibling of another tokenizer is refused with the reason; the default pool is the family.
 """
@@ -145,8 +145,10 @@ def test_the_default_pool_is_the_whole_family():
 # exactness = "numeric": verification rows of 4+ go through the repacked gemm, which rounds
 # otherwise than plain decoding's gemv (logits apart by up to ~0.7 on this target, measured
 # by `memspec bench kernels`). A greedy divergence must sit where plain decoding's top two
-# logits are that close.
+# logits are that close. The slow tier's (scripts/test.sh --all): the pair's checks repeated in
+# the other exactness mode (the default tier runs them in the bitwise one, above).
 NEAR_TIE = 1.0
+NUMERIC = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +165,7 @@ def qwen_numeric():
     rt.close()
 
 
+@NUMERIC
 def test_numeric_plain_decoding_is_the_bitwise_one(qwen_numeric, prompts, references):
     """One token a pass is gemv in either mode, and a new prompt's pass the same gemm groups."""
     params = SamplingParams(max_tokens=MAX_TOKENS)
@@ -170,6 +173,7 @@ def test_numeric_plain_decoding_is_the_bitwise_one(qwen_numeric, prompts, refere
         assert qwen_numeric.generate(prompt, params, draft="none").token_ids == ref
 
 
+@NUMERIC
 @pytest.mark.parametrize("draft,k", [(QWEN_SIBLING, 4), (QWEN_SIBLING, 8), ("prompt-lookup", 4)])
 def test_numeric_greedy_differs_only_at_near_ties(qwen, qwen_numeric, prompts, draft, k):
     for prompt in prompts:
@@ -195,8 +199,6 @@ def test_numeric_greedy_differs_only_at_near_ties(qwen, qwen_numeric, prompts, d
         assert margin <= NEAR_TIE, (draft, k, diverged, margin)
 
 
-# Slow tier: the sibling's sampling check repeated in the other exactness mode (the default tier
-# runs it in the bitwise one, above).
-@pytest.mark.slow
+@NUMERIC
 def test_numeric_speculative_sampling_matches_the_target(qwen_numeric):
     assert_sibling_sampling_matches_the_target(qwen_numeric)

@@ -369,6 +369,9 @@ def test_budget_ceiling_follows_the_cgroup(tmp_path):
     assert limits.cgroup_memory_max(tmp_path / "v1.txt", root) is None
 
 
+# Slow tier: a kill-and-restart loop (three starts after a SIGKILL). It stops the module's daemon:
+# the last test here.
+@pytest.mark.slow
 def test_killed_tune_then_failed_starts_is_reverted(keyless):
     url, d = keyless.url, keyless
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMSPEC_")}
