@@ -14,10 +14,12 @@ distribution spec:
 - the manifest is asked for by `Accept` (the docker v2 manifest media type) and stored as the
   registry sent it, so its SHA-256 is the digest the registry and `ollama list` show;
 - each blob is streamed by digest into OllamaStore.open_blob_writer, a buffer at a time (never
-  whole in memory); the writer checks its SHA-256 before the rename, and a blob that does not
-  match is deleted and the pull fails saying so; a connection that breaks mid-blob is resumed
-  with `Range` from the bytes already written (a few tries, then the pull fails and the next
-  pull resumes from the same partial file);
+  whole in memory): read with the standard library's client (readinto, a MiB at a time) on
+  this thread while the writer's threads hash and append the buffers before it, which keeps a
+  pull near curl's speed; the writer checks its SHA-256 before the rename, and a blob that
+  does not match is deleted and the pull fails saying so; a connection that breaks mid-blob
+  is resumed with `Range` from the bytes already written (a few tries, then the pull fails and
+  the next pull resumes from the same partial file);
 - a 401 with `WWW-Authenticate: Bearer realm=...,service=...,scope=...` fetches a token from the
   realm (with Basic credentials when there are some) and retries; `Basic` (an htpasswd
   registry) retries with the credentials. Credentials come from the caller (the pull body's
@@ -34,10 +36,14 @@ from __future__ import annotations
 
 import base64
 import functools
+import http.client
+import json
 import os
 import ssl
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +106,26 @@ def _tls() -> ssl.SSLContext:
     """httpx's default TLS context (certifi's roots, SSL_CERT_FILE), made once per process:
     loading the roots takes tens of ms, a tenth of a small model's whole pull on loopback."""
     return httpx.create_ssl_context()
+
+
+@functools.cache
+def _opener() -> urllib.request.OpenerDirector:
+    """The standard library's opener for blob GETs: the environment's proxies, redirects, and
+    the same TLS roots as httpx's."""
+    return urllib.request.build_opener(urllib.request.HTTPSHandler(context=_tls()))
+
+
+def _read_some(r: Any) -> str:
+    """An error response's body, cut short (a registry's JSON error, for the message)."""
+    try:
+        raw = r.read(4096)
+    except (OSError, http.client.HTTPException):
+        return ""
+    try:
+        errors = json.loads(raw).get("errors") or []
+        return "; ".join(f"{e.get('code', '')}: {e.get('message', '')}".strip(": ") for e in errors)
+    except (ValueError, AttributeError):
+        return raw[:200].decode("utf-8", "replace").strip()
 
 
 def base_url(name: OllamaName, insecure: bool) -> str:
@@ -263,7 +289,7 @@ class RegistryClient:
             try:
                 if have < layer.size:
                     have = self._fetch_into(writer, layer, have, emit, cancel, every_s)
-            except (httpx.TransportError, _ShortRead) as e:
+            except (httpx.TransportError, _ShortRead) as e:  # the network broke: resume
                 writer.abort()  # the partial stays: the next try asks for the rest
                 broke = _why(e)
                 emit(_layer_event("pulling", layer.digest, have, layer.size))
@@ -285,45 +311,75 @@ class RegistryClient:
     def _fetch_into(
         self, writer: Any, layer: Layer, have: int, emit: Emit, cancel: Any, every_s: float
     ) -> int:
+        url = f"{self.repo}/blobs/{layer.digest}"
         headers = {"Range": f"bytes={have}-"} if have else {}
-        r = self.send("GET", f"{self.repo}/blobs/{layer.digest}", headers=headers, stream=True)
+        r = self._open_blob(url, headers)
         try:
-            if r.status_code == 416:  # nothing past `have`: the file is whole (or too long)
+            if r.status == 416:  # nothing past `have`: the file is whole (or too long)
                 return have
-            if r.status_code not in (200, 206):
-                r.read()
-                raise PullError(f"pull {layer.digest[:19]}: {_registry_error(r)}")
-            skip = have if r.status_code == 200 else 0  # a registry that ignored the Range
-            # The network's reads (64 KiB) go to the writer CHUNK bytes at a time, as they came
-            # (not joined: no copy), to be hashed and written by its threads while this
-            # thread reads on.
-            last, parts, pending = 0.0, [], 0
-            try:
-                for chunk in r.iter_bytes():
-                    if cancel is not None and cancel.is_set():
-                        raise PullCancelled("pull cancelled: every client went away")
-                    if skip:
-                        cut = min(skip, len(chunk))
-                        chunk, skip = chunk[cut:], skip - cut
-                    parts.append(chunk)
-                    pending += len(chunk)
-                    have += len(chunk)
-                    if pending >= CHUNK:
-                        writer.write(tuple(parts))
-                        parts.clear()
-                        pending = 0
-                        now = time.monotonic()  # progress at most every `every_s` (10/s)
-                        if now - last >= every_s:
-                            last = now
-                            emit(_layer_event("pulling", layer.digest, have, layer.size))
-            finally:  # a break loses nothing that was read: the resume asks for the rest
-                if parts:
-                    writer.write(tuple(parts))
+            if r.status not in (200, 206):
+                text = _read_some(r)
+                raise PullError(f"pull {layer.digest[:19]}: {r.status}: {text}".rstrip(": "))
+            skip = have if r.status == 200 else 0  # a registry that ignored the Range
+            # The body is read a CHUNK at a time straight into a fresh buffer (readinto: the
+            # socket's bytes copied once, the GIL released while they come), and each buffer
+            # is handed to the writer, whose threads hash and write it while this one reads
+            # the next: the CPU per byte stays close to curl's.
+            last = 0.0
+            while True:
+                if cancel is not None and cancel.is_set():
+                    raise PullCancelled("pull cancelled: every client went away")
+                buf = bytearray(CHUNK)
+                try:
+                    n = r.readinto(buf)
+                except (OSError, http.client.HTTPException) as e:
+                    raise _ShortRead(_why(e)) from None  # a break: the resume asks for the rest
+                if not n:
+                    break
+                view = memoryview(buf)[:n]
+                if skip:
+                    cut = min(skip, n)
+                    view, skip = view[cut:], skip - cut
+                    if not len(view):
+                        continue
+                writer.write(view)
+                have += len(view)
+                now = time.monotonic()  # progress at most every `every_s` (10/s)
+                if now - last >= every_s:
+                    last = now
+                    emit(_layer_event("pulling", layer.digest, have, layer.size))
             if have < layer.size:
                 raise _ShortRead(f"the stream ended at {have} of {layer.size} bytes")
             return have
         finally:
             r.close()
+
+    def _open_blob(self, url: str, headers: dict[str, str]) -> Any:
+        """GET a blob with the standard library's HTTP client (its response's readinto fills
+        a buffer in C; httpx's iteration costs about three times the CPU per byte), logging in as a
+        401 asks, as send() does. Redirects (a CDN, S3) are followed without the registry's
+        Authorization (urllib keeps an unredirected header off the next host), and proxies
+        come from the environment, as httpx's. A response of any status is returned; a
+        connection that fails raises _ShortRead (retried with Range)."""
+        for _ in range(3):
+            req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT, **headers})
+            if self._auth:
+                req.add_unredirected_header("Authorization", self._auth)
+            try:
+                r = _opener().open(req, timeout=120.0)
+            except urllib.error.HTTPError as e:
+                r = e  # a response too: its status, headers and body
+            except (OSError, http.client.HTTPException) as e:
+                reason = getattr(e, "reason", None)  # a URLError wraps the socket's error
+                raise _ShortRead(_why(reason if isinstance(reason, BaseException) else e)) from None
+            if r.status != 401:
+                return r
+            challenge = httpx.Response(401, headers=dict(r.headers.items()))
+            _read_some(r)
+            r.close()
+            if not self._login(challenge):
+                break
+        raise Unauthorized(f"{self.name.display}: unauthorized (401 on the blob)")
 
     # --- push ---------------------------------------------------------------------------
 

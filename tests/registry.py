@@ -248,8 +248,9 @@ def push_model(
 
 
 class CuttingProxy:
-    """A loopback TCP proxy to `host:port` that cuts each of its first `cuts` connections
-    once `cut_after` bytes have come back from upstream (`pause_s`: a slow link besides).
+    """A loopback TCP proxy to `host:port` that cuts a connection once `cut_after` bytes have
+    come back on it from upstream, `cuts` times in all (the first connections to carry that
+    much, however the client pools them; `pause_s`: a slow link besides).
     `requests` holds each connection's request head (to see the Range a resume sends)."""
 
     def __init__(
@@ -280,9 +281,6 @@ class CuttingProxy:
 
     def _serve(self, client: socket.socket) -> None:
         upstream = socket.create_connection(self.upstream)
-        with self.lock:
-            cut = self.cuts_left > 0
-            self.cuts_left -= cut
 
         def client_to_upstream() -> None:
             try:
@@ -302,11 +300,14 @@ class CuttingProxy:
         sent = 0
         try:
             while data := upstream.recv(65536):
-                if cut and sent + len(data) > self.cut_after:
-                    client.sendall(data[: self.cut_after - sent])
-                    with self.lock:
-                        self.cut += 1
-                    break
+                if sent + len(data) > self.cut_after:
+                    with self.lock:  # one of the first `cuts` connections to get this far
+                        cut = self.cuts_left > 0
+                        self.cuts_left -= cut
+                        self.cut += cut
+                    if cut:
+                        client.sendall(data[: self.cut_after - sent])
+                        break
                 client.sendall(data)
                 sent += len(data)
                 if self.pause_s:
