@@ -97,7 +97,7 @@ class Settings(BaseSettings):
         ge=0,
         le=3600,
         description="cap on how long a request for a model that must load waits while the "
-        "model it displaces still has requests queued (residency memspec: the wait is 4x the "
+        "model it displaces still has requests queued (residency memspec: the wait is 8x the "
         "switch's measured loads, at most this)",
     )
     queue_timeout_s: float = Field(

@@ -77,9 +77,11 @@ class ResidencyPolicy(Protocol):
 
 
 # A switch's oldest waiting request waits at most this many times the switch's predicted cost:
-# each model then serves a run of at least 4 loads' time between switches, so that loading
-# takes at most about a fifth of a busy engine's time when two models alternate.
-SWITCH_HOLD_RUNS = 4.0
+# a busy engine then serves a run of about 8 loads' time between switches, so that loading
+# takes about a ninth of its time when two models alternate. (On the stub's model of the
+# Poisson 1.0 req/s trace, 4x made 3.3 + 2.6 loads, 8x 2.4 + 2.0, draining each queue
+# before switching 2.1 + 2.0, at no cost to the median wait: tests/scheduler.)
+SWITCH_HOLD_RUNS = 8.0
 
 
 def switch_hold_s(want: ModelView, models: list[ModelView], max_hold_s: float) -> float:

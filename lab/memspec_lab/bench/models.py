@@ -7,7 +7,7 @@ bursts (a user pasting several questions at once). It is never tuned on. Both po
 the same trace on a fresh daemon each (memspec_lab.bench.batch.MemspecServer), with the same
 settings but `residency`:
 - `memspec`: predicted demand keeps the model that saves most loading, and a switch waits
-  while the resident model's queued run goes on (at most 4x the switch's measured loads,
+  while the resident model's queued run goes on (at most 8x the switch's measured loads,
   capped by model_switch_wait_s: memspec.scheduler.residency);
 - `lru`: first come first served, the least recently used idle model unloaded (Ollama's).
 
