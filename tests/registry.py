@@ -370,14 +370,16 @@ class TokenGate:
     good for that scope only (`tokens_issued` counts them, `scopes` records what was asked).
     A request with a good token is passed to the registry, bodies streamed both ways (a
     chunked upload too), upload Locations rewritten to point here; `writes` records each
-    write request that went through ("PATCH /v2/...")."""
+    write request that went through ("PATCH /v2/..."). With `blobs_at`, a blob GET with a good
+    token is answered 307 to the same path there, as registries send blobs to a CDN."""
 
-    def __init__(self, upstream: str, users: dict[str, str]):
+    def __init__(self, upstream: str, users: dict[str, str], *, blobs_at: str | None = None):
         import base64
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         gate = self
         self.upstream, self.users = upstream, users
+        self.blobs_at = blobs_at  # a blob GET is redirected there (as to a CDN), if set
         self.scopes: list[str] = []
         self.writes: list[str] = []
         self.tokens: dict[str, str] = {}  # token -> the scope it was issued for
@@ -442,6 +444,9 @@ class TokenGate:
                     return
                 if self.command not in ("GET", "HEAD"):
                     gate.writes.append(f"{self.command} {self.path.split('?')[0]}")
+                if gate.blobs_at and self.command == "GET" and "/blobs/sha256:" in self.path:
+                    self._send(307, b"", {"Location": gate.blobs_at + self.path})
+                    return
                 headers = {
                     k: v
                     for k, v in self.headers.items()

@@ -245,6 +245,23 @@ def test_bearer_token_auth_from_a_token_server(reg, small_model, tmp_path):
     assert store.blob_path(pushed.model_digest).read_bytes() == blob.read_bytes()
 
 
+def test_a_blob_redirected_to_another_host_gets_no_registry_token(reg, small_model, tmp_path):
+    """A registry that sends its blobs to another host (a CDN, S3: a signed URL) is followed,
+    and the registry's token is not sent there (a presigned URL refuses a second auth, and
+    the token is not that host's to see)."""
+    blob, pushed = small_model
+    alice = registry.Credentials(*next(iter(USERS.items())))
+    with CuttingProxy("127.0.0.1", reg.port, cut_after=1 << 40, cuts=0) as cdn:
+        with TokenGate(reg.url, USERS, blobs_at=f"http://{cdn.host}") as gate:
+            store = _store(tmp_path)
+            name = parse(f"{gate.host}/test/small:v1")
+            registry.pull(name, store, lambda e: None, insecure=True, credentials=alice)
+    assert store.blob_path(pushed.model_digest).read_bytes() == blob.read_bytes()
+    fetched = [h for h in cdn.requests if h.startswith("GET /v2/test/small/blobs/")]
+    assert len(fetched) == len(pushed.digests), cdn.requests  # every blob, from the "CDN"
+    assert not any("authorization:" in h.lower() for h in fetched), fetched
+
+
 def test_push_with_bearer_token_auth_then_pull_back_byte_identical(reg, small_model, tmp_path):
     """A push through a token-auth front (the realm's token per scope, as Docker Hub and the
     Ollama library ask): a pull token does not let it write, a `pull,push` one does; then a
