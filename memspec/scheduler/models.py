@@ -16,7 +16,8 @@ A model is in one state at a time:
     absent    -> loading (a load starts) or loaded (adopted: the daemon's first target)
     loading   -> loaded; failed (its waiting requests failed; the next one tries again);
                  absent (abandoned: every client that waited for it left)
-    loaded   <-> expiring (a request ended with a keep_alive: unloaded once idle past it)
+    loaded   <-> expiring (idle after a request with a keep_alive: unloaded once it runs out;
+                 a request admitted makes it loaded again)
     loaded, expiring -> unloading (evict, expire, unload) -> absent
 
 Switching (the ResidencyPolicy's rule, memspec.scheduler.residency): a request for a model that
@@ -65,8 +66,8 @@ PREFETCH_SETTLE_S = 1.0
 class ModelState(str, Enum):
     ABSENT = "absent"
     LOADING = "loading"
-    LOADED = "loaded"  # resident, no expiry set
-    EXPIRING = "expiring"  # resident, its keep_alive running (unloaded once idle past it)
+    LOADED = "loaded"  # resident, in use or kept with no expiry
+    EXPIRING = "expiring"  # resident and idle, its keep_alive running
     UNLOADING = "unloading"
     FAILED = "failed"  # its last load failed; not resident
 
@@ -206,16 +207,22 @@ class ModelScheduler:
         self.demand.arrive(name, now)
 
     def admitted(self, name: str) -> None:
-        """A request for the resident `name` took a slot."""
+        """A request for the resident `name` took a slot: in use, it does not expire (as
+        Ollama stops a runner's expiry timer while its refCount is above 0)."""
         self.pool.admitted(name)
+        if self.state(name) is ModelState.EXPIRING:
+            self._move(name, ModelState.LOADED)
 
     def finished(self, name: str, keep_alive_s: float | None, now: float) -> None:
         """A request for `name` ended: it stays for its keep_alive from now (`keep_alive_s`:
-        the request's; None: the setting's; negative: no expiry)."""
+        the request's; None: the setting's; negative: no expiry), counted once it is idle."""
         expiry = self.keep_alive(keep_alive_s)
         self.pool.touch(name, expiry, now)
         if name in self.pool.resident:
-            self._move(name, ModelState.LOADED if expiry is None else ModelState.EXPIRING)
+            idle = self._in_flight()[name] == 0
+            self._move(
+                name, ModelState.EXPIRING if expiry is not None and idle else ModelState.LOADED
+            )
 
     def keep_alive(self, asked: float | None) -> float | None:
         """A request's keep_alive (None: not given) as an expiry delay (None: no expiry)."""

@@ -235,6 +235,24 @@ def test_a_load_goes_loading_then_loaded_and_keep_alive_makes_it_expiring():
     assert rig.models.status(rig.clock.t, 0.0)[0]["state"] == "absent"
 
 
+def test_a_model_in_use_is_loaded_and_expiring_once_idle():
+    rig = Rig()
+    rig.start_with("coder")
+    rig.models.finished("coder", 60.0, rig.clock.t)
+    assert rig.models.state("coder") is ModelState.EXPIRING
+    first, second = rig.submit("coder"), rig.submit("coder")
+    rig.running += [first, second]  # two slots' worth: admitted together
+    rig.queue.clear()
+    rig.models.admitted("coder")
+    assert rig.models.state("coder") is ModelState.LOADED  # in use: no expiry runs
+    rig.running.remove(first)
+    rig.models.finished("coder", 60.0, rig.clock.t)
+    assert rig.models.state("coder") is ModelState.LOADED  # the other is still in flight
+    rig.running.remove(second)
+    rig.models.finished("coder", 60.0, rig.clock.t)
+    assert rig.models.state("coder") is ModelState.EXPIRING
+
+
 def test_a_busy_model_does_not_expire():
     rig = Rig()
     rig.start_with("coder")
