@@ -121,7 +121,8 @@ class Scheduler:
             self.begin_policy(rule, Request("", prompt, max_tokens=params.max_tokens))
             if draft.named is not None:
                 self._held.enter_context(self.ws.holding(draft.named))  # not a victim while used
-                self.ws.acquire(draft.named, wait=True)
+                with self.ws.leased():  # loaded now; the rounds lease it as they use it
+                    self.ws.acquire(draft.named, wait=True)
             return "auto"
         text, turns = chat_text(messages)
         request = Request("", prompt, text, turns, params.max_tokens)

@@ -1,6 +1,6 @@
 """Leases between rounds: releasing them wakes the loader only when it waits on them.
 
-The engine leases the drafts it may use every round and releases them at the next; a wake-up
+The engine leases the drafts it may use every round and releases them as it ends; a wake-up
 of the loader thread per round made it re-plan (and switch threads on the cores the model
 decodes on) for nothing. No model is loaded here: prompt lookup stands in for any draft.
 """
@@ -33,9 +33,9 @@ def working_set() -> tuple[WorkingSet, list[int]]:
 def test_a_round_of_leases_does_not_wake_the_loader():
     ws, kicks = working_set()
     try:
-        for _ in range(50):  # fifty rounds: lease what is resident, release at the next
-            assert [d.id for d in ws.lease_resident()] == ["a", "b"]
-            ws.release_leases()
+        for _ in range(50):  # fifty rounds: lease what is resident, released as each ends
+            with ws.leased():
+                assert [d.id for d in ws.lease_resident()] == ["a", "b"]
         assert kicks == []
         assert ws.wait_idle(timeout=0)  # nothing was left for it to do
     finally:
@@ -45,13 +45,13 @@ def test_a_round_of_leases_does_not_wake_the_loader():
 def test_releasing_a_draft_the_loader_waits_to_close_wakes_it():
     ws, kicks = working_set()
     try:
-        ws.lease_resident(["a"])
         evicting = threading.Thread(target=ws.evict, args=("a",))
-        evicting.start()  # marks it EVICTING, then waits for the lease to go
-        while ws.state("a") != DraftState.EVICTING:
-            evicting.join(timeout=0.01)
-        kicks.clear()
-        ws.release_leases()
+        with ws.leased():  # a round that uses "a"
+            ws.lease_resident(["a"])
+            evicting.start()  # marks it EVICTING, then waits for the lease to go
+            while ws.state("a") != DraftState.EVICTING:
+                evicting.join(timeout=0.01)
+            kicks.clear()
         assert kicks == [1]
         evicting.join(timeout=10)
         assert not evicting.is_alive() and ws.state("a") == DraftState.ABSENT

@@ -60,8 +60,10 @@ class SimWorkingSet:
         wanted = self.drafts.keys() if ids is None else set(ids)
         return [self.drafts[d] for d in order if d in wanted and d in self.drafts]
 
-    def release_leases(self) -> None:
-        """Nothing is leased in virtual time."""
+    @contextlib.contextmanager
+    def leased(self) -> Iterator[None]:
+        """Nothing is leased in virtual time: a round's scope holds nothing."""
+        yield
 
     @contextlib.contextmanager
     def holding(self, *ids: str) -> Iterator[None]:
