@@ -24,6 +24,7 @@ def test_trace_is_seeded_poisson_with_bursts():
     assert a != make_trace(30, rate=0.5, code_share=0.5, burst_every=6, burst=2, seed=2)
 
 
+@pytest.mark.models  # its prompts are the testbed's (HumanEval, MT-Bench): --quick fetches none
 def test_alternating_clients_switch_model_every_request():
     clients = make_alternating(4, 3)
     assert [len(c) for c in clients] == [3, 3, 3, 3]
