@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Set up if needed, then the test suite, in tiers:
 #   scripts/test.sh          what CI runs: every lossless and end-to-end check on the real
-#                            models (SmolLM2, Gemma 3 270M, the Qwen2.5-Coder pair); the slow
-#                            tier (soak, trainings, walkthrough, kill-restart loops, duplicates
-#                            of checks the default tier makes) is left out
+#                            models (SmolLM2, Gemma 3 270M, the Qwen2.5-Coder pair): greedy for
+#                            every draft kind, sampling once per draft kind, batching, the HTTP
+#                            surface, the Ollama and OpenAI clients; the slow tier (soak,
+#                            trainings, walkthrough, kill-restart loops, benchmark runs, and
+#                            checks the default tier makes repeated on another family, KV cache
+#                            type or exactness mode) is left out
 #   scripts/test.sh --quick  no models: the logic over stub backends, the configuration and the
 #                            HTTP surface's parsing (set-up installs no model)
 #   scripts/test.sh --all    both tiers: the default one and `-m slow`
