@@ -10,8 +10,9 @@ power of the harness is shown on the small families in test_sampling_distributio
   completion, not only `<|im_end|>`);
 - speculative sampling with the sibling draws from the target's distribution;
 - with `exactness = "numeric"` (slow tier; the row rule off: verification passes take the
-  repacked kernels' gemm), plain decoding is unchanged, greedy speculative output differs from it only
-  at near-ties (each divergence's top-2 margin printed), and sampling keeps the distribution;
+  repacked kernels' gemm), plain decoding is unchanged, greedy speculative output differs from
+  it only at near-ties (each divergence's top-2 margin printed), and sampling keeps the
+  distribution;
 - a sibling of another tokenizer is refused with the reason; the default pool is the family.
 """
 
