@@ -25,10 +25,14 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from memspec.engine.types import SamplingParams
+
+if TYPE_CHECKING:
+    from memspec.engine.grammar import GrammarState
 
 # The dtype of the rows the distributions are built in (llama.cpp's logits are float32).
 LOGIT_DTYPE = np.float32
@@ -38,6 +42,7 @@ __all__ = [
     "TokenHistory",
     "TokenLogprob",
     "accept_draft_token",
+    "accept_rows",
     "accept_or_resample",
     "adjust_logits",
     "draw",
@@ -380,3 +385,58 @@ def token_logprob(
     ids = top_k_order(z, min(n_top, len(z))).tolist() if n_top > 0 else []
     top = [(t, piece(t), float(z[t] - lse)) for t in ids]
     return TokenLogprob(token, piece(token), float(z[token] - lse), top)
+
+
+def accept_rows(
+    logits: np.ndarray,
+    drafted: list[int],
+    q: list[np.ndarray] | None,
+    params: SamplingParams,
+    rng: np.random.Generator,
+    grammar: GrammarState | None = None,
+    history: TokenHistory | None = None,
+) -> list[int]:
+    """The accept rule on whole rows (row i scores drafted[i], one more row the target's own
+    next token): the drafted tokens kept, then the target's. `q`: the draft's distribution
+    per drafted token (None: a point mass). Row i is adjusted (logit_bias, penalties over
+    `history` and drafted[:i], as plain decoding sees them) and masked by the grammar in its
+    state after the tokens kept so far; the grammar advances on each token kept, never on a
+    rejected one. Rows after the first rejection are never read."""
+
+    def row(i: int) -> np.ndarray:
+        z = logits[i]
+        if params.adjusts_logits:
+            z = adjust_logits(z, params, history, drafted[:i])
+        return z if grammar is None or params.greedy else grammar.mask(z)
+
+    def keep(tok: int) -> int:
+        if grammar is not None:
+            grammar.accept(tok)
+        return tok
+
+    def greedy(i: int) -> int:
+        if grammar is None:
+            return int(np.argmax(row(i)))
+        return keep(grammar.greedy(row(i)))
+
+    new: list[int] = []
+    for i, tok in enumerate(drafted):
+        if params.greedy:  # the argmax among what the grammar allows; kept as it is chosen
+            choice = greedy(i)
+            if choice != tok:
+                return new + [choice]
+            new.append(tok)
+            continue
+        # Sampling: accept with min(1, p/q), else draw from norm(max(p - q, 0)).
+        qi = q[i] if q else None
+        if qi is None and not truncates(params):  # a point mass: unnormalised weights do
+            accepted, resampled = accept_or_resample(tok, row(i), params, rng)
+        else:
+            p = probs_from_logits(row(i), params)
+            accepted = accept_draft_token(tok, p, qi, rng)
+            resampled = tok if accepted else sample(residual(p, qi, tok), rng)
+        if not accepted:
+            return new + [keep(resampled)]
+        new.append(keep(tok))
+    bonus = len(drafted)
+    return new + [greedy(bonus) if params.greedy else keep(draw(row(bonus), params, rng))]

@@ -5,12 +5,17 @@ last ("pending") one. Each round feeds [pending] + k draft tokens, which scores 
 proposals and yields one more token from the target; k = 0 is plain decoding. Rejected
 candidates are dropped from the KV cache by truncation.
 
-A round (`decode_round`) takes every active sequence: each chooses (draft, k) by its policy and
-proposes; with more than one, the batch-level rule (costs.plan_batch) re-plans the ks for the
-batch as a whole; then one forward pass of the target scores every sequence's tokens (and
-feeds a chunk of any joining sequence's prompt; the chunk that ends a prompt carries its pending
-token too, so the first token comes from that pass); each accepts, truncates and emits on its
-own.
+A round (`decode_round`) takes every active sequence through five steps:
+1. choose: each picks (draft, k) by its policy (Sequence.choose); with more than one, the
+   batch-level rule (costs.plan_batch) re-plans the ks for the batch as a whole (_pack_batch);
+2. propose: each draft proposes up to its k (Sequence.propose);
+3. verify: one forward pass of the target scores every sequence's tokens (and feeds a chunk of
+   any joining sequence's prompt; the chunk that ends a prompt carries its pending token too,
+   so the first token comes from that pass); the accept rule reads each sequence's rows
+   (Sequence.verify; sampling.accept_rows);
+4. accept: each keeps the accepted tokens, drops the rest from its KV cache, and the round is
+   recorded (Sequence.accept; generation.record_round);
+5. emit: each streams its new tokens, stopping on EOS, a stop string or max_tokens.
 `speculative_generate` is a batch of one: the same rounds, no second engine.
 """
 
@@ -20,29 +25,36 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from memspec.backends.base import Backend, argmax_rows, common_prefix
-from memspec.engine.costs import BatchOption, CostModel, RoundCosts, plan_batch
+from memspec.engine.costs import BatchOption, CostModel, plan_batch
+from memspec.engine.generation import ROUND_PHASES, Generation, RoundTimes, record_round
 from memspec.engine.sampling import (
     SamplingParams,
     TokenHistory,
     TokenLogprob,
-    accept_draft_token,
-    accept_or_resample,
-    adjust_logits,
-    draw,
-    probs_from_logits,
-    residual,
-    sample,
+    accept_rows,
     token_logprob,
-    truncates,
 )
 from memspec.engine.text import TextAssembler
 from memspec.engine.types import Choice, Proposal, RoundPolicy
 from memspec.errors import ContextOverflow, InvalidRequest
+
+__all__ = [  # Generation, its phases and times live in engine/generation.py
+    "BATCH_BACKOFF_MAX",
+    "PREFILL_CHUNK",
+    "ROUND_PHASES",
+    "Generation",
+    "RoundTimes",
+    "Sequence",
+    "TokenCallback",
+    "accept_greedy",
+    "check_prompt",
+    "decode_round",
+    "speculative_generate",
+]
 
 # on_token(text_delta, token_id): once per accepted token, in order; a last call with
 # token_id None flushes text held back while it could still begin a stop string.
@@ -59,88 +71,6 @@ PREFILL_CHUNK = 512
 # costs ~0.5 ms a sequence, paid every round by every slot, while at 8 streams the rule
 # seldom drafts at all. It only changes whether a round drafts, never what is accepted.
 BATCH_BACKOFF_MAX = 8
-
-# prefill: the prompt tokens not in the KV cache (once per request). Then per round:
-# choose: the policy (lookups peeked, rule evaluated); draft_catchup: a model draft feeding
-# what it has not seen; draft_steps: its k per-token evals; verify_decode: the target's
-# forward pass; verify_copy: the rest of target.eval (batch set-up, reading the logits);
-# sample: the accept rule on the rows (greedy: each row's argmax, sampling: p, the draws);
-# accept: KV truncation; detokenize: text and stop strings of the kept tokens; stream: the
-# on_token callback (the daemon's hand-off to the client's stream); emit: the rest of the
-# round's bookkeeping (cost and acceptance feedback, EOS and max_tokens checks). The phases
-# are disjoint: `memspec bench runtime` adds them up into a per-token split.
-ROUND_PHASES = (
-    "prefill",
-    "choose",
-    "draft_catchup",
-    "draft_steps",
-    "verify_decode",
-    "verify_copy",
-    "sample",
-    "accept",
-    "detokenize",
-    "stream",
-    "emit",
-)
-
-
-@dataclass
-class RoundTimes:
-    """One round's phases, in seconds, each set as it ends (`lap`)."""
-
-    start: float = field(default_factory=time.perf_counter)  # the round began (choose)
-    choose_s: float = 0.0  # the policy's choice (lookups peeked, the rule evaluated)
-    propose_s: float = 0.0  # the draft's proposal, any catch-up of its KV included
-    verify_s: float = 0.0  # the target's pass, up to its rows being ready
-    sample_s: float = 0.0  # the accept rule on the rows (an argmax in the backend: not here)
-    truncate_s: float = 0.0  # dropping the rejected tokens from the KV cache
-    _last: float = field(default=0.0, repr=False)  # when the last phase timed ended
-
-    def lap(self) -> float:
-        """Seconds since the last phase ended (or the round began)."""
-        now = time.perf_counter()
-        seconds, self._last = now - (self._last or self.start), now
-        return seconds
-
-
-@dataclass
-class Generation:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = "length"  # "stop" | "length" | "cancelled"
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV was reused, not prefilled
-    rounds: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    k_per_round: list[int] = field(default_factory=list)
-    # One per generated token when params.logprobs is set, from the target's verified rows.
-    logprobs: list[TokenLogprob] | None = None
-    drafts_used: dict[str, int] = field(default_factory=dict)  # draft id -> rounds
-    per_draft: dict[str, dict[str, int]] = field(default_factory=dict)  # id -> proposed/accepted
-    ttft_s: float = 0.0
-    elapsed_s: float = 0.0
-    draft_s: float = 0.0  # time inside draft proposals
-    stall_s: float = 0.0  # time waiting on draft loads (set by the scheduler)
-    # The policy it ran under ("auto", "memspec", "none"...; "": not told); on the lead slot?
-    policy: str = ""
-    lead: bool = True
-    # The chat's context shift (context_overflow "shift"): what was dropped; None: nothing.
-    context_shift: dict[str, int] | None = None
-    # Where the rounds' time went (seconds): see ROUND_PHASES.
-    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUND_PHASES, 0.0))
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.completion_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 def accept_greedy(drafted: list[int], target_argmax: list[int]) -> list[int]:
@@ -209,7 +139,6 @@ class Sequence:
         self.drafted: list[int] = []
         self.times = RoundTimes()  # the round in flight's phases
         self._new: list[int] = []  # what the target kept this round (accepted + its own)
-        self._argmax_s = 0.0  # this round's argmax inside the backend (greedy, alone)
         # Batched rounds: drafts the batch-level rule refused in a row, rounds left unasked.
         self.refused, self.skip = 0, 0
 
@@ -245,29 +174,6 @@ class Sequence:
         self.times.choose_s = self.times.lap()
         return True
 
-    def planned(self, asked: int, k: int) -> None:
-        """The batch-level rule gave this round k of the `asked` drafted tokens."""
-        if asked > 0 and k == 0:
-            self.refused += 1
-            self.skip = min(2 ** (self.refused - 1), BATCH_BACKOFF_MAX)
-        elif k > 0:
-            self.refused = 0
-
-    def option(self) -> BatchOption:
-        """This round's choice as the batch-level rule sees it."""
-        c, draft = self._choice, self._choice.draft
-        k = min(c.k, len(c.proposal.tokens)) if c.proposal is not None else c.k
-        free = draft is None or draft.free
-        return BatchOption(
-            draft.id if draft is not None and k > 0 else None,
-            k,
-            c.alpha or 0.0,
-            c.alpha_cont,
-            fixed=c.alpha is None,
-            free=free,
-            gap=draft.catchup_tokens(self.ctx) if draft is not None and not free and k > 0 else 0,
-        )
-
     def propose(self, k: int | None = None) -> list[int]:
         """The draft proposes (≤ k tokens; none is fine): [pending] + drafted, to verify."""
         c = self._choice
@@ -281,142 +187,52 @@ class Sequence:
         self.gen.draft_s += self.times.choose_s + self.times.propose_s
         return [self.ctx[-1]] + self.drafted
 
-    def verify_alone(self) -> None:
-        """2. The target scores [pending] + drafted on this slot alone: greedy reads only each
-        row's argmax; sampling reads rows up to the first rejection, in place."""
-        tokens = [self.ctx[-1]] + self.drafted
-        if not self._argmax_only:
-            return self.verify_rows(self.target.eval(tokens, copy=False))
-        argmax0 = self.target.argmax_s
-        best = self.target.eval_argmax(tokens, self.drafted)  # rows up to a rejection
-        self.times.verify_s = self.times.lap()
-        # The argmax ran inside eval_argmax (on the backend's buffer): it is sampling.
-        self._argmax_s = self.target.argmax_s - argmax0
-        self._accept(accept_greedy(self.drafted, best))
-
-    def verify_rows(self, logits: np.ndarray) -> None:
-        """2. The same with rows a batched pass returned for this sequence."""
-        self.times.verify_s = self.times.lap()
+    def verify(self, rows: np.ndarray | None = None) -> list[int]:
+        """3. The accept rule on the target's rows for [pending] + drafted: `rows` a batched
+        pass returned for this sequence, or (None) a pass of its own on this slot, where
+        greedy reads only each row's argmax (up to the first rejection) in the backend.
+        Returns the tokens it keeps: the accepted drafted ones, then the target's."""
+        t, drafted = self.times, self.drafted
+        if rows is None and self._argmax_only:
+            argmax0 = self.target.argmax_s
+            best = self.target.eval_argmax([self.ctx[-1]] + drafted, drafted)
+            t.verify_s = t.lap()
+            t.argmax_s = self.target.argmax_s - argmax0  # the accept rule, in the backend
+            return accept_greedy(drafted, best)
+        if rows is None:
+            rows = self.target.eval([self.ctx[-1]] + drafted, copy=False)
+        t.verify_s = t.lap()
         if self._argmax_only:
-            self._accept(accept_greedy(self.drafted, argmax_rows(logits, self.drafted)))
-        else:
-            self._accept(self._accept_rows(logits))
-
-    def _accept_rows(self, logits: np.ndarray) -> list[int]:
-        """The accept rule on full rows: sampling, or greedy under a grammar, logit_bias or
-        penalties; and the logprobs of the tokens it keeps, from the same rows."""
-        new = self._accept_greedy(logits) if self.params.greedy else self._accept_sampled(logits)
-        n_top = self.params.logprobs
-        if n_top is not None:  # token j was chosen at row j
+            return accept_greedy(drafted, argmax_rows(rows, drafted))
+        p, proposal = self.params, self._proposal
+        q = proposal.probs if proposal is not None else None
+        new = accept_rows(rows, drafted, q, p, self.rng, self.grammar, self.history)
+        if p.logprobs is not None:  # token j was chosen at row j
             piece = self.target.detokenize
             self._new_logprobs = [
-                token_logprob(logits[j], tok, n_top, lambda t: piece([t]))
+                token_logprob(rows[j], tok, p.logprobs, lambda i: piece([i]))
                 for j, tok in enumerate(new)
             ]
         return new
 
-    def _row(self, logits: np.ndarray, i: int) -> np.ndarray:
-        """Row i with logit_bias and penalties applied, its history being the tokens before it,
-        this round's drafted ones included (as plain decoding sees them)."""
-        if not self.params.adjusts_logits:
-            return logits[i]
-        return adjust_logits(logits[i], self.params, self.history, self.drafted[:i])
-
-    def _accept_greedy(self, logits: np.ndarray) -> list[int]:
-        """Greedy on whole rows: row i's argmax among the tokens the grammar allows after the
-        accepted prefix; the grammar advances on each token kept, never on a rejected one."""
-        grammar, drafted = self.grammar, self.drafted
-
-        def choose(i: int) -> int:
-            if grammar is None:
-                return int(np.argmax(self._row(logits, i)))
-            choice = grammar.greedy(self._row(logits, i))
-            grammar.accept(choice)
-            return choice
-
-        new: list[int] = []
-        for i, tok in enumerate(drafted):
-            choice = choose(i)
-            if choice != tok:
-                return new + [choice]
-            new.append(tok)
-        return new + [choose(len(drafted))]
-
-    def _accept_sampled(self, logits: np.ndarray) -> list[int]:
-        """Sampling: accept with min(1, p/q), else draw from norm(max(p - q, 0)); then the bonus.
-        Rows after the first rejection are never read. A grammar masks each row (in its state
-        after the tokens kept so far) before p is formed, and advances on each token kept."""
-        params, rng, grammar, proposal = self.params, self.rng, self.grammar, self._proposal
-
-        def row(i: int) -> np.ndarray:
-            z = self._row(logits, i)
-            return z if grammar is None else grammar.mask(z)
-
-        def keep(tok: int) -> int:
-            if grammar is not None:
-                grammar.accept(tok)
-            return tok
-
-        new: list[int] = []
-        for i, tok in enumerate(self.drafted):
-            q = proposal.probs[i] if proposal is not None and proposal.probs else None
-            if q is None and not truncates(params):  # a point mass: unnormalised weights do
-                accepted, resampled = accept_or_resample(tok, row(i), params, rng)
-            else:
-                p = probs_from_logits(row(i), params)
-                accepted = accept_draft_token(tok, p, q, rng)
-                resampled = tok if accepted else sample(residual(p, q, tok), rng)
-            if not accepted:
-                return new + [keep(resampled)]
-            new.append(keep(tok))
-        return new + [keep(draw(row(len(self.drafted)), params, rng))]
-
-    def _accept(self, new: list[int]) -> None:
-        """3. Keep the accepted prefix and the target's token; drop the rest from the KV."""
-        self.times.sample_s = self.times.lap()
+    def accept(self, new: list[int], decode_s: float, batched: bool) -> None:
+        """4. Keep `new`, drop the rest of the round's tokens from the KV cache, and record
+        the round (generation.record_round). `decode_s`: the target's forward pass in it."""
+        t = self.times
+        t.sample_s = t.lap()
         self._new = new
         self.target.truncate(len(self.ctx) + len(new) - 1)
-        self.times.truncate_s = self.times.lap()
+        t.truncate_s = t.lap()
+        c, p, d = self._choice, self._proposal, self.drafted
+        record_round(
+            self.gen, self.policy, t, c, p, d, len(new) - 1, len(self.ctx), decode_s, batched
+        )
 
-    def finish_round(self, decode_s: float, batched: bool) -> None:
-        """4. Bookkeeping and feedback; 5. emit in order, stop on EOS, a stop string or
-        max_tokens. `decode_s`: the target's forward-pass time in this round."""
-        t_emit = time.perf_counter()
-        gen, new = self.gen, self._new
-        t, c, proposal, drafted = self.times, self._choice, self._proposal, self.drafted
-        n_accepted = len(new) - 1
-        argmax_s, self._argmax_s = self._argmax_s, 0.0
-        catchup = proposal.catchup_s if proposal is not None else 0.0
-        if not batched:  # a batched pass's time is the batch's (costs.observe_batch)
-            used = c.draft.id if drafted and c.draft is not None else None
-            gap = proposal.catchup_tokens if proposal is not None else 0
-            costs = RoundCosts(
-                used, len(drafted), t.propose_s, gap, t.verify_s, catchup, len(self.ctx)
-            )
-            self.policy.observe_costs(costs)
-        for phase, seconds in (
-            ("choose", t.choose_s),
-            ("draft_catchup", catchup),
-            ("draft_steps", t.propose_s - catchup),
-            ("verify_decode", decode_s),
-            ("verify_copy", max(0.0, t.verify_s - decode_s - argmax_s)),
-            ("sample", argmax_s + t.sample_s),
-            ("accept", t.truncate_s),
-        ):
-            gen.phases[phase] += seconds
-        gen.rounds += 1
-        gen.k_per_round.append(len(drafted))
-        if drafted and c.draft is not None and proposal is not None:
-            gen.proposed += len(drafted)
-            gen.accepted += n_accepted
-            gen.drafts_used[c.draft.id] = gen.drafts_used.get(c.draft.id, 0) + 1
-            per = gen.per_draft.setdefault(c.draft.id, {"proposed": 0, "accepted": 0})
-            per["proposed"] += len(drafted)
-            per["accepted"] += n_accepted
-            seconds = time.perf_counter() - t.start
-            self.policy.observe(proposal.key, len(drafted), n_accepted, seconds)
+    def emit(self) -> None:
+        """5. Emit the kept tokens in order; stop on EOS, a stop string or max_tokens."""
+        gen, record_s, t_emit = self.gen, self.times.lap(), time.perf_counter()
         detok_s = stream_s = 0.0
-        for j, tok in enumerate(new):
+        for j, tok in enumerate(self._new):
             if (
                 tok in self.target.eos_token_ids
                 or tok in self.params.stop_token_ids
@@ -447,7 +263,7 @@ class Sequence:
                 break
         gen.phases["detokenize"] += detok_s
         gen.phases["stream"] += stream_s
-        gen.phases["emit"] += time.perf_counter() - t_emit - detok_s - stream_s
+        gen.phases["emit"] += record_s + time.perf_counter() - t_emit - detok_s - stream_s
 
     def fail(self, error: BaseException) -> None:
         """End this sequence with `error` (its request fails; the batch goes on): its
@@ -493,16 +309,16 @@ def decode_round(
     costs: CostModel | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
 ) -> tuple[int, int]:
-    """One round of `sequences` (slots of `target`, their context's root) in one forward pass.
-    Joining sequences get a chunk of their prompt (`prefill_chunk` tokens at most, together),
-    so a cancel, or a request joining, waits for one chunk, not the whole prompt. One sequence
-    with no prompt to feed is the single-sequence round exactly. Returns (sequences, tokens)
-    the target's forward pass carried."""
+    """One round of `sequences` (slots of `target`, their context's root) in one forward pass:
+    choose, propose, verify, accept, emit (the module's doc). Joining sequences get a chunk of
+    their prompt (`prefill_chunk` tokens at most, together), so a cancel, or a request
+    joining, waits for one chunk, not the whole prompt. One sequence with no prompt to feed
+    is the single-sequence round exactly. Returns (sequences, tokens) the pass carried."""
     for s in sequences:  # a client gone while its prompt is still being fed
         if s.to_prefill and not s.done and s.cancel is not None and s.cancel.is_set():
             s.gen.finish_reason, s.done = "cancelled", True
     feeding = [s for s in sequences if s.to_prefill and not s.done]
-    # Choose: each sequence past its prompt picks (draft, k) by its policy.
+    # 1. Choose: each sequence past its prompt picks (draft, k) by its policy.
     in_batch = sum(not s.done for s in sequences) > 1
     deciding: list[Sequence] = []
     for s in sequences:
@@ -514,9 +330,9 @@ def decode_round(
         if feeding:
             return _prefill_alone(feeding[0], prefill_chunk)
         return _round_alone(target, deciding[0]) if deciding else (0, 0)
-    # Pack: a batched pass shares its max_batch tokens out (draft depths, prompt chunks).
+    # A batched pass shares its max_batch tokens out (draft depths, prompt chunks).
     depths, chunks, ending = _pack_batch(target, deciding, feeding, costs, prefill_chunk)
-    # Propose: each sequence's draft, up to its depth ([pending] + drafted, to verify).
+    # 2. Propose: each sequence's draft, up to its depth ([pending] + drafted, to verify).
     parts: list[PassPart] = []
     for s, k in depths:
         with _fails_alone(s):
@@ -524,8 +340,45 @@ def decode_round(
             parts.append((s, tokens, len(tokens)))
     parts += [(s, chunk, 0) for s, chunk in chunks]
     parts += [(s, chunk + s.propose(0), 1) for s, chunk in ending]  # no draft: its pending
-    # Verify all in one pass, then accept and emit (Sequence.verify_rows, finish_round).
-    return _verify_batched(target, parts, costs)
+    if not parts:  # every sequence of the round failed before its pass
+        return 0, 0
+    # 3. Verify: one pass over every part, in slot order (llama.cpp groups a ubatch's
+    # sequences by increasing id); the batch's cost observed.
+    parts.sort(key=lambda p: p[0].target.seq_id)
+    decode0, t = target.decode_s, time.perf_counter()
+    try:
+        outs = target.eval_many([(s.target, tokens, rows) for s, tokens, rows in parts])
+    except Exception as e:  # noqa: BLE001 - the pass failed: so does every request in it
+        for s, _, _ in parts:
+            s.fail(e)
+        return 0, 0
+    seconds, decode_s = time.perf_counter() - t, target.decode_s - decode0
+    n_tokens = sum(len(tokens) for _, tokens, _ in parts)
+    if costs is not None and len({len(tokens) for _, tokens, _ in parts}) == 1:
+        costs.observe_batch(n_tokens, seconds)  # one ubatch: what batch_s calibrates
+    for (s, _, rows), out in zip(parts, outs, strict=True):
+        if not rows:  # a prompt chunk: nothing to accept
+            s.gen.phases["prefill"] += seconds
+            continue
+        with _fails_alone(s):  # 3-5. its rows' accept rule, accept, emit
+            s.accept(s.verify(out), decode_s, batched=True)
+            s.emit()
+    return len(parts), n_tokens
+
+
+def _round_alone(target: Backend, s: Sequence) -> tuple[int, int]:
+    """A sequence alone in the round: 2. it proposes as deep as its policy chose, 3. the
+    target verifies it in a pass of its own, 4. it accepts, 5. it emits."""
+    with _fails_alone(s):
+        n_tokens = len(s.propose())
+    if s.done:  # its draft failed
+        return 0, 0
+    decode0 = target.decode_s
+    with _fails_alone(s):
+        new = s.verify()
+        s.accept(new, target.decode_s - decode0, batched=False)
+        s.emit()
+    return 1, n_tokens
 
 
 def _prefill_alone(s: Sequence, prefill_chunk: int) -> tuple[int, int]:
@@ -535,20 +388,6 @@ def _prefill_alone(s: Sequence, prefill_chunk: int) -> tuple[int, int]:
     s.target.eval(chunk, all_logits=False)
     s.gen.phases["prefill"] += time.perf_counter() - t
     return 1, len(chunk)
-
-
-def _round_alone(target: Backend, s: Sequence) -> tuple[int, int]:
-    """A sequence alone in the round proposes as deep as its policy chose, and the target
-    verifies it in a pass of its own (Sequence.verify_alone); it accepts and emits."""
-    with _fails_alone(s):
-        n_tokens = len(s.propose())
-    if s.done:  # its draft failed
-        return 0, 0
-    decode0 = target.decode_s
-    with _fails_alone(s):
-        s.verify_alone()
-        s.finish_round(target.decode_s - decode0, batched=False)
-    return 1, n_tokens
 
 
 def _pack_batch(
@@ -583,46 +422,40 @@ def _pack_batch(
     options: dict[Sequence, BatchOption] = {}
     for s in deciding:
         with _fails_alone(s):
-            options[s] = s.option()
+            options[s] = _option(s)
     if costs is None or not options:
         return [(s, min(s._choice.k, depth)) for s in options], chunks, ending
     fed = [len(chunk) for _, chunk in chunks] + [len(chunk) + 1 for _, chunk in ending]
     ks = plan_batch(list(options.values()), costs, fed)
     for (s, o), k in zip(options.items(), ks, strict=True):
-        s.planned(o.k if o.draft_id is not None else 0, k)
+        _back_off(s, o.k if o.draft_id is not None else 0, k)
     return [(s, min(k, depth)) for s, k in zip(options, ks, strict=True)], chunks, ending
 
 
-def _verify_batched(
-    target: Backend, parts: list[PassPart], costs: CostModel | None
-) -> tuple[int, int]:
-    """One forward pass of the target over every part (target.eval_many), in slot order
-    (llama.cpp groups a ubatch's sequences by increasing id); the batch's cost observed, and
-    each sequence handed its rows to accept and emit."""
-    if not parts:  # every sequence of the round failed before its pass
-        return 0, 0
-    parts.sort(key=lambda p: p[0].target.seq_id)
-    decode0 = target.decode_s
-    t = time.perf_counter()
-    try:
-        outs = target.eval_many([(s.target, tokens, rows) for s, tokens, rows in parts])
-    except Exception as e:  # noqa: BLE001 - the pass failed: so does every request in it
-        for s, _, _ in parts:
-            s.fail(e)
-        return 0, 0
-    seconds = time.perf_counter() - t
-    n_tokens = sum(len(tokens) for _, tokens, _ in parts)
-    if costs is not None and len({len(tokens) for _, tokens, _ in parts}) == 1:
-        costs.observe_batch(n_tokens, seconds)  # one ubatch: what batch_s calibrates
-    decode_s = target.decode_s - decode0
-    for (s, _, rows), out in zip(parts, outs, strict=True):
-        if not rows:
-            s.gen.phases["prefill"] += seconds
-            continue
-        with _fails_alone(s):
-            s.verify_rows(out)
-            s.finish_round(decode_s, batched=True)
-    return len(parts), n_tokens
+def _option(s: Sequence) -> BatchOption:
+    """A sequence's choice this round as the batch-level rule sees it."""
+    c, draft = s._choice, s._choice.draft
+    k = min(c.k, len(c.proposal.tokens)) if c.proposal is not None else c.k
+    free = draft is None or draft.free
+    return BatchOption(
+        draft.id if draft is not None and k > 0 else None,
+        k,
+        c.alpha or 0.0,
+        c.alpha_cont,
+        fixed=c.alpha is None,
+        free=free,
+        gap=draft.catchup_tokens(s.ctx) if draft is not None and not free and k > 0 else 0,
+    )
+
+
+def _back_off(s: Sequence, asked: int, k: int) -> None:
+    """The batch-level rule gave `s` k of the `asked` drafted tokens: a refusal in a row
+    doubles the rounds it goes unasked (BATCH_BACKOFF_MAX); a draft given resets it."""
+    if asked > 0 and k == 0:
+        s.refused += 1
+        s.skip = min(2 ** (s.refused - 1), BATCH_BACKOFF_MAX)
+    elif k > 0:
+        s.refused = 0
 
 
 def speculative_generate(
