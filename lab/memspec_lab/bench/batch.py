@@ -90,6 +90,18 @@ class MemspecServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def wait_calibrated(self, timeout_s: float = 900) -> float:
+        """Seconds waited until no resident model is still calibrating: a model whose costs
+        no cache holds is served plain at once and calibrated while the engine is idle, so a
+        bench that measures speculation waits for it (the wait leaves the engine idle)."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            rows = httpx.get(self.url + "/admin/status", timeout=30).json().get("models", [])
+            if not any(r.get("calibration") == "calibrating" for r in rows):
+                return round(time.monotonic() - t0, 2)
+            time.sleep(1.0)
+        raise RuntimeError(f"still calibrating after {timeout_s:.0f} s")
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

@@ -192,6 +192,7 @@ def run_daemon_bench(args: argparse.Namespace) -> dict[str, Any]:
                 }
                 server = MemspecServer(1, args.config, threads, env=env)
                 try:
+                    calibration_wait_s = server.wait_calibrated()
                     runs[name] = _measure(
                         server.url,
                         prompts,
@@ -200,6 +201,7 @@ def run_daemon_bench(args: argparse.Namespace) -> dict[str, Any]:
                         {"draft": draft},
                         server.proc.pid,
                     )
+                    runs[name]["calibration_wait_s"] = calibration_wait_s
                 finally:
                     server.close()
             _say(threads, name, runs[name])
