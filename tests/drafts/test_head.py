@@ -17,6 +17,7 @@ from sampling_check import N_POWER, N_SAMPLES, PARAMS, exact_joint, null_thresho
 
 pytest.importorskip("torch")
 
+import memspec.engine.sampling as sampling  # noqa: E402
 import memspec.engine.speculative as spec  # noqa: E402
 from memspec.backends.base import BackendOptions, load_backend  # noqa: E402
 from memspec.drafts.compat import check_draft, fingerprint_of  # noqa: E402
@@ -207,7 +208,7 @@ def test_argmax_only_acceptance_with_the_head_is_detected(head_ci, target, monke
     def argmax_accept(token, p, q, rng):  # wrong on purpose: accept iff it is p's argmax
         return int(np.argmax(p)) == token
 
-    monkeypatch.setattr(spec, "accept_draft_token", argmax_accept)
+    monkeypatch.setattr(sampling, "accept_draft_token", argmax_accept)  # the round's rule
     n = N_POWER
     counts, _ = head_samples(head, target, prompt, n)
     assert tv(counts, exact, n) > null_threshold(exact, n, np.random.default_rng(0))

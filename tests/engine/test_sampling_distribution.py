@@ -24,6 +24,7 @@ from sampling_check import (
     tv,
 )
 
+import memspec.engine.sampling as sampling
 import memspec.engine.speculative as spec
 from memspec.engine.policy import FixedPolicy
 from memspec.engine.sampling import SamplingParams
@@ -80,7 +81,7 @@ def test_argmax_only_acceptance_is_detected(request, monkeypatch, family):
     def argmax_accept(token, p, q, rng):  # wrong on purpose: accept iff it is p's argmax
         return int(np.argmax(p)) == token
 
-    monkeypatch.setattr(spec, "accept_draft_token", argmax_accept)
+    monkeypatch.setattr(sampling, "accept_draft_token", argmax_accept)  # the round's rule
     counts = speculative_samples(runtime, prompt, "q2_k", N_POWER)
     n = sum(counts.values())
     assert tv(counts, exact, n) > null_threshold(exact, n, np.random.default_rng(0))
@@ -131,10 +132,10 @@ def test_top_k_and_penalties_sample_the_processed_target(runtime):
 
 def test_a_rule_ignoring_top_k_and_penalties_is_detected(runtime, monkeypatch):
     prompt, exact, _ = processed_setup(runtime)
-    plain = spec.probs_from_logits
+    plain = sampling.probs_from_logits
     # Wrong on purpose: the raw tempered distribution (no penalties, no top_k).
-    monkeypatch.setattr(spec, "adjust_logits", lambda z, params, history, pending: z)
-    monkeypatch.setattr(spec, "probs_from_logits", lambda z, p: plain(z, replace(p, top_k=0)))
+    monkeypatch.setattr(sampling, "adjust_logits", lambda z, params, history, pending: z)
+    monkeypatch.setattr(sampling, "probs_from_logits", lambda z, p: plain(z, replace(p, top_k=0)))
     counts = processed_samples(runtime, prompt, N_PROCESSED_POWER)
     n = sum(counts.values())
     assert tv(counts, exact, n) > null_threshold(exact, n, np.random.default_rng(0))

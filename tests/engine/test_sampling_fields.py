@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from launcher import MODEL_DRAFTS
 
+import memspec.engine.sampling as sampling
 import memspec.engine.speculative as spec
 from memspec.engine.policy import FixedPolicy
 from memspec.engine.sampling import SamplingParams, TokenHistory, adjust_logits, probs_from_logits
@@ -61,8 +62,8 @@ def test_penalties_count_the_rounds_earlier_tokens(runtime, monkeypatch):
     fields = dict(presence_penalty=1.5, frequency_penalty=0.5, max_tokens=12)
     reference = generate(runtime, prompt, None, **fields).token_ids
     assert generate(runtime, prompt, "q8_0", **fields).token_ids == reference
-    adjust = spec.adjust_logits
-    monkeypatch.setattr(spec, "adjust_logits", lambda z, p, h, pending: adjust(z, p, h))
+    adjust = sampling.adjust_logits  # what the round's rule (sampling.accept_rows) calls
+    monkeypatch.setattr(sampling, "adjust_logits", lambda z, p, h, pending: adjust(z, p, h))
     assert generate(runtime, prompt, "q8_0", **fields).token_ids != reference
 
 
