@@ -246,6 +246,9 @@ _HTTP_CODES = {
 UNSERVED = {
     "/v1/responses": "the Responses API is not served; use /v1/chat/completions",
     "/v1/moderations": "moderation is not served",
+    # Ollama's Anthropic and transcription shims: refused by name, not a bare "no route".
+    "/v1/messages": "the Anthropic Messages API is not served yet; use /v1/chat/completions",
+    "/v1/audio/transcriptions": "audio transcription is not served",
 }
 
 

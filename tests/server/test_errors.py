@@ -181,6 +181,9 @@ def test_unknown_route_and_method(http):
         http.post("/v1/moderations", json={"input": "hi"}), 404, "unsupported_endpoint"
     )
     assert "moderation" in err["message"]
+    # Ollama's Anthropic and transcription shims are refused by name too.
+    for path in ("/v1/messages", "/v1/audio/transcriptions"):
+        assert_openai_error(http.post(path, json={}), 404, "unsupported_endpoint")
 
 
 def test_openapi_schema(http):
