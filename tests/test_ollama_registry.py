@@ -40,6 +40,15 @@ SMOLLM2 = ROOT / "data" / "models" / "smollm2-135m-q8_0.gguf"
 USERS = {"alice": "s3cret-pw"}
 
 
+def _pull_back(name: str, root: Path) -> OllamaStore:
+    """`name` pulled from the test registry into a fresh store at `root`, as USERS' first."""
+    fresh = OllamaStore(root, writable=True)
+    user, password = next(iter(USERS.items()))
+    credentials = registry.Credentials(user, password)
+    registry.pull(parse(name), fresh, lambda e: None, insecure=True, credentials=credentials)
+    return fresh
+
+
 # --- no registry needed ---------------------------------------------------------------------
 
 
@@ -602,15 +611,7 @@ def test_push_then_pull_back_byte_identical_then_delete(
     progress = list(client.push(dest, insecure=True, stream=True))
     statuses = [p.status for p in progress if not p.digest]
     assert statuses == ["retrieving manifest", "pushing manifest", "success"]
-    fresh = OllamaStore(tmp_path / "fresh", writable=True)
-    user, password = next(iter(USERS.items()))
-    registry.pull(
-        parse(dest),
-        fresh,
-        lambda e: None,
-        insecure=True,
-        credentials=registry.Credentials(user, password),
-    )
+    fresh = _pull_back(dest, tmp_path / "fresh")
     assert fresh.manifest_path(parse(dest)).read_bytes() == pushed.manifest
     assert fresh.blob_path(pushed.model_digest).read_bytes() == SMOLLM2.read_bytes()
     # Delete: the copy goes, the blobs the source still uses stay.
@@ -651,15 +652,7 @@ def test_api_push_of_a_created_model_with_token_auth_then_pull_back(
         ]
         assert "repository:made/smollm2:pull,push" in gate.scopes
         assert "PUT /v2/made/smollm2/manifests/tok" in gate.writes
-        fresh = OllamaStore(tmp_path / "fresh", writable=True)
-        user, password = next(iter(USERS.items()))
-        registry.pull(
-            parse(made),
-            fresh,
-            lambda e: None,
-            insecure=True,
-            credentials=registry.Credentials(user, password),
-        )
+        fresh = _pull_back(made, tmp_path / "fresh")
     assert fresh.manifest_path(parse(made)).read_bytes() == manifest.raw
     for layer in (manifest.config, *manifest.layers):
         assert file_digest(fresh.blob_path(layer.digest)) == layer.digest
