@@ -366,19 +366,6 @@ class Targets:
         if self._on_change is not None:
             self._on_change(name, why)
 
-    def touch(self, name: str, keep_alive_s: float | None, now: float) -> None:
-        """A request for `name` ended: it stays for keep_alive from now (None: no expiry)."""
-        st = self.stat(name)
-        st.last_used = now
-        st.expires_at = None if keep_alive_s is None else now + keep_alive_s
-
-    def expired(self, now: float, busy: set[str]) -> list[str]:
-        return [
-            n
-            for n in self.runtimes
-            if n not in busy and (e := self.stat(n).expires_at) is not None and e <= now
-        ]
-
     def close(self) -> None:
         for name in list(self.runtimes):
             rt = self.runtimes.pop(name)

@@ -99,6 +99,8 @@ class ModelPool(Protocol):
 
     stats: Mapping[str, Any]
 
+    def stat(self, name: str) -> Any: ...  # its ModelStats, made on first use
+
     @property
     def resident(self) -> list[str]: ...
 
@@ -115,10 +117,6 @@ class ModelPool(Protocol):
     def free_budget(self) -> int: ...
 
     def unload(self, name: str, why: str) -> None: ...
-
-    def touch(self, name: str, keep_alive_s: float | None, now: float) -> None: ...
-
-    def expired(self, now: float, busy: set[str]) -> list[str]: ...
 
     def admitted(self, name: str) -> None: ...
 
@@ -217,7 +215,9 @@ class ModelScheduler:
         """A request for `name` ended: it stays for its keep_alive from now (`keep_alive_s`:
         the request's; None: the setting's; negative: no expiry), counted once it is idle."""
         expiry = self.keep_alive(keep_alive_s)
-        self.pool.touch(name, expiry, now)
+        st = self.pool.stat(name)
+        st.last_used = now
+        st.expires_at = None if expiry is None else now + expiry
         if name in self.pool.resident:
             idle = self._in_flight()[name] == 0
             self._move(
@@ -419,7 +419,11 @@ class ModelScheduler:
         waiting); once the engine has been `idle` for PREFETCH_SETTLE_S, load ahead the model
         the policy expects next, among those the budget pushed out (never one a client
         unloaded or let expire)."""
-        expired = self.pool.expired(now, busy)
+        expired = [
+            n
+            for n in self.pool.resident
+            if n not in busy and (e := self.pool.stat(n).expires_at) is not None and e <= now
+        ]
         for name in expired:
             self.pool.unload(name, "expire")
         if expired or not idle:

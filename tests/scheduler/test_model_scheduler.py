@@ -105,18 +105,6 @@ class StubPool:
             st.wasted += 1
             self.on_change(name, "wasted")
 
-    def touch(self, name: str, keep_alive_s: float | None, now: float) -> None:
-        st = self.stat(name)
-        st.last_used = now
-        st.expires_at = None if keep_alive_s is None else now + keep_alive_s
-
-    def expired(self, now: float, busy: set[str]) -> list[str]:
-        return [
-            n
-            for n in self.resident_slots
-            if n not in busy and (e := self.stat(n).expires_at) is not None and e <= now
-        ]
-
     def admitted(self, name: str) -> None:
         self.stat(name).served += 1
 
