@@ -100,5 +100,5 @@ for f in ${FAMILIES//,/ }; do
   .venv/bin/memspec drafts build --family "$f"
   took "drafts build --family $f"
 done
-case " $* " in *" --peer "*) bash scripts/build_peer.sh && took "llama-server peer" ;; esac
+case " $* " in *" --peer "*) bash scripts/build_peer.sh; took "llama-server peer" ;; esac
 echo "[setup] done in $SECONDS s"
